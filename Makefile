@@ -1,0 +1,28 @@
+# Two commands, each doing the whole setup on a fresh machine:
+#   make run   - set up, then generate text with the default model
+#   make test  - set up, then run the test suite
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: run test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	# NOTE: torch is pinned first so pip takes the local CPU wheel, never a CUDA build.
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.*"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/python -m funcspec.cli run-default
+
+test: setup
+	$(BIN)/python -m pytest -x -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,256 @@
+"""Functional Llama / Qwen2 / Qwen3 decoder (DESIGN §7).
+
+``params`` is the HF state dict nested on its dots (``params["model"]["layers"][i]
+["self_attn"]["q_proj"]["weight"]``), so HF names survive round trips. The
+forward is a pure function over ``[B, T]`` tokens, each row with its own KV
+slot and start position; it writes K/V for those tokens into the donated
+cache and returns logits and, on request, hidden states of chosen layers.
+
+Families differ only by config flags: Qwen2 adds q/k/v biases
+(``attention_bias``), Qwen3 adds per-head RMSNorm on q and k (``qk_norm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from funcspec.tree import pytree_dataclass
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static decoder configuration parsed from an HF ``config.json``."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()  # sorted (key, value) items; () means default RoPE
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any]) -> "ModelConfig":
+        """Parse an HF config dict; unsupported architectures raise ``ValueError``."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None and model_type in ARCHITECTURES.values():
+            arch = model_type
+        if arch is None:
+            raise ValueError(
+                f"config.json: unsupported architecture (architectures={archs}, "
+                f"model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}"
+            )
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported")
+        scaling = () if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return ModelConfig(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+@pytree_dataclass
+class KVCache:
+    """Static-shape KV cache for all slots. Slot ``S`` is the scratch slot.
+
+    Attributes:
+        k: [L, S+1, H_kv, T_max, D] keys.
+        v: [L, S+1, H_kv, T_max, D] values.
+        lens: [S+1] int64 committed tokens per slot. Rollback resets it.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lens: torch.Tensor
+
+
+def init_kv_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
+    """An empty cache with ``num_slots`` real slots plus the scratch slot."""
+    shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return KVCache(
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.zeros(num_slots + 1, dtype=torch.int64, device=device),
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2], with Llama-3 or linear scaling (as HF computes them)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = dict(cfg.rope_scaling)
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv / s["factor"]
+    if kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [B, T, H, D]; cos/sin [B, T, 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as HF does, then cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
+    """``x @ W.T + b`` for an HF Linear's params."""
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [B, T, H_kv, D] into cache [L, S+1, H_kv, T_max, D] at (layer, slot, :, pos).
+
+    Donates: cache.
+    """
+    # NOTE: one full-tensor index_put_ (DESIGN §6): writing through a view
+    # (cache[layer]) or with scatter_ makes inductor copy the whole cache.
+    h = torch.arange(x.shape[2], device=x.device).view(1, 1, -1)  # [1, 1, H_kv]
+    l_idx = torch.full((1, 1, 1), layer, dtype=torch.int64, device=x.device)
+    cache.index_put_((l_idx, slots.view(-1, 1, 1), h, pos.unsqueeze(-1)), x)
+
+
+def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos, cos, sin, window=None):
+    """Self-attention for x [B, T, H] at positions pos [B, T]; returns [B, T, H].
+
+    Keys are this slot's cache up to each query's own position (causal), so
+    stale entries past a rolled-back length are never read. ``window``, if
+    given, is an int64 [B] first readable position per row (draft KV window).
+    """
+    b, t, _ = x.shape
+    q = linear(x, p["q_proj"]).view(b, t, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p["k_proj"]).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["v_proj"]).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"]["weight"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
+    write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
+    keys = kv.k[layer][slots].to(q.dtype)  # [B, H_kv, T_max, D]
+    vals = kv.v[layer][slots].to(q.dtype)  # [B, H_kv, T_max, D]
+    j = torch.arange(keys.shape[2], device=x.device)  # [T_max]
+    mask = j.view(1, 1, -1) <= pos.unsqueeze(-1)  # [B, T, T_max]
+    if window is not None:
+        mask = mask & (j.view(1, 1, -1) >= window.view(-1, 1, 1))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, vals, attn_mask=mask.unsqueeze(1), enable_gqa=True
+    )  # [B, H, T, D]
+    return linear(out.transpose(1, 2).reshape(b, t, -1), p["o_proj"])
+
+
+def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU feed-forward."""
+    return linear(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
+
+
+def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None):
+    """One pre-norm decoder block over x [B, T, H]."""
+    h = x + attention(cfg, p["self_attn"], kv, layer, rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
+                      slots, pos, cos, sin, window)
+    return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
+
+
+def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, 1, D] for positions pos [B, T]."""
+    freqs = pos.unsqueeze(-1).float() * rope_inv_freq(cfg, pos.device)  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
+    """The output projection weight [V, H] (the embedding when tied)."""
+    if cfg.tie_word_embeddings or "lm_head" not in params:
+        return params["model"]["embed_tokens"]["weight"]
+    return params["lm_head"]["weight"]
+
+
+def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
+            starts: torch.Tensor, hidden_layers: tuple[int, ...] = ()):
+    """Run the decoder over tokens [B, T] written at positions ``starts[b] + t``.
+
+    Args:
+        tokens: [B, T] int64.
+        slots: [B] int64 KV slot per row (padding rows use the scratch slot S).
+        starts: [B] int64 first position per row.
+        hidden_layers: static HF ``hidden_states`` indices to return: ``i < L`` is
+            the input of layer ``i`` (0 = embeddings), ``L`` the final normed state.
+
+    Returns:
+        logits [B, T, V] float32, hiddens (tuple of [B, T, H]), kv.
+
+    Donates: kv.k, kv.v (``kv.lens`` is untouched; the caller commits lengths).
+    """
+    m = params["model"]
+    pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
+    x = m["embed_tokens"]["weight"][tokens]  # [B, T, H]
+    cos, sin = rope_tables(cfg, pos, x.dtype)
+    hiddens = {}
+    for i, p in enumerate(m["layers"]):
+        if i in hidden_layers:
+            hiddens[i] = x
+        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin)
+    x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
+    hiddens[cfg.num_layers] = x
+    logits = F.linear(x, lm_head(cfg, params)).float()  # [B, T, V]
+    return logits, tuple(hiddens[i] for i in hidden_layers), kv

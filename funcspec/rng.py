@@ -1,0 +1,108 @@
+"""Explicit, counter-based random numbers (DESIGN §3).
+
+A *key* is an int64 tensor of any shape: one independent stream per element.
+Every draw is a pure function of (key, counter), computed with plain integer
+tensor arithmetic (a splitmix64 finaliser), so it is
+
+- the same in eager mode, under ``torch.compile`` and inside device graphs
+  (which allow no RNG ops), and
+- independent of batch composition: a row's draws depend on its key only.
+
+Functions (``...`` is the key's shape):
+
+    key(seed)                -> key []
+    split(key, n)            -> keys [..., n]
+    fold_in(key, data)       -> key [...]   (data broadcasts against key)
+    bits24(key, shape)       -> int64 [..., *shape] in [0, 2^24)
+    uniform(key, shape)      -> float32 [..., *shape] in (0, 1)
+    exponential(key, shape)  -> float32 [..., *shape], Exp(1), strictly > 0
+    categorical(key, probs)  -> int64 [...]   probs [..., V], need not sum to 1
+"""
+
+from __future__ import annotations
+
+import torch
+
+# NOTE: constants of splitmix64, written as signed int64 so tensor arithmetic
+# wraps on overflow exactly like uint64 arithmetic does (two's complement).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (``>>`` on int64 is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser: a bijective avalanche hash of int64."""
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    return x ^ _srl(x, 31)
+
+
+def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A key [] from an integer seed (any Python int, reduced mod 2^64)."""
+    seed = int(seed) & ((1 << 64) - 1)
+    if seed >= 1 << 63:
+        seed -= 1 << 64
+    return _mix(torch.tensor(seed, dtype=torch.int64, device=device) + _GOLDEN)
+
+
+def fold_in(key: torch.Tensor, data) -> torch.Tensor:
+    """A new key derived from ``key`` and integer ``data`` (int or int64 tensor)."""
+    data = torch.as_tensor(data, dtype=torch.int64, device=key.device)
+    # NOTE: ``data`` is added to a *value* before any multiply. Inductor folds
+    # ``arange(n) * const`` into an index expression whose vectorised int64
+    # multiply saturates instead of wrapping (seen on torch 2.13 CPU), which
+    # broke eager/compiled bit-identity.
+    return _mix((_mix(key ^ _M2) + data) * _GOLDEN)
+
+
+def split(key: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` independent keys [..., n] from ``key`` [...]."""
+    return fold_in(key.unsqueeze(-1), torch.arange(n, device=key.device))
+
+
+def bits24(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
+    """Uniform 24-bit integers [..., *shape]: draw ``i`` is ``mix((key + i + 1)·γ)``.
+
+    That is the splitmix64 stream seeded with ``key·γ``; the counter is added
+    before the multiply for the reason given in :func:`fold_in`.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    counter = (torch.arange(n, device=key.device, dtype=torch.int64) + 1).view(shape)
+    state = (key.reshape(key.shape + (1,) * len(shape)) + counter) * _GOLDEN
+    return _srl(_mix(state), 40)
+
+
+def uniform(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
+    """Float32 uniforms in the open interval (0, 1), shape [..., *shape]."""
+    # NOTE: (bits + 0.5)·2^-24 is exact in float32 and never 0 or 1, so
+    # -log(u) is finite and p/q >= u never accepts a zero-probability token.
+    return (bits24(key, shape).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def exponential(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
+    """Exp(1) draws [..., *shape] float32, strictly positive."""
+    u = uniform(key, shape)
+    # NOTE: float32 log differs by 1 ulp between eager ATen and inductor's
+    # vectorised log on CPU. The float64 log rounded to float32 agrees (a
+    # differing double ulp almost never crosses a float32 rounding boundary).
+    # Ascend has no fast fp64, so NPUs keep float32.
+    wide = torch.float32 if u.device.type == "npu" else torch.float64
+    return (-torch.log(u.to(wide))).to(torch.float32)
+
+
+def categorical(key: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Sample indices [...] from unnormalised ``probs`` [..., V] by the exponential race.
+
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` picks ``v`` with probability ``p_v / Σp``;
+    zero-probability entries are never picked unless the whole row is zero.
+    """
+    e = exponential(key, probs.shape[-1])  # [..., V]
+    return torch.argmax(probs / e, dim=-1)

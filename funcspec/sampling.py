@@ -1,0 +1,68 @@
+"""Logit processing and sampling shared by autoregressive decoding and verifiers.
+
+Both paths call :func:`target_probs`, so speculative decoding verifies against
+exactly the distribution that plain sampling draws from (DESIGN §5).
+
+Per-row parameters are tensors, so one captured graph serves any mix of
+sampling settings: ``temperature [B]`` (0 means greedy), ``top_k [B]`` int64
+(0 means off), ``top_p [B]`` in (0, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcspec import rng
+
+
+def _per_row(x, ref: torch.Tensor, dtype) -> torch.Tensor:
+    """Broadcast a float/int or [B] tensor to ``[B, 1, ..., 1]`` matching ``ref``'s rank."""
+    x = torch.as_tensor(x, dtype=dtype, device=ref.device)
+    if x.dim() == 0:
+        x = x.expand(ref.shape[0])
+    return x.reshape((ref.shape[0],) + (1,) * (ref.dim() - 1))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """Mask logits [B, ..., V] outside top-k, then outside the top-p nucleus, to -inf.
+
+    Ties at the k-th value are all kept, as in vLLM. The nucleus keeps the
+    smallest set of most likely tokens whose mass reaches ``top_p`` (always at
+    least one token).
+    """
+    vocab = logits.shape[-1]
+    k = _per_row(top_k, logits, torch.int64)
+    k = torch.where(k <= 0, vocab, k.clamp(max=vocab))
+    p = _per_row(top_p, logits, torch.float32)
+    sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)  # [B, ..., V]
+    kth = torch.gather(sorted_logits, -1, (k - 1).expand(*logits.shape[:-1], 1))
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # mass strictly before each sorted position: keep while it is < top_p
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep = before < p
+    # the smallest kept logit is the nucleus threshold
+    thresh = torch.where(keep, sorted_logits, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < thresh, float("-inf"))
+
+
+def target_probs(logits: torch.Tensor, temperature, top_k=0, top_p=1.0) -> torch.Tensor:
+    """The sampling distribution [B, ..., V] float32 for raw logits [B, ..., V].
+
+    Temperature, then top-k, then top-p. Rows with temperature 0 get the
+    one-hot distribution of ``argmax`` (first index on ties), which makes every
+    verifier reduce to greedy verification on those rows.
+    """
+    logits = logits.float()
+    t = _per_row(temperature, logits, torch.float32)
+    greedy = t <= 0
+    scaled = logits / torch.where(greedy, 1.0, t)
+    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
+    onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.where(greedy, onehot, probs)
+
+
+def sample(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.0) -> torch.Tensor:
+    """Sample token ids [B, ...] from logits [B, ..., V] with per-row keys ``key [B, ...]``."""
+    return rng.categorical(key, target_probs(logits, temperature, top_k, top_p))

@@ -1,0 +1,60 @@
+"""Shared sentinels and the small pytrees that cross module boundaries.
+
+Dimension letters used in shape comments across funcspec:
+
+    B  batch rows in a bucket (padded)      K  draft tokens per row
+    V  vocabulary size                      T  tokens per row in one forward
+    H  hidden size (or heads, in attention) D  head dimension
+    L  layers                               S  real KV slots (slot S is scratch)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from funcspec.tree import pytree_dataclass
+
+PLACEHOLDER = -1
+"""Marks a draft position with no proposal, and verifier output after the emitted tokens."""
+
+
+@pytree_dataclass
+class Proposal:
+    """What a proposer hands the verifier.
+
+    Attributes:
+        tokens: [B, K] int64 draft tokens; ``PLACEHOLDER`` where there is none.
+        probs: [B, K, V] float32 draft distribution q, or ``None`` for a
+            deterministic draft (q is one-hot at ``tokens``).
+        confidence: [B, K] float32 per-token confidence, or ``None``.
+    """
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    confidence: Optional[torch.Tensor] = None
+
+
+@pytree_dataclass
+class Sampling:
+    """Per-row sampling parameters, as tensors so one graph serves every setting.
+
+    Attributes:
+        temperature: [B] float32; 0 makes the row greedy.
+        top_k: [B] int64; 0 disables top-k.
+        top_p: [B] float32 in (0, 1]; 1 disables top-p.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @staticmethod
+    def full(batch: int, temperature=1.0, top_k=0, top_p=1.0, device=None) -> "Sampling":
+        """The same settings for every row."""
+        return Sampling(
+            torch.full((batch,), float(temperature), dtype=torch.float32, device=device),
+            torch.full((batch,), int(top_k), dtype=torch.int64, device=device),
+            torch.full((batch,), float(top_p), dtype=torch.float32, device=device),
+        )

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random HF checkpoints saved to disk, loaded by funcspec."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# NOTE: tests run on 2 cores; more threads only add contention.
+torch.set_num_threads(2)
+
+
+def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random transformers model of ``arch`` to ``path``; return the HF model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    base.update(overrides)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    model = cls[1](cls[0](**base)).eval()
+    # NOTE: random init gives near-uniform logits; a larger embedding scale
+    # makes argmax margins wide enough that batch shape never flips a greedy token.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """Path of a 2-layer GQA Llama (vocab 96), untied embeddings."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_hf_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory):
+    """A 1-layer Llama with the same vocab, a different seed: a (poor) draft model."""
+    path = tmp_path_factory.mktemp("tiny_draft")
+    make_hf_model(path, seed=1, num_hidden_layers=1)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The default zoo model (built on first use, as `make run` does)."""
+    from funcspec import zoo
+
+    return str(zoo.build_default())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with Dynamo's caches cleared, so counters are per test."""
+    yield
+    torch._dynamo.reset()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
