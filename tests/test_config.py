@@ -1,0 +1,570 @@
+"""funcspec.config: vLLM speculative_config parsing, validation, K tables and sampling params.
+
+The guide's ``LLM(...)`` examples appear here as dicts, with hub names replaced
+by local directories.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from funcspec import config
+from funcspec.config import DynamicSpecConfig, RejectionSamplerConfig, SamplingParams, SpecConfig
+
+
+@pytest.fixture
+def all_built(monkeypatch):
+    """Pretend every vLLM method has a proposer, so configs of unbuilt methods can be validated."""
+    monkeypatch.setattr(config, "BUILT_METHODS", config.VLLM_METHODS)
+
+
+@pytest.fixture
+def draft(tmp_path):
+    """A local directory standing in for a hub draft model."""
+    path = tmp_path / "draft"
+    path.mkdir()
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- guide examples
+
+
+def test_guide_ngram():
+    cfg = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.max_k) == ("ngram", 5, 5)
+    # vLLM copies the given bound into the missing one.
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    assert cfg.model is None and cfg.verifier_method == "standard" and cfg.ignored_keys == ()
+
+
+def test_guide_eagle(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle", "model": draft, "draft_tensor_parallel_size": 1, "num_speculative_tokens": 2}
+    )
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("eagle", draft, 2)
+    assert cfg.prompt_lookup_min is None and cfg.prompt_lookup_max is None
+    assert cfg.ignored_keys == ("speculative_config.draft_tensor_parallel_size",)
+
+
+def test_guide_eagle3_common_example(all_built, draft):
+    cfg = SpecConfig.from_vllm({"method": "eagle3", "model": draft, "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("eagle3", draft, 3)
+
+
+def test_guide_mtp(all_built):
+    cfg = SpecConfig.from_vllm({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("mtp", None, 2)
+    assert cfg.ignored_keys == ("speculative_config.disable_padded_drafter_batch",)
+
+
+def test_guide_dflash(all_built, draft):
+    cfg = SpecConfig.from_vllm({"method": "dflash", "model": draft, "num_speculative_tokens": 7})
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.enforce_eager) == ("dflash", 7, None)
+
+
+def test_guide_dspark(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "dspark", "model": draft, "num_speculative_tokens": 7, "enforce_eager": True}
+    )
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.enforce_eager) == ("dspark", 7, True)
+    assert cfg.ignored_keys == ()
+
+
+def test_guide_suffix():
+    cfg = SpecConfig.from_vllm({"method": "suffix", "num_speculative_tokens": 15})
+    assert (cfg.method, cfg.num_speculative_tokens) == ("suffix", 15)
+    assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests) == (24, 10000)
+    assert (cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == (1.0, 0.1)
+
+
+def test_suffix_k_defaults_to_tree_depth():
+    assert SpecConfig.from_vllm({"method": "suffix"}).num_speculative_tokens == 24
+    cfg = SpecConfig.from_vllm({"method": "suffix", "suffix_decoding_max_tree_depth": 12})
+    assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth) == (12, 12)
+
+
+def test_guide_extract_hidden_states(all_built):
+    cfg = SpecConfig.from_vllm(
+        {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 18, 34]}},
+        }
+    )
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.model) == ("extract_hidden_states", 1, None)
+    assert cfg.eagle_aux_hidden_state_layer_ids == (2, 18, 34)
+    assert cfg.ignored_keys == ()
+
+
+def test_guide_dynamic_dspark(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "dspark", "model": draft, "num_speculative_tokens": 7},
+        additional_config={
+            "dynamic_spec_config": {
+                "method": "dspark",
+                "method_params": {
+                    "initial_verify_budget_per_req": 5,
+                    "budget_update_interval": 50,
+                    "budget_threshold": 0.7,
+                },
+            }
+        },
+    )
+    assert cfg.dynamic_spec == DynamicSpecConfig(
+        method="dspark", initial_verify_budget_per_req=5, budget_update_interval=50,
+        budget_threshold=0.7, min_verify_tokens=1,
+    )
+
+
+def test_dynamic_spec_defaults_match_vllm_ascend():
+    assert DynamicSpecConfig.from_dict({"method": "dflash"}) == DynamicSpecConfig(
+        method="dflash", initial_verify_budget_per_req=5, budget_update_interval=16,
+        budget_threshold=0.3, min_verify_tokens=1,
+    )
+    # vLLM-Ascend: no method means the feature is off.
+    assert DynamicSpecConfig.from_dict({}) is None and DynamicSpecConfig.from_dict(None) is None
+
+
+GUIDE_EAGLE_TABLE = [[1, 64, 3], [65, 128, 1], [129, 512, 0]]
+GUIDE_EAGLE3_TABLE = [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]]
+
+
+def test_guide_dynamic_sd_eagle(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle", "model": draft, "num_speculative_tokens": 3,
+         "num_speculative_tokens_per_batch_size": GUIDE_EAGLE_TABLE}
+    )
+    assert cfg.num_speculative_tokens_per_batch_size == ((1, 64, 3), (65, 128, 1), (129, 512, 0))
+    lookups = {1: 3, 64: 3, 65: 1, 128: 1, 129: 0, 512: 0, 600: 0}
+    assert {bs: cfg.k_for_batch_size(bs) for bs in lookups} == lookups
+
+
+def test_guide_dynamic_sd_eagle3_clamps_to_num_speculative_tokens(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3,
+         "num_speculative_tokens_per_batch_size": GUIDE_EAGLE3_TABLE}
+    )
+    # The table asks for 5 and 4 at low concurrency; K never exceeds num_speculative_tokens.
+    lookups = {1: 3, 16: 3, 17: 3, 32: 3, 33: 3, 64: 3, 65: 1, 128: 1, 129: 0, 512: 0}
+    assert {bs: cfg.k_for_batch_size(bs) for bs in lookups} == lookups
+
+
+def test_guide_block_and_entropy_verify():
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": 5},
+        additional_config={
+            "rejection_sampler_config": {
+                "enable_block_verify": True, "enable_entropy_verify": True,
+                "posterior_threshold": 0.95, "posterior_alpha": 0.4,
+            }
+        },
+    )
+    assert cfg.rejection_sampler == RejectionSamplerConfig(True, True, 0.95, 0.4)
+    assert (cfg.verifier_method, cfg.verify_entropy) == ("magicmtp", True)
+
+
+def test_guide_synthetic(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3,
+         "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}
+    )
+    assert cfg.synthetic_acceptance_rates == (0.9, 0.6, 0.3)
+    assert cfg.verifier_method == "synthetic"
+
+
+def test_newer_guide_adaptive_verification_and_draft_window(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "dspark", "model": draft, "num_speculative_tokens": 7, "enable_adaptive_verification": True},
+        additional_config={"draft_window_size": 1024},
+    )
+    assert cfg.draft_window_size == 1024
+    assert cfg.ignored_keys == ("speculative_config.enable_adaptive_verification",)
+
+
+def test_draft_window_forced_off_for_mtp(all_built):
+    cfg = SpecConfig.from_vllm({"method": "mtp", "num_speculative_tokens": 1}, {"draft_window_size": 512})
+    assert cfg.draft_window_size is None
+    assert cfg.ignored_keys == ("additional_config.draft_window_size",)
+
+
+def test_cli_json_strings_are_accepted():
+    cfg = SpecConfig.from_vllm(
+        json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
+        '{"rejection_sampler_config": {"enable_entropy_verify": true}}',
+    )
+    assert (cfg.num_speculative_tokens, cfg.verifier_method) == (3, "entropy")
+
+
+# ----------------------------------------------------------------------------- built methods
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash", "dspark", "medusa"])
+def test_unbuilt_method_is_refused(method, draft):
+    with pytest.raises(ValueError, match=rf"speculative_config.method '{method}'.*not built yet"):
+        SpecConfig.from_vllm({"method": method, "model": draft, "num_speculative_tokens": 3})
+
+
+def test_unbuilt_model_free_method_is_refused():
+    with pytest.raises(ValueError, match="'mtp'.*not built yet"):
+        SpecConfig.from_vllm({"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_built_methods_start_with_ngram_suffix_draft_model():
+    assert config.BUILT_METHODS == {"ngram", "suffix", "draft_model"}
+    assert config.BUILT_METHODS <= config.VLLM_METHODS
+
+
+# ----------------------------------------------------------------------------- vLLM semantics
+
+
+def test_ngram_defaults_when_no_bounds_given():
+    cfg = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)
+    cfg = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 2)
+
+
+@pytest.mark.parametrize("alias", ["[ngram]", "ngram_gpu"])
+def test_ngram_aliases(alias):
+    assert SpecConfig.from_vllm({"method": alias, "num_speculative_tokens": 3}).method == "ngram"
+
+
+def test_deprecated_mtp_model_type_alias(all_built):
+    assert SpecConfig.from_vllm({"method": "deepseek_mtp", "num_speculative_tokens": 1}).method == "mtp"
+
+
+def test_method_inferred_from_model_like_vllm(all_built, tmp_path):
+    assert SpecConfig.from_vllm({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    eagle3 = tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B"
+    eagle3.mkdir()
+    assert SpecConfig.from_vllm({"model": str(eagle3), "num_speculative_tokens": 2}).method == "eagle3"
+    plain = tmp_path / "small-llm"
+    plain.mkdir()
+    assert SpecConfig.from_vllm({"model": str(plain), "num_speculative_tokens": 2}).method == "draft_model"
+
+
+def test_k_from_draft_n_predict(all_built, draft):
+    with open(f"{draft}/config.json", "w") as f:
+        json.dump({"n_predict": 4}, f)
+    assert SpecConfig.from_vllm({"method": "medusa", "model": draft}).num_speculative_tokens == 4
+
+
+def test_hub_name_allowed_without_path_check(all_built):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2},
+        check_paths=False,
+    )
+    assert cfg.model == "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"
+
+
+def test_draft_model_is_built(draft):
+    cfg = SpecConfig.from_vllm({"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+    assert (cfg.method, cfg.model) == ("draft_model", draft)
+
+
+def test_no_speculative_config_gives_none():
+    assert SpecConfig.from_vllm(None) is None
+    assert SpecConfig.from_vllm(None, {"rejection_sampler_config": {}}) is None
+    # additional_config is still validated.
+    with pytest.raises(ValueError, match="posterior_alpha"):
+        SpecConfig.from_vllm(None, {"rejection_sampler_config": {"posterior_alpha": -1}})
+
+
+def test_ignored_keys_are_collected(all_built, draft):
+    cfg = SpecConfig.from_vllm(
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3, "quantization": "ascend",
+         "max_model_len": 4096, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 8,
+         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2], "foo": 1}}},
+        additional_config={"ascend_scheduler_config": {}, "torchair_graph_config": {"enabled": True}},
+    )
+    assert cfg.eagle_aux_hidden_state_layer_ids == (1, 2)
+    assert cfg.prompt_lookup_max is None and cfg.suffix_decoding_max_tree_depth == 24
+    assert set(cfg.ignored_keys) == {
+        "speculative_config.quantization", "speculative_config.max_model_len",
+        "speculative_config.prompt_lookup_max", "speculative_config.suffix_decoding_max_tree_depth",
+        "speculative_config.draft_model_config.hf_config.foo",
+        "additional_config.ascend_scheduler_config", "additional_config.torchair_graph_config",
+    }
+
+
+@pytest.mark.parametrize(
+    ("rejection_sample_method", "rs", "method", "entropy"),
+    [
+        ("standard", {}, "standard", False),
+        ("block", {}, "block", False),
+        ("standard", {"enable_block_verify": True}, "magicmtp", False),
+        ("standard", {"enable_entropy_verify": True}, "entropy", True),
+        ("standard", {"enable_block_verify": True, "enable_entropy_verify": True}, "magicmtp", True),
+    ],
+)
+def test_verifier_method(rejection_sample_method, rs, method, entropy):
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": 4, "rejection_sample_method": rejection_sample_method},
+        {"rejection_sampler_config": rs},
+    )
+    assert (cfg.verifier_method, cfg.verify_entropy) == (method, entropy)
+
+
+def test_synthetic_ignores_entropy_verify():
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+         "synthetic_acceptance_length": 2.0},
+        {"rejection_sampler_config": {"enable_entropy_verify": True}},
+    )
+    assert (cfg.verifier_method, cfg.verify_entropy) == ("synthetic", False)
+    assert cfg.ignored_keys == ("additional_config.rejection_sampler_config.enable_entropy_verify",)
+
+
+@pytest.mark.parametrize(
+    ("length", "k", "rates"),
+    [(3.4, 5, (1.0, 1.0, 0.4, 0.0, 0.0)), (1.0, 3, (0.0, 0.0, 0.0)), (4.0, 3, (1.0, 1.0, 1.0)),
+     (2.5, 3, (1.0, 0.5, 0.0))],
+)
+def test_synthetic_length_resolves_to_rates(length, k, rates):
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
+         "synthetic_acceptance_length": length}
+    )
+    assert cfg.synthetic_acceptance_rates == pytest.approx(rates)
+
+
+# ----------------------------------------------------------------------------- K table
+
+
+ASCEND_TABLE = [(1, 16, 3), (32, 128, 2), (256, 256, 0)]  # vLLM-Ascend tests/ut/spec_decode/test_dynamic_sd.py
+
+
+@pytest.mark.parametrize(
+    ("bs", "k"),
+    [(0, 0), (1, 3), (16, 3), (17, 3), (31, 3), (32, 2), (128, 2), (129, 2), (255, 2), (256, 0), (1000, 0)],
+)
+def test_vllm_ascend_table_boundaries_and_gaps(bs, k):
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": ASCEND_TABLE}
+    )
+    assert cfg.k_for_batch_size(bs) == k
+
+
+def test_table_k_is_clamped_and_unsorted_table_is_sorted():
+    cfg = SpecConfig.from_vllm(
+        {"method": "ngram", "num_speculative_tokens": 3,
+         "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 16, 4]]}
+    )
+    assert cfg.num_speculative_tokens_per_batch_size == ((1, 16, 4), (17, 32, 1))
+    assert [cfg.k_for_batch_size(bs) for bs in (1, 16, 17, 99)] == [3, 3, 1, 1]
+
+
+def test_no_table_gives_num_speculative_tokens():
+    cfg = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 4})
+    assert [cfg.k_for_batch_size(bs) for bs in (1, 7, 4096)] == [4, 4, 4]
+    with pytest.raises(ValueError, match="bs must be >= 0"):
+        cfg.k_for_batch_size(-1)
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+TABLE = "speculative_config.num_speculative_tokens_per_batch_size"
+SYNTH = {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}
+RS = "additional_config.rejection_sampler_config."
+DYN = "additional_config.dynamic_spec_config."
+
+BAD_CONFIGS = [
+    # (speculative_config, additional_config, match); "DRAFT" is replaced by a local directory.
+    ({"method": "ngram", "num_speculative_tokens": 0}, None,
+     r"speculative_config.num_speculative_tokens must be >= 1 for method 'ngram', got 0"),
+    ({"method": "ngram"}, None, "speculative_config.num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": True}, None, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, None, "speculative_config.num_speculative_tokens"),
+    ({**NGRAM, "num_speculative_token": 3}, None, "speculative_config.num_speculative_token is not a known key"),
+    ({"method": "foo", "num_speculative_tokens": 1}, None, "speculative_config.method must be one of"),
+    ({"method": "mlp_speculator", "model": "DRAFT", "num_speculative_tokens": 1}, None, "speculative_config.method"),
+    ({"method": "eagle-3", "model": "DRAFT", "num_speculative_tokens": 1}, None, "speculative_config.method"),
+    ({"num_speculative_tokens": 1}, None, "speculative_config.method is required"),
+    ({**NGRAM, "tensor_parallel_size": 1}, None, "speculative_config.tensor_parallel_size"),
+    ({**NGRAM, "draft_tensor_parallel_size": 2}, None, "speculative_config.draft_tensor_parallel_size"),
+    ({**NGRAM, "use_heterogeneous_vocab": True}, None, "speculative_config.use_heterogeneous_vocab"),
+    ({**NGRAM, "draft_sample_method": "beam"}, None, "speculative_config.draft_sample_method"),
+    ({**NGRAM, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, None, "speculative_config.prompt_lookup_min"),
+    ({**NGRAM, "prompt_lookup_max": 0}, None, "speculative_config.prompt_lookup_max must be >= 1"),
+    ({"method": "extract_hidden_states", "num_speculative_tokens": 2}, None,
+     "speculative_config.num_speculative_tokens must be exactly 1"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, None, "speculative_config.model is required"),
+    ({"method": "dspark", "num_speculative_tokens": 7}, None, "speculative_config.model is required"),
+    ({"method": "eagle3", "model": "/no/such/draft", "num_speculative_tokens": 2}, None,
+     "speculative_config.model '/no/such/draft' does not exist"),
+    ({"method": "eagle3", "model": "DRAFT", "num_speculative_tokens": 2, "enable_adaptive_verification": True},
+     None, "speculative_config.enable_adaptive_verification"),
+    ({"method": "eagle3", "model": "DRAFT", "num_speculative_tokens": 2, "index_share_for_mtp_iteration": True},
+     None, "speculative_config.index_share_for_mtp_iteration"),
+    # num_speculative_tokens_per_batch_size
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[2, 16, 3]]}, None, TABLE + " the first .* start at 1"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 16, 3], [16, 32, 2]]}, None, TABLE + ".*non-overlapping"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 16, -1]]}, None, TABLE + " must be >= 0"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[8, 4, 1]]}, None, TABLE + ".*start_bs <= end_bs"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 16]]}, None, TABLE + " entries must be"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 16, 1, 4096, 3]]}, None, TABLE + " entries must be"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": []}, None, TABLE + " must be a non-empty list"),
+    ({"method": "suffix", "num_speculative_tokens_per_batch_size": [[1, 8, 2]]}, None, TABLE + " is not supported"),
+    # synthetic
+    ({**SYNTH, "synthetic_acceptance_rates": [0.9, 0.6, 0.3], "synthetic_acceptance_length": 2.0}, None,
+     "synthetic_acceptance_rates or synthetic_acceptance_length"),
+    (SYNTH, None, "synthetic_acceptance_rates or synthetic_acceptance_length"),
+    ({**SYNTH, "synthetic_acceptance_rates": [0.9, 0.6]}, None, "speculative_config.synthetic_acceptance_rates"),
+    ({**SYNTH, "synthetic_acceptance_rates": [0.5, 0.6, 0.3]}, None, "synthetic_acceptance_rates must be non-incr"),
+    ({**SYNTH, "synthetic_acceptance_rates": [1.2, 0.6, 0.3]}, None, "synthetic_acceptance_rates"),
+    ({**SYNTH, "synthetic_acceptance_rates": [None, 0.6, 0.3]}, None, "synthetic_acceptance_rates"),
+    ({**SYNTH, "synthetic_acceptance_length": 5.0}, None, "synthetic_acceptance_length"),
+    ({**SYNTH, "synthetic_acceptance_length": "2"}, None, "synthetic_acceptance_length"),
+    ({**NGRAM, "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}, None, "synthetic_acceptance_rates"),
+    ({**SYNTH, "synthetic_acceptance_length": 2.0}, {"rejection_sampler_config": {"enable_block_verify": True}},
+     RS + "enable_block_verify cannot be combined"),
+    ({**NGRAM, "rejection_sample_method": "block"}, {"rejection_sampler_config": {"enable_block_verify": True}},
+     RS + "enable_block_verify cannot be combined"),
+    ({**NGRAM, "rejection_sample_method": "block"}, {"rejection_sampler_config": {"enable_entropy_verify": True}},
+     RS + "enable_entropy_verify cannot be combined"),
+    ({**NGRAM, "rejection_sample_method": "typical"}, None, "speculative_config.rejection_sample_method"),
+    # suffix
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, None, "speculative_config.suffix_decoding_max_tree"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, None, "suffix_decoding_max_cached_requests"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": -0.5}, None, "suffix_decoding_max_spec_factor"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, None, "suffix_decoding_min_token_prob"),
+    # draft_model_config
+    ({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+      "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 2]}}}, None,
+     "draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids"),
+    ({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+      "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [-1]}}}, None,
+     "eagle_aux_hidden_state_layer_ids must be >= 0"),
+    ({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+      "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": []}}}, None,
+     "eagle_aux_hidden_state_layer_ids must be a non-empty list"),
+    # additional_config
+    (NGRAM, {"rejection_sampler_config": {"posterior_threshold": 0}}, RS + r"posterior_threshold must be in \(0, 1\]"),
+    (NGRAM, {"rejection_sampler_config": {"posterior_threshold": 1.5}}, RS + "posterior_threshold"),
+    (NGRAM, {"rejection_sampler_config": {"posterior_alpha": -0.1}}, RS + "posterior_alpha must be >= 0"),
+    (NGRAM, {"rejection_sampler_config": {"enable_block_verify": "yes"}}, RS + "enable_block_verify must be a bool"),
+    (NGRAM, {"rejection_sampler_config": {"posterior_thresold": 0.9}}, RS + "posterior_thresold is not a known key"),
+    ({"method": "dspark", "model": "DRAFT", "num_speculative_tokens": 7}, {"dynamic_spec_config": {"method": "dflash"}},
+     DYN + "method must equal speculative_config.method"),
+    (NGRAM, {"dynamic_spec_config": {"method": "ngram"}}, DYN + "method must be one of"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"budget_threshold": 0}}},
+     DYN + "method_params.budget_threshold"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"budget_update_interval": 0}}},
+     DYN + "method_params.budget_update_interval must be >= 1"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"initial_verify_budget_per_req": 0}}},
+     DYN + "method_params.initial_verify_budget_per_req"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"min_verify_tokens": 0}}},
+     DYN + "method_params.min_verify_tokens must be >= 1"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 3},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"min_verify_tokens": 4}}},
+     DYN + "method_params.min_verify_tokens must be <= speculative_config.num_speculative_tokens"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "method_params": {"budget_treshold": 0.5}}},
+     DYN + "method_params.budget_treshold is not a known key"),
+    ({"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 7},
+     {"dynamic_spec_config": {"method": "dflash", "params": {}}}, DYN + "params is not a known key"),
+    ({"method": "eagle3", "model": "DRAFT", "num_speculative_tokens": 3}, {"draft_window_size": 0},
+     "additional_config.draft_window_size must be >= 1"),
+    ({"method": "eagle3", "model": "DRAFT", "num_speculative_tokens": 3}, {"draft_window_size": "512"},
+     "additional_config.draft_window_size must be an integer"),
+    ([("method", "ngram")], None, "speculative_config must be a dict"),
+    ("{method: ngram}", None, "speculative_config is not valid JSON"),
+    (NGRAM, [1], "additional_config must be a dict"),
+]
+
+
+@pytest.mark.parametrize(("spec", "additional", "match"), BAD_CONFIGS)
+def test_bad_config_names_the_field(all_built, draft, spec, additional, match):
+    if isinstance(spec, dict) and spec.get("model") == "DRAFT":
+        spec = {**spec, "model": draft}
+    with pytest.raises(ValueError, match=match):
+        SpecConfig.from_vllm(spec, additional)
+
+
+def test_direct_construction_is_validated():
+    assert SpecConfig(method="ngram", num_speculative_tokens=3).prompt_lookup_max == 5
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        SpecConfig(method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_config.model is not used by method 'ngram'"):
+        SpecConfig(method="ngram", num_speculative_tokens=3, model="/tmp")
+    with pytest.raises(ValueError, match="additional_config.draft_window_size is not used"):
+        SpecConfig(method="ngram", num_speculative_tokens=3, draft_window_size=64)
+
+
+def test_configs_are_frozen_and_hashable():
+    a = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3,
+                              "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 1]]})
+    b = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3,
+                              "num_speculative_tokens_per_batch_size": [(5, 8, 1), (1, 4, 3)]})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.num_speculative_tokens = 5
+    assert hash(SamplingParams(stop=["a"])) == hash(SamplingParams(stop=("a",)))
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def test_aclgraph_limits_query_tokens():
+    SpecConfig.from_vllm({"method": "suffix", "num_speculative_tokens": 15}).validate_for_backend("aclgraph")
+    cfg = SpecConfig.from_vllm({"method": "suffix"})  # K = 24 from the tree depth
+    cfg.validate_for_backend("cudagraph")
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens.*npu_fused_infer_attention"):
+        cfg.validate_for_backend("aclgraph")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cfg.validate_for_backend("tpu")
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+def test_sampling_params_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) == (1.0, 1.0, 0, 16, None)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.min_tokens, p.n) == ((), (), False, 0, 1)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p) == (1.0, 0.0, 0.0, 0.0)
+    assert not p.greedy
+
+
+def test_sampling_params_normalisation():
+    p = SamplingParams(temperature=0, top_k=-1, stop="###", stop_token_ids=[2, 7], max_tokens=None, seed=-3)
+    assert (p.temperature, p.top_k, p.stop, p.stop_token_ids, p.max_tokens) == (0.0, 0, ("###",), (2, 7), None)
+    assert p.greedy
+    assert SamplingParams(stop=["a", "b"], top_k=50).stop == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.1}, "SamplingParams.temperature must be >= 0"),
+        ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number"),
+        ({"top_p": 0.0}, r"SamplingParams.top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, "SamplingParams.top_p"),
+        ({"top_k": -2}, "SamplingParams.top_k must be >= -1"),
+        ({"top_k": 1.5}, "SamplingParams.top_k must be an integer"),
+        ({"max_tokens": 0}, "SamplingParams.max_tokens must be >= 1"),
+        ({"min_tokens": -1}, "SamplingParams.min_tokens must be >= 0"),
+        ({"min_tokens": 20, "max_tokens": 10}, "SamplingParams.min_tokens must be <= max_tokens"),
+        ({"seed": 1.5}, "SamplingParams.seed"),
+        ({"stop": [1]}, "SamplingParams.stop"),
+        ({"stop": ""}, "SamplingParams.stop"),
+        ({"stop_token_ids": [-1]}, "SamplingParams.stop_token_ids"),
+        ({"stop_token_ids": "7"}, "SamplingParams.stop_token_ids"),
+        ({"ignore_eos": "yes"}, "SamplingParams.ignore_eos must be a bool"),
+        ({"n": 2}, "SamplingParams.n must be 1"),
+        ({"repetition_penalty": 1.1}, "SamplingParams.repetition_penalty=1.1 is not supported"),
+        ({"presence_penalty": 0.5}, "SamplingParams.presence_penalty=0.5 is not supported"),
+        ({"frequency_penalty": 0.5}, "SamplingParams.frequency_penalty=0.5 is not supported"),
+        ({"min_p": 0.1}, "SamplingParams.min_p=0.1 is not supported"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
