@@ -1,0 +1,158 @@
+"""``funcspec bench capture``: capture seconds, replay vs eager latency and recompiles per (B, K) bucket.
+
+Eager and captured steps run side by side in one process on the same state:
+every timed call first resets the rows' lengths, so each repetition decodes
+the same positions. Results go to ``graphs/results/<device>/capture-<time>.json``
+with a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parents[2] / "graphs" / "results"
+
+
+def device_name(device: str) -> str:
+    """A directory name for the device: ``cpu``, or the GPU / NPU model."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev).lower().replace(" ", "-")
+    return dev.type
+
+
+def best_cpu_backend() -> str:
+    """inductor or eager, whichever the newest committed CPU capture benchmark found faster."""
+    files = sorted((RESULTS / "cpu").glob("capture-*.json"))
+    if not files:
+        return "inductor"
+    rows = json.loads(files[-1].read_text())["buckets"]
+    speedup = statistics.median(r["eager_ms"] / r["replay_ms"] for r in rows)
+    return "inductor" if speedup > 1.0 else "eager"
+
+
+def _time_calls(fn, args, reset, reps: int) -> float:
+    """Median wall ms of ``fn(*args)`` over ``reps`` calls, each after ``reset()``."""
+    times = []
+    for _ in range(reps):
+        reset()
+        t0 = time.perf_counter()
+        out, _ = fn(*args)
+        out.num_emitted.cpu()  # the step's one sync, as the engine does
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int):
+    from funcspec import Engine, SamplingParams
+
+    spec = None if max(ks) == 0 else {"method": method, "num_speculative_tokens": max(ks),
+                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    eng = Engine(model, speculative_config=spec, backend="eager", max_batch_size=max(batches),
+                 max_model_len=prompt_len + 64, device=device)
+    g = torch.Generator().manual_seed(0)
+    vocab = eng.model.cfg.vocab_size
+    for _ in range(max(batches)):
+        ids = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        eng._admit(eng._make_request(ids, SamplingParams(temperature=0.0, max_tokens=1000)))
+    return eng
+
+
+def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "inductor", method: str = "ngram",
+        device: str = "cpu", reps: int = 20, prompt_len: int = 64, warm: bool = True, out_dir=None) -> dict:
+    """Benchmark every (B, K) bucket; returns (and writes) the result dict."""
+    from funcspec.capture import capture
+    from funcspec.step import spec_step
+
+    cache_dir = tempfile.mkdtemp(prefix="funcspec-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # NOTE: a cold cache, so "cold" means cold
+    eng = _engine(model, batches, ks, method, device, prompt_len)
+    saved = eng.state.kv.lens.clone()
+
+    def reset():
+        eng.state.kv.lens.copy_(saved)
+
+    rows = []
+    for b in batches:
+        for k in ks:
+            fn = functools.partial(spec_step, eng._step_config(k))
+            inputs = eng._inputs(list(range(b)), b, k)
+            args = (eng.params, eng.state, inputs)
+            eager_ms = _time_calls(fn, args, reset, reps)
+            example = (eng.params, eng.state, eng._inputs([], b, k))
+            cap = capture(fn, example, backend, name=f"bench_b{b}_k{k}")
+            row = {"B": b, "K": k, "tokens": b * (k + 1), "capture_s_cold": cap.stats.capture_seconds}
+            replay_ms = _time_calls(cap, args, reset, reps)
+            if warm and backend != "eager":
+                torch._dynamo.reset()
+                row["capture_s_warm"] = capture(fn, example, backend, name=f"bench_b{b}_k{k}").stats.capture_seconds
+            row.update(eager_ms=eager_ms, replay_ms=replay_ms, replay_over_eager=replay_ms / eager_ms,
+                       recompiles=cap.stats.recompiles, graph_breaks=cap.stats.graph_breaks,
+                       graph_memory_bytes=cap.stats.graph_memory_bytes)
+            rows.append(row)
+            warm_s = f" / {row['capture_s_warm']:.2f}s warm" if "capture_s_warm" in row else ""
+            print(f"B={b} K={k}: capture {row['capture_s_cold']:.2f}s cold{warm_s}, "
+                  f"eager {eager_ms:.2f} ms, replay {replay_ms:.2f} ms ({eager_ms / replay_ms:.2f}x)")
+    result = {"model": str(model), "backend": backend, "method": method, "device": device_name(device),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": reps,
+              "prompt_len": prompt_len, "buckets": rows}
+    _write(result, Path(out_dir) if out_dir else RESULTS / device_name(device))
+    return result
+
+
+def _write(result: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"capture-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    rows = result["buckets"]
+    labels = [f"B{r['B']}K{r['K']}" for r in rows]
+    x = range(len(rows))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    a1.bar(x, [r["capture_s_cold"] for r in rows], label="cold")
+    if all("capture_s_warm" in r for r in rows):
+        a1.bar(x, [r["capture_s_warm"] for r in rows], label="warm cache", alpha=0.7)
+    a1.set(title=f"capture seconds ({result['backend']})", xticks=list(x))
+    a1.set_xticklabels(labels, rotation=90)
+    a1.legend()
+    a2.plot(x, [r["eager_ms"] for r in rows], "o-", label="eager")
+    a2.plot(x, [r["replay_ms"] for r in rows], "s-", label=result["backend"])
+    a2.set(title="step latency (ms, median)", xticks=list(x))
+    a2.set_xticklabels(labels, rotation=90)
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    plt.close(fig)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def add_parser(kinds) -> None:
+    p = kinds.add_parser("capture", help="per-bucket capture cost and replay vs eager")
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", default="1,2,4,8")
+    p.add_argument("--k", default="0,1,3,5")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--method", default="ngram", help="proposer used for K > 0 buckets")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--no-warm", action="store_true", help="skip the warm-cache recapture")
+    p.add_argument("--out-dir", default=None)
+
+    def go(a):
+        run(a.model, [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")], a.backend,
+            a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir)
+
+    p.set_defaults(func=go)

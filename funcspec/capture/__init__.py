@@ -1,0 +1,24 @@
+"""Static graph capture per (B, K) bucket (DESIGN §6)."""
+
+from funcspec.capture.backends import (
+    BACKENDS,
+    Captured,
+    CaptureStats,
+    capture,
+    check_npu_k,
+    fresh_code_copy,
+    resolve_backend,
+)
+from funcspec.capture.plan import BucketPlan, default_batch_buckets
+
+__all__ = [
+    "BACKENDS",
+    "BucketPlan",
+    "Captured",
+    "CaptureStats",
+    "capture",
+    "check_npu_k",
+    "default_batch_buckets",
+    "fresh_code_copy",
+    "resolve_backend",
+]

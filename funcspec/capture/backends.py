@@ -1,0 +1,216 @@
+"""Capture backends: one compiled callable per bucket, behind one interface.
+
+``capture(fn, example_args, backend)`` returns a :class:`Captured` callable
+with the same signature as ``fn`` and a ``stats`` dict. ``fn`` must be pure
+except for donated buffers, which it updates in place and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import statistics
+import time
+import types
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
+NPU_MAX_TOKENS_PER_ROW = 16  # npu_fused_infer_attention_score: K+1 <= 16
+
+
+@dataclasses.dataclass
+class CaptureStats:
+    """What one bucket cost. ``replay_ms`` collects the caller's wall times."""
+
+    backend: str
+    capture_seconds: float = 0.0
+    compiles: int = 0
+    graph_breaks: int = 0
+    graph_memory_bytes: int | None = None
+    replay_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def recompiles(self) -> int:
+        return max(0, self.compiles - 1)
+
+    def summary(self) -> dict:
+        """JSON-friendly stats: capture seconds, median replay, recompiles, graph breaks, memory."""
+        return {
+            "backend": self.backend,
+            "capture_seconds": round(self.capture_seconds, 4),
+            "replay_ms_median": round(statistics.median(self.replay_ms), 4) if self.replay_ms else None,
+            "calls": len(self.replay_ms),
+            "recompiles": self.recompiles,
+            "graph_breaks": self.graph_breaks,
+            "graph_memory_bytes": self.graph_memory_bytes,
+        }
+
+
+class Captured:
+    """A captured callable: ``out = captured(*args)``; ``captured.stats`` for its costs."""
+
+    def __init__(self, call: Callable, stats: CaptureStats):
+        self._call, self.stats = call, stats
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+
+def fresh_code_copy(fn: Callable, name: str) -> Callable:
+    """A copy of ``fn`` with its own code object.
+
+    NOTE: Dynamo's recompile budget (8) counts per code object, so buckets that
+    share one function would exhaust it; each bucket compiles its own copy.
+    """
+    if isinstance(fn, functools.partial):
+        return functools.partial(fresh_code_copy(fn.func, name), *fn.args, **fn.keywords)
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _counting_inductor(stats: CaptureStats):
+    """An inductor backend that counts how often Dynamo hands it a graph."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        stats.compiles += 1
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def compile_inductor(fn: Callable, name: str, stats: CaptureStats) -> Callable:
+    """``torch.compile(fullgraph=True, dynamic=False)`` of a private code copy of ``fn``."""
+    return torch.compile(fresh_code_copy(fn, name), backend=_counting_inductor(stats), fullgraph=True, dynamic=False)
+
+
+class DeviceGraph:
+    """Manual CUDA / NPU graph of ``fn`` with static input buffers (vLLM pattern).
+
+    Tensor arguments that are the same storage at every call (params and
+    donated state) are captured in place; others (per-step inputs) are copied
+    into static buffers before ``replay()``. torch.npu mirrors torch.cuda's
+    graph API, so one class serves both.
+    """
+
+    def __init__(self, fn, example_args, device_mod, pool, stats: CaptureStats, warmup: int = 2):
+        self.mod = device_mod
+        leaves, self.spec = pytree.tree_flatten(example_args)
+        self.static = list(leaves)
+        stream = device_mod.Stream()
+        stream.wait_stream(device_mod.current_stream())
+        with device_mod.stream(stream):  # NOTE: warm-up off the default stream, as capture requires
+            for _ in range(warmup):
+                fn(*example_args)
+        device_mod.current_stream().wait_stream(stream)
+        device_mod.synchronize()
+        before = device_mod.memory_allocated()
+        self.graph = device_mod.CUDAGraph() if hasattr(device_mod, "CUDAGraph") else device_mod.NPUGraph()
+        with device_mod.graph(self.graph, pool=pool):
+            self.out = fn(*pytree.tree_unflatten(self.static, self.spec))
+        device_mod.synchronize()
+        stats.graph_memory_bytes = device_mod.memory_allocated() - before
+
+    def __call__(self, *args):
+        leaves, spec = pytree.tree_flatten(args)
+        if spec != self.spec:
+            raise ValueError("captured graph called with a different argument structure")
+        for buf, x in zip(self.static, leaves):
+            if isinstance(buf, torch.Tensor) and buf.data_ptr() != x.data_ptr():
+                buf.copy_(x)
+        self.graph.replay()
+        return self.out
+
+
+def _npu_module():
+    """torch.npu after a lazy ``import torch_npu``, or a clear error where it cannot run."""
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as e:  # ImportError, or CANN missing at import time
+        raise RuntimeError(
+            "backend='aclgraph' needs an Ascend NPU host with CANN and `pip install 'funcspec[npu]'` "
+            f"(torch-npu==2.13.0, which brings torchair); torch_npu could not be imported here: {e}"
+        ) from e
+    return torch.npu
+
+
+def check_npu_k(k: int) -> None:
+    """vLLM-Ascend's limit: npu_fused_infer_attention_score takes at most 16 query tokens per row."""
+    if k + 1 > NPU_MAX_TOKENS_PER_ROW:
+        raise ValueError(
+            f"num_speculative_tokens={k}: on aclgraph (Ascend NPU) K+1 must be <= {NPU_MAX_TOKENS_PER_ROW}, "
+            "because npu_fused_infer_attention_score takes at most 16 tokens per decode round"
+        )
+
+
+def resolve_backend(backend: str, device: torch.device | str = "cpu") -> str:
+    """Map ``auto`` to a concrete backend for ``device``; reject unknown names."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    kind = torch.device(device).type
+    if kind == "npu":
+        return "aclgraph"
+    if kind == "cuda":
+        return "cudagraph"
+    from funcspec.bench.capture import best_cpu_backend
+
+    return best_cpu_backend()
+
+
+_POOLS: dict[str, Any] = {}
+
+
+def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: str = "step",
+            precompile: bool = False, npu_mode: str = "graph") -> Captured:
+    """Capture ``fn`` for the shapes of ``example_args`` with ``backend``.
+
+    Args:
+        fn: a pure function (it may update donated buffers in place).
+        example_args: arguments with the bucket's shapes. Device-graph
+            backends run ``fn`` on them while capturing, so point their
+            writes at scratch slots.
+        backend: eager | inductor | cudagraph | aclgraph (``auto`` must be
+            resolved first with :func:`resolve_backend`).
+        name: a unique name per bucket (used for the code-object copy).
+        precompile: for device graphs, compile ``fn`` with inductor first.
+        npu_mode: ``graph`` (torch.npu.NPUGraph, shared with CUDA) or
+            ``npugraph_ex`` (torchair's backend).
+    """
+    stats = CaptureStats(backend)
+    t0 = time.perf_counter()
+    breaks0 = _graph_breaks()
+    if backend == "eager":
+        call = fn
+    elif backend == "inductor":
+        call = compile_inductor(fn, name, stats)
+        call(*example_args)  # compile now, so capture_seconds is honest
+    elif backend in ("cudagraph", "aclgraph"):
+        mod = torch.cuda if backend == "cudagraph" else _npu_module()
+        if backend == "cudagraph" and not torch.cuda.is_available():
+            raise RuntimeError("backend='cudagraph' needs a CUDA GPU; none is available")
+        inner = compile_inductor(fn, name, stats) if precompile else fn
+        if backend == "aclgraph" and npu_mode == "npugraph_ex":
+            importlib.import_module("torchair")
+            call = torch.compile(fresh_code_copy(fn, name), backend="npugraph_ex", fullgraph=True, dynamic=False,
+                                 options={"frozen_parameter": True, "capture_limit": 1})
+            call(*example_args)
+        else:
+            pool = _POOLS.setdefault(backend, mod.graph_pool_handle())
+            call = DeviceGraph(inner, example_args, mod, pool, stats)
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS[:-1]} here, got {backend!r}")
+    stats.capture_seconds = time.perf_counter() - t0
+    stats.graph_breaks = _graph_breaks() - breaks0
+    return Captured(call, stats)

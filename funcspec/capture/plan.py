@@ -1,0 +1,67 @@
+"""Bucket plans: which (B, K) graphs exist, and how a live batch maps onto them."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two up to ``max_batch_size``, plus ``max_batch_size`` itself."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_batch_size])
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """The static (B, K) buckets one engine captures.
+
+    Attributes:
+        batch_buckets: sorted, distinct batch sizes.
+        ks: sorted, distinct K values (0 is autoregressive decoding).
+        eager_capture: capture every bucket up front (else on first use).
+    """
+
+    batch_buckets: tuple[int, ...]
+    ks: tuple[int, ...] = (0,)
+    eager_capture: bool = False
+
+    def __post_init__(self):
+        for name in ("batch_buckets", "ks"):
+            vals = tuple(getattr(self, name))
+            object.__setattr__(self, name, vals)
+            if not vals:
+                raise ValueError(f"BucketPlan.{name} must not be empty")
+            if list(vals) != sorted(set(vals)):
+                raise ValueError(f"BucketPlan.{name} must be sorted and distinct, got {list(vals)}")
+        if self.batch_buckets[0] < 1:
+            raise ValueError(f"BucketPlan.batch_buckets must be >= 1, got {list(self.batch_buckets)}")
+        if self.ks[0] < 0:
+            raise ValueError(f"BucketPlan.ks must be >= 0, got {list(self.ks)}")
+
+    @staticmethod
+    def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, eager_capture=False) -> "BucketPlan":
+        """Default plan: power-of-two batches, K from 0 to ``max_k``."""
+        buckets = default_batch_buckets(max_batch_size) if batch_buckets is None else tuple(batch_buckets)
+        return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture)
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (B, K) pair."""
+        return [(b, k) for b in self.batch_buckets for k in self.ks]
+
+    def batch_bucket(self, n: int) -> int:
+        """The smallest batch bucket that holds ``n`` rows."""
+        i = bisect.bisect_left(self.batch_buckets, n)
+        if i == len(self.batch_buckets):
+            raise ValueError(f"batch of {n} exceeds the largest bucket {self.batch_buckets[-1]}")
+        return self.batch_buckets[i]
+
+    def capture_sizes(self) -> dict[int, list[int]]:
+        """Per K, the token counts n·(K+1) that FULL-graph capture sees (vLLM-Ascend's capture sizes)."""
+        return {k: [b * (k + 1) for b in self.batch_buckets] for k in self.ks}

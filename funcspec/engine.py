@@ -1,0 +1,376 @@
+"""The host loop (DESIGN §6): slots, buckets, padding, stop rules, stats.
+
+Each iteration of :meth:`Engine.generate`:
+
+    admit waiting requests into free slots (prefill)
+    B = smallest batch bucket >= active requests;  K = k_for_batch_size(active)
+    drafts = host proposer (suffix only)
+    out, state = graph[B, K](params, state, inputs)
+    read (tokens, num_emitted) once            # SYNC
+    apply stop rules; retire finished requests
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from funcspec import rng, sampling
+from funcspec.capture import BucketPlan, capture, check_npu_k, resolve_backend
+from funcspec.checkpoints import Model, load_model
+from funcspec.config import SamplingParams, SpecConfig
+from funcspec.nn import forward, init_kv_cache
+from funcspec.outputs import CompletionOutput, RequestOutput
+from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
+from funcspec.tree import replace
+from funcspec.types import PLACEHOLDER, Sampling
+
+MIN_PREFILL_BUCKET = 16
+
+
+@dataclasses.dataclass
+class Request:
+    """Host-side bookkeeping of one request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    text: Optional[str] = None
+    steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def _next_pow2(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class Engine:
+    """Speculative (or autoregressive) generation with one captured graph per (B, K) bucket.
+
+    Args:
+        model: a checkpoint path or a loaded :class:`~funcspec.checkpoints.Model`.
+        speculative_config: a vLLM ``speculative_config`` dict (or a parsed
+            :class:`SpecConfig`); ``None`` decodes autoregressively.
+        backend: eager | inductor | cudagraph | aclgraph | auto.
+        max_batch_size: number of KV slots (continuous batching).
+        max_model_len: prompt + output limit; defaults to min(max_position_embeddings, 2048).
+        additional_config: vLLM-Ascend ``additional_config`` (rejection sampler,
+            draft window, dynamic spec).
+        batch_buckets: batch bucket sizes (default: powers of two).
+        eager_capture: capture every bucket at construction (else lazily).
+        seed: engine seed for requests without ``SamplingParams.seed``.
+        device, dtype: where and in what precision to run.
+    """
+
+    def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
+                 max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
+                 batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
+                 device="cpu", dtype=torch.float32):
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        cfg = self.model.cfg
+        if isinstance(speculative_config, SpecConfig) or speculative_config is None:
+            self.spec = speculative_config
+        else:
+            self.spec = SpecConfig.from_vllm(speculative_config, additional_config)
+        self.backend = resolve_backend(backend, device)
+        max_k = self.spec.num_speculative_tokens if self.spec else 0
+        if self.backend == "aclgraph":
+            check_npu_k(max_k)
+        if max_model_len is None:
+            max_model_len = min(cfg.max_position_embeddings, 2048)
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.max_model_len, self.device, self.seed = max_model_len, torch.device(device), seed
+        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture)
+        self.num_slots = max_batch_size
+        # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
+        self.t_max = max_model_len + max_k + 1
+        from funcspec.proposers import build_proposer
+
+        self.proposer = build_proposer(self.spec, self.model, self) if self.spec else None
+        self.params = {"target": self.model.params, "draft": self.proposer.params if self.proposer else None}
+        self.state = self._init_state(dtype)
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.free_slots = list(range(self.num_slots))
+        self.running: dict[int, Request] = {}
+        self._counter = 0
+        self._stats = collections.Counter()
+        self._accepted_per_pos = [0] * max_k
+        self._buckets_used: collections.Counter = collections.Counter()
+        if eager_capture:
+            for b, k in tqdm(self.plan.buckets, desc="capturing buckets"):
+                self._graph(b, k)
+
+    # ----------------------------------------------------------------- state
+    def _init_state(self, dtype) -> EngineState:
+        s, dev = self.num_slots, self.device
+        return EngineState(
+            kv=init_kv_cache(self.model.cfg, s, self.t_max, dtype, dev),
+            history=torch.zeros(s + 1, self.t_max + 1, dtype=torch.int64, device=dev),
+            keys=torch.zeros(s + 1, dtype=torch.int64, device=dev),
+            sampling=Sampling.full(s + 1, 1.0, 0, 1.0, dev),
+            proposer=self.proposer.init_state(self.num_slots, self.t_max) if self.proposer else None,
+        )
+
+    # ---------------------------------------------------------------- graphs
+    def _step_config(self, k: int) -> StepConfig:
+        p = self.proposer
+        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None,
+                          p.verify_config(k) if p else None, p.hidden_layers if p else ())
+
+    def _inputs(self, slots: list[int], b: int, k: int, drafts=None, verify_len=None) -> StepInputs:
+        pad = slots + [self.num_slots] * (b - len(slots))
+        return StepInputs(torch.tensor(pad, dtype=torch.int64, device=self.device),
+                          drafts if drafts is not None else self._host_drafts_placeholder(b, k), verify_len)
+
+    def _host_drafts_placeholder(self, b: int, k: int):
+        if self.proposer is None or not self.proposer.runs_on_host:
+            return None
+        return torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
+
+    def _graph(self, b: int, k: int):
+        """The captured step for bucket (b, k), capturing it on first use."""
+        if (b, k) not in self.graphs:
+            import functools
+
+            fn = functools.partial(spec_step, self._step_config(k))
+            # NOTE: every example row points at the scratch slot, so warm-up
+            # and capture never touch a real request's KV or history.
+            example = (self.params, self.state, self._inputs([], b, k))
+            self.graphs[(b, k)] = capture(fn, example, self.backend, name=f"spec_step_b{b}_k{k}")
+        return self.graphs[(b, k)]
+
+    # ------------------------------------------------------------- requests
+    def _make_request(self, prompt, params: SamplingParams) -> Request:
+        tok = self.model.tokenizer
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if ids is None:
+            if tok is None:
+                raise ValueError("prompt: text prompts need a tokenizer; this checkpoint has none")
+            ids = tok(text)["input_ids"]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {self.model.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                "(it needs room for at least one output token)"
+            )
+        self._counter += 1
+        return Request(str(self._counter - 1), text, ids, params)
+
+    def _admit(self, req: Request) -> None:
+        """Prefill ``req`` into a free slot and sample its first token."""
+        slot = self.free_slots.pop(0)
+        req.slot, req.t_start = slot, time.perf_counter()
+        p, st, n = req.params, self.state, len(req.prompt_ids)
+        seed = p.seed if p.seed is not None else (self.seed << 32) + int(req.request_id)
+        st.keys[slot] = rng.key(seed, self.device)
+        st.sampling.temperature[slot] = p.temperature
+        st.sampling.top_k[slot] = p.top_k
+        st.sampling.top_p[slot] = p.top_p
+        ids = torch.tensor(req.prompt_ids, dtype=torch.int64, device=self.device)
+        st.history[slot, :n] = ids
+        first = self._prefill(slot, ids)
+        st.kv.lens[slot] = n
+        st.history[slot, n] = first
+        self.running[slot] = req
+        req.t_first = time.perf_counter()
+        self._append(req, [first])
+
+    @torch.no_grad()
+    def _prefill(self, slot: int, ids: torch.Tensor) -> int:
+        """Eager prefill of one prompt, padded to a power-of-two length bucket; returns the first token."""
+        n = ids.shape[0]
+        t = min(_next_pow2(n, MIN_PREFILL_BUCKET), self.t_max)
+        tokens = torch.zeros(1, t, dtype=torch.int64, device=self.device)
+        tokens[0, :n] = ids
+        slots = torch.tensor([slot], device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        layers = self.proposer.hidden_layers if self.proposer else ()
+        logits, hiddens, _ = forward(self.model.cfg, self.model.params, self.state.kv, tokens, slots, zero, layers)
+        if self.proposer is not None:
+            pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens, slot, n, hiddens)
+            self.state = replace(self.state, proposer=pstate)
+        s = self.state.sampling
+        key = row_keys(self.state, slots, torch.tensor([n - 1], device=self.device))
+        tok = sampling.sample(key, logits[:, n - 1], s.temperature[slots], s.top_k[slots], s.top_p[slots])
+        return int(tok[0])  # SYNC: prefill returns the first token to the host
+
+    # ----------------------------------------------------------- stop rules
+    def _append(self, req: Request, new: list[int]) -> None:
+        """Append emitted tokens one by one, stopping at the first stop rule that fires."""
+        p = req.params
+        eos = () if p.ignore_eos else self.model.eos_token_ids
+        for t in new:
+            req.output_ids.append(t)
+            n_out = len(req.output_ids)
+            if n_out > p.min_tokens and (t in eos or t in (p.stop_token_ids or ())):
+                req.finish_reason, req.stop_reason = "stop", (None if t in eos else t)
+            elif p.stop and n_out > p.min_tokens and self._hit_stop_string(req):
+                req.finish_reason = "stop"
+            elif p.max_tokens is not None and n_out >= p.max_tokens:
+                req.finish_reason = "length"
+            elif req.total_len >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finish_reason:
+                return
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        for s in req.params.stop:
+            i = text.find(s)
+            if i >= 0:
+                req.text, req.stop_reason = text[:i], s
+                return True
+        return False
+
+    def _retire(self, req: Request) -> None:
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        req.t_end = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.on_finish(req)
+
+    # ------------------------------------------------------------ the loop
+    def _choose_k(self, active: int) -> int:
+        return self.spec.k_for_batch_size(active) if self.spec else 0
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        rows = list(self.running.values())
+        b, k = self.plan.batch_bucket(len(rows)), self._choose_k(len(rows))
+        drafts = self.proposer.host_drafts(rows, b, k) if self.proposer and self.proposer.runs_on_host else None
+        inputs = self._inputs([r.slot for r in rows], b, k, drafts)
+        graph = self._graph(b, k)
+        t0 = time.perf_counter()
+        out, self.state = graph(self.params, self.state, inputs)
+        result = torch.cat([out.tokens, out.num_emitted.unsqueeze(1).to(out.tokens.dtype)], 1).cpu()  # SYNC
+        graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
+        self._record(rows, result, k, b)
+
+    def _record(self, rows: list[Request], result: torch.Tensor, k: int, b: int) -> None:
+        self._stats["steps"] += 1
+        self._buckets_used[f"B{b}_K{k}"] += 1
+        for req, row in zip(rows, result.tolist()):
+            n = row[-1]
+            req.steps += 1
+            self._stats["row_steps"] += 1
+            self._stats["emitted"] += n
+            if k > 0:
+                req.num_draft_tokens += k
+                req.num_accepted_tokens += n - 1
+                self._stats["spec_row_steps"] += 1
+                for i in range(n - 1):
+                    self._accepted_per_pos[i] += 1
+            before = len(req.output_ids)
+            self._append(req, row[:n])
+            self._stats["tokens_generated"] += len(req.output_ids) - before
+            if req.finish_reason:
+                self._retire(req)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns vLLM-shaped outputs in prompt order.
+
+        ``prompts``: a string, a list of strings, token-id lists or
+        ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
+        :class:`SamplingParams` for all, or a list, one per prompt.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # Validate everything before any request touches the engine's state.
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        waiting = collections.deque(requests)
+        bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests")
+        while waiting or self.running:
+            while waiting and self.free_slots:
+                req = waiting.popleft()
+                self._admit(req)
+                if req.finish_reason:
+                    self._retire(req)
+            if self.running:
+                self._step()
+            bar.n = sum(r.finish_reason is not None for r in requests)
+            bar.refresh()
+        bar.close()
+        return [self._output(r) for r in requests]
+
+    def _output(self, req: Request) -> RequestOutput:
+        tok = self.model.tokenizer
+        text = req.text
+        if text is None:
+            text = tok.decode(req.output_ids, skip_special_tokens=True) if tok is not None else ""
+        steps = max(req.steps, 1)
+        metrics = {
+            "num_draft_tokens": req.num_draft_tokens,
+            "num_accepted_tokens": req.num_accepted_tokens,
+            "acceptance_length": (req.num_accepted_tokens + req.steps) / steps,
+            "steps": req.steps,
+            "time_to_first_token_s": req.t_first - req.t_start,
+            "e2e_s": req.t_end - req.t_start,
+        }
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
+                             [CompletionOutput(0, text, list(req.output_ids), req.finish_reason, req.stop_reason)],
+                             metrics=metrics, kv_transfer_params=req.extra.get("kv_transfer_params"))
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def stats(self) -> dict:
+        """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance."""
+        s = self._stats
+        graphs = {f"B{b}_K{k}": g.stats.summary() for (b, k), g in sorted(self.graphs.items())}
+        spec_rows = s["spec_row_steps"]
+        return {
+            "backend": self.backend,
+            "steps": s["steps"],
+            "tokens_generated": s["tokens_generated"],
+            "recompiles": sum(g["recompiles"] for g in graphs.values()),
+            "graph_breaks": sum(g["graph_breaks"] for g in graphs.values()),
+            "graphs": graphs,
+            "capture_seconds": sum(g["capture_seconds"] for g in graphs.values()),
+            "buckets_used": dict(self._buckets_used),
+            "mean_acceptance_length": s["emitted"] / s["row_steps"] if s["row_steps"] else 0.0,
+            "per_position_acceptance": [a / spec_rows if spec_rows else 0.0 for a in self._accepted_per_pos],
+            "capture_sizes": self.plan.capture_sizes(),
+        }

@@ -1,0 +1,81 @@
+"""``funcspec.LLM``: a vLLM facade, so the guide's ``LLM(...)`` examples run unchanged."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+from funcspec.engine import Engine
+
+# vLLM engine arguments that have no effect on a single-device funcspec engine.
+NO_EFFECT_ARGS = frozenset({
+    "gpu_memory_utilization", "async_scheduling", "distributed_executor_backend", "enable_prefix_caching",
+    "trust_remote_code", "enable_expert_parallel", "quantization", "max_num_batched_tokens", "swap_space",
+    "block_size", "enable_chunked_prefill", "disable_log_stats", "tokenizer_mode", "data_parallel_size",
+    "served_model_name", "kv_cache_dtype", "disable_custom_all_reduce",
+})
+
+
+def batch_buckets_from_compilation(compilation_config: Any, max_k: int) -> Optional[list[int]]:
+    """Batch buckets from vLLM ``cudagraph_capture_sizes`` (token counts n·(K+1))."""
+    if compilation_config is None:
+        return None
+    get = compilation_config.get if isinstance(compilation_config, dict) else (
+        lambda k, d=None: getattr(compilation_config, k, d))
+    sizes = get("cudagraph_capture_sizes", None)
+    if not sizes:
+        return None
+    if any(s % (max_k + 1) for s in sizes):
+        raise ValueError(
+            f"compilation_config.cudagraph_capture_sizes {list(sizes)} must be multiples of "
+            f"num_speculative_tokens + 1 = {max_k + 1}"
+        )
+    return sorted({s // (max_k + 1) for s in sizes})
+
+
+class LLM:
+    """vLLM-compatible entry point: ``LLM(model=PATH, **engine_args).generate(prompts, params)``.
+
+    Mapped: ``max_model_len``, ``max_num_seqs`` (slots), ``enforce_eager`` (eager
+    backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
+    batch buckets), ``additional_config``, ``seed``, ``dtype``. funcspec's own
+    ``backend`` and ``device`` may also be given. Arguments with no effect here
+    are accepted with one warning; ``tensor_parallel_size > 1`` is refused.
+    """
+
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: Optional[int] = None,
+                 max_num_seqs: int = 8, enforce_eager: bool = False, speculative_config: Optional[dict] = None,
+                 compilation_config: Any = None, additional_config: Optional[dict] = None,
+                 kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
+                 backend: Optional[str] = None, device: str = "cpu", **kwargs):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not supported yet")
+        unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
+        if unknown:
+            raise ValueError(f"LLM: unknown engine argument(s) {unknown}")
+        if kwargs:
+            warnings.warn(f"LLM: arguments with no effect in funcspec were ignored: {sorted(kwargs)}", stacklevel=2)
+        import torch
+
+        from funcspec.config import SpecConfig
+
+        spec = SpecConfig.from_vllm(speculative_config, additional_config) if speculative_config else None
+        if spec is not None and spec.ignored_keys:
+            warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
+                          stacklevel=2)
+        max_k = spec.num_speculative_tokens if spec else 0
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
+        self.kv_transfer_config = kv_transfer_config
+        self.engine = Engine(
+            model, speculative_config=spec, backend=backend or ("eager" if enforce_eager else "auto"),
+            max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
+            batch_buckets=batch_buckets_from_compilation(compilation_config, max_k), seed=seed,
+            device=device, dtype=torch_dtype,
+        )
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):
+        """Same as :meth:`funcspec.Engine.generate`."""
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        return self.engine.model.tokenizer

@@ -1,0 +1,100 @@
+"""``draft_model``: a separate small LM drafts K tokens autoregressively, inside the bucket graph.
+
+The draft keeps its own KV cache (same slots and positions as the target) in
+the state pytree. Drafts are sampled from the draft's distribution q, processed
+with the row's own temperature / top-k / top-p, and q is returned so that
+standard rejection sampling stays lossless; greedy rows get one-hot q, i.e.
+argmax drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from funcspec import rng, sampling
+from funcspec.checkpoints import load_model
+from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
+from funcspec.proposers import keep_state
+from funcspec.tree import pytree_dataclass
+from funcspec.types import Proposal
+
+runs_on_host = False
+commit = keep_state
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelConfig:
+    """The draft network's static config."""
+
+    model: ModelConfig
+
+
+@pytree_dataclass
+class DraftState:
+    """kv: the draft's cache, [L_d, S+1, H_kv, T_max, D]; its lengths mirror the target's."""
+
+    kv: KVCache
+
+
+def build(spec, target, engine):
+    """Load ``speculative_config["model"]``; it must share the target's vocabulary."""
+    if not spec.model:
+        raise ValueError("speculative_config.model: method 'draft_model' needs a draft checkpoint path")
+    draft = load_model(spec.model, dtype=engine.model.params["model"]["embed_tokens"]["weight"].dtype,
+                       device=engine.device)
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
+            f"{target.cfg.vocab_size}"
+        )
+    return DraftModelConfig(draft.cfg), draft.params
+
+
+def hidden_layers(cfg) -> tuple[int, ...]:
+    return ()
+
+
+def init_state(cfg: DraftModelConfig, params, num_slots: int, max_len: int) -> DraftState:
+    dtype = params["model"]["embed_tokens"]["weight"].dtype
+    device = params["model"]["embed_tokens"]["weight"].device
+    return DraftState(init_kv_cache(cfg.model, num_slots, max_len, dtype, device))
+
+
+def prefill(cfg: DraftModelConfig, params, state: DraftState, tokens, slot: int, n: int, hiddens) -> DraftState:
+    """Run the draft over the padded prompt tokens [1, T] of a new request."""
+    slots = torch.tensor([slot], device=tokens.device)
+    _, _, kv = forward(cfg.model, params, state.kv, tokens, slots, torch.zeros_like(slots))
+    return DraftState(kv)
+
+
+def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
+    """K autoregressive draft steps; returns tokens [B, K] and q [B, K, V].
+
+    Donates: state.kv.
+    """
+    # NOTE: the first pass re-feeds the last committed token with the pending
+    # one. When every draft was accepted last step, that committed token (the
+    # last draft) was never run through the draft, so its KV is missing; when
+    # it was, rewriting it recomputes the same K/V. Static shapes either way.
+    start = (ctx.lens - 1).clamp(min=0)  # [B]
+    cols = start.unsqueeze(1) + torch.arange(2, device=start.device)  # [B, 2]
+    x = ctx.history[ctx.slots.unsqueeze(1), cols]  # [B, 2]
+    logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start)
+    logits = logits[:, -1]  # [B, V]
+    s = ctx.sampling
+    tokens, probs = [], []
+    for i in range(k):
+        q = sampling.target_probs(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+        tok = rng.categorical(rng.fold_in(ctx.key, i), q)  # [B]
+        tokens.append(tok)
+        probs.append(q)
+        if i + 1 < k:
+            step_logits, _, kv = forward(cfg.model, params, kv, tok.unsqueeze(1), ctx.slots, ctx.lens + 1 + i)
+            logits = step_logits[:, 0]
+    b, v = ctx.slots.shape[0], cfg.model.vocab_size
+    if k == 0:
+        return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=x.device),
+                        torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
+    return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1)), DraftState(kv)

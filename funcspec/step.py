@@ -1,0 +1,188 @@
+"""The speculative step: one pure function per (B, K) bucket (DESIGN §4-§6).
+
+    propose (in-graph proposer, or drafts fed in by a host proposer)
+    -> target forward over [B, K+1] tokens
+    -> verify
+    -> commit: advance lengths, append emitted tokens to the history
+
+K = 0 is plain autoregressive decoding through the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from funcspec import rng, sampling
+from funcspec.nn import KVCache, ModelConfig, forward
+from funcspec.tree import pytree_dataclass, replace
+from funcspec.types import PLACEHOLDER, Proposal, Sampling
+
+
+DRAFT_STREAM = -1  # fold_in data of the proposer's key; verifiers use non-negative sub-streams
+
+
+@pytree_dataclass
+class EngineState:
+    """Everything a step reads and writes; slot ``S`` is the scratch slot.
+
+    Attributes:
+        kv: target KV cache, ``kv.lens [S+1]`` committed tokens per slot.
+        history: [S+1, T_hist] int64 tokens per slot: prompt, then output.
+            ``history[s, lens[s]]`` is the pending token (emitted, not yet in the KV).
+        keys: [S+1] int64 per-request RNG key.
+        sampling: per-slot sampling parameters, each [S+1].
+        proposer: the proposer's own state pytree (``None`` if it keeps none).
+    """
+
+    kv: KVCache
+    history: torch.Tensor
+    keys: torch.Tensor
+    sampling: Sampling
+    proposer: Any = None
+
+
+@pytree_dataclass
+class StepInputs:
+    """Per-step graph inputs.
+
+    Attributes:
+        slots: [B] int64 slot per row; padding rows use the scratch slot S.
+        drafts: [B, K] int64 drafts from a host proposer, else ``None``.
+        verify_len: [B] int64 drafts each row may verify (dynamic K), else ``None``.
+    """
+
+    slots: torch.Tensor
+    drafts: Optional[torch.Tensor] = None
+    verify_len: Optional[torch.Tensor] = None
+
+
+@pytree_dataclass
+class StepOutput:
+    """tokens [B, K+1] int64 (``PLACEHOLDER`` after the emitted ones), num_emitted [B] int32."""
+
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+
+
+@pytree_dataclass
+class StepContext:
+    """What an in-graph proposer may read.
+
+    Attributes:
+        slots: [B] slot per row.
+        lens: [B] committed lengths; the pending token sits at ``history[slot, lens]``.
+        history: [S+1, T_hist] the engine's token history.
+        key: [B] the rows' draft keys (independent of the verifier's).
+        sampling: the rows' sampling parameters.
+        drafts: [B, K] host drafts, or ``None``.
+    """
+
+    slots: torch.Tensor
+    lens: torch.Tensor
+    history: torch.Tensor
+    key: torch.Tensor
+    sampling: Sampling
+    drafts: Optional[torch.Tensor] = None
+
+
+@pytree_dataclass
+class VerifyResult:
+    """What the proposer's ``commit`` sees after verification."""
+
+    slots: torch.Tensor  # [B]
+    lens: torch.Tensor  # [B] lengths before this step
+    tokens: torch.Tensor  # [B, K+1]
+    num_emitted: torch.Tensor  # [B]
+    hiddens: tuple  # target hidden states [B, K+1, H] of the proposer's layers
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static description of one bucket's step (hashable, never traced)."""
+
+    model: ModelConfig
+    k: int
+    proposer: Any = None  # a proposer module (see funcspec.proposers), None for K = 0
+    proposer_cfg: Any = None
+    verify: Any = None  # funcspec.verifiers.VerifyConfig
+    hidden_layers: tuple[int, ...] = ()
+
+
+def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:
+    """The sampling parameters of each row [B]."""
+    s = state.sampling
+    return Sampling(s.temperature[slots], s.top_k[slots], s.top_p[slots])
+
+
+def row_keys(state: EngineState, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Per-row keys [B] for drawing the token after position ``pos``.
+
+    NOTE: keys depend on (request seed, position) only, so a request's draws
+    do not depend on which other requests share its batch.
+    """
+    return rng.fold_in(state.keys[slots], pos)
+
+
+def mask_beyond(drafts: torch.Tensor, verify_len: Optional[torch.Tensor]) -> torch.Tensor:
+    """Drafts [B, K] with positions >= verify_len[b] replaced by ``PLACEHOLDER``."""
+    if verify_len is None:
+        return drafts
+    k = torch.arange(drafts.shape[1], device=drafts.device)
+    return torch.where(k.view(1, -1) < verify_len.view(-1, 1), drafts, PLACEHOLDER)
+
+
+def commit_lengths(kv: KVCache, history: torch.Tensor, slots, lens, tokens, n) -> None:
+    """Advance lengths by ``n`` and append the emitted tokens to the history.
+
+    Donates: kv.lens, history. Padding rows (scratch slot) keep length 0, so
+    their writes stay at the front of the scratch slot.
+    """
+    scratch = kv.lens.shape[0] - 1
+    real = slots < scratch
+    kv.lens.index_put_((slots,), torch.where(real, lens + n.to(lens.dtype), 0))
+    cols = lens.unsqueeze(1) + 1 + torch.arange(tokens.shape[1], device=tokens.device)  # [B, K+1]
+    history.index_put_((slots.unsqueeze(1).expand_as(cols), cols), tokens)
+
+
+def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInputs):
+    """One decoding step for a (B, K) bucket.
+
+    Returns ``(StepOutput, new_state)``; ``new_state`` has the same tree
+    structure, shapes and dtypes as ``state``.
+
+    Donates: state.kv, state.history, state.proposer.
+    """
+    slots = inputs.slots  # [B]
+    lens = state.kv.lens[slots]  # [B]
+    pending = state.history[slots, lens]  # [B]
+    key = row_keys(state, slots, lens)  # [B]
+    samp = row_sampling(state, slots)
+    pstate = state.proposer
+    if sc.proposer is not None:
+        # NOTE: proposers run even at K = 0 (a K-table gap), so stateful ones
+        # (a draft KV) keep up with every committed token.
+        draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
+        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts)
+        proposal, pstate = sc.proposer.propose(sc.proposer_cfg, params["draft"], pstate, ctx, sc.k)
+        proposal = replace(proposal, tokens=mask_beyond(proposal.tokens, inputs.verify_len))
+        # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
+        # verifier rejects PLACEHOLDER, so that position's logits are unused.
+        tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
+    else:
+        tokens = pending.unsqueeze(1)  # [B, 1]
+    logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers)
+    if sc.k > 0:
+        from funcspec import verifiers
+
+        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp)  # [B, K+1], [B]
+    else:
+        out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p).unsqueeze(1)  # [B, 1]
+        n = torch.ones_like(slots, dtype=torch.int32)
+    commit_lengths(kv, state.history, slots, lens, out, n)
+    if sc.proposer is not None:
+        pstate = sc.proposer.commit(sc.proposer_cfg, pstate, VerifyResult(slots, lens, out, n, hiddens))
+    new_state = EngineState(kv, state.history, state.keys, state.sampling, pstate)
+    return StepOutput(out, n), new_state
