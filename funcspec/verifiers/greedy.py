@@ -1,0 +1,27 @@
+"""Greedy verification (lossless for greedy decoding).
+
+Accept drafts while ``draft == argmax p``. The first mismatch emits the target
+argmax there; if all K match, the bonus is the argmax at position K. Every row
+is treated as greedy, whatever its sampling settings. Draws no randomness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcspec.sampling import target_probs
+from funcspec.types import Proposal, Sampling
+from funcspec.verifiers import common
+
+
+def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
+           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification; ``cfg``, ``key`` and ``sampling`` are unused."""
+    common.check_inputs(key, target_logits, proposal.tokens, proposal.probs)
+    # NOTE: temperature 0 makes target_probs one-hot at the first argmax,
+    # the same tie rule greedy autoregressive decoding uses.
+    argmax = target_probs(target_logits, 0.0).argmax(dim=-1)  # [B, K+1]
+    drafts = proposal.tokens.long()  # [B, K]
+    num_accepted = common.num_leading(drafts == argmax[:, :-1])  # [B]
+    final = torch.gather(argmax, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
+    return common.emit(drafts, num_accepted, final)

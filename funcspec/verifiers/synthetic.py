@@ -1,0 +1,97 @@
+"""Synthetic acceptance (vLLM ``rejection_sample_method="synthetic"``; lossy).
+
+Each draft is accepted with a configured probability, whatever the target says,
+so the pipeline can be driven at a known acceptance rate for benchmarks. The
+unconditional rate of reaching position ``i`` is ``r_i``; position ``i`` is
+accepted with the conditional rate ``c_i = r_i / r_{i-1}`` (``r_{-1} = 1``,
+``c_i = 0`` once a rate is 0), so ``P(num_accepted > i) = r_i``.
+
+Accept draft ``i`` iff ``u_i < c_i`` and it is not ``PLACEHOLDER``. The first
+rejection emits the recovered token (on greedy rows: the target argmax); if all
+K are accepted the bonus token is emitted.
+
+The pure-Python helpers :func:`rates_from_length` and :func:`validate_synthetic`
+are shared with ``funcspec.config``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from funcspec.types import Proposal, Sampling
+from funcspec.verifiers import common
+
+
+def rates_from_length(length: float, k: int) -> tuple[float, ...]:
+    """Per-position acceptance rates [K] that give mean acceptance length ``length``.
+
+    With ``d = length - 1`` accepted drafts on average and ``n = floor(d)``, the
+    rates are ``[1]*n + [d-n] + [0]*(k-n-1)``, truncated to ``k``: for
+    ``length=3.4, k=5`` that is ``(1, 1, 0.4, 0, 0)`` (up to float rounding).
+    """
+    length = float(length)
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"synthetic_acceptance_length must be in [1, K+1] = [1, {k + 1}], got {length}")
+    d = length - 1.0
+    n = math.floor(d)
+    rates = [1.0] * n + [d - n] + [0.0] * (k - n - 1)
+    return tuple(rates[:k])
+
+
+def check_rates(rates, k: int | None = None, name: str = "synthetic_acceptance_rates") -> tuple[float, ...]:
+    """``rates`` as a tuple of floats, each in [0, 1] and non-increasing (length ``k`` if given).
+
+    Errors name the field ``name`` (``VerifyConfig`` calls it ``synthetic_rates``).
+    """
+    rates = tuple(float(r) for r in rates)
+    if k is not None and len(rates) != k:
+        raise ValueError(f"{name} must have length K={k}, got {len(rates)}")
+    for i, r in enumerate(rates):
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"{name}[{i}] must be in [0, 1], got {r}")
+    for i in range(1, len(rates)):
+        if rates[i] > rates[i - 1]:
+            raise ValueError(f"{name} must be non-increasing, got {rates[i]} after {rates[i - 1]} at index {i}")
+    return rates
+
+
+def validate_synthetic(rates, length, k: int) -> tuple[float, ...]:
+    """The validated rates [K] from exactly one of ``rates`` or ``length``.
+
+    Raises:
+        ValueError: naming ``synthetic_acceptance_rates`` or
+            ``synthetic_acceptance_length`` when both or neither are given, a
+            rate is outside [0, 1], the rates increase, their count is not K,
+            or the length is outside [1, K+1].
+    """
+    if (rates is None) == (length is None):
+        raise ValueError(
+            "exactly one of synthetic_acceptance_rates or synthetic_acceptance_length must be given, "
+            f"got synthetic_acceptance_rates={rates!r} and synthetic_acceptance_length={length!r}"
+        )
+    if rates is not None:
+        return check_rates(rates, k)
+    return rates_from_length(length, k)
+
+
+def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
+    """``c_i = r_i / r_{i-1}`` with ``r_{-1} = 1``; 0 after a zero rate."""
+    prev = (1.0,) + rates[:-1]
+    return tuple(r / p if p > 0 else 0.0 for r, p in zip(rates, prev))
+
+
+def verify(cfg: common.VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
+           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic verification; see the module docstring. Uses stream 0 (u) and 1 (final race)."""
+    inp = common.prepare(target_logits, proposal, sampling, key)
+    k = inp.drafts.shape[1]
+    if cfg.synthetic_rates is None:
+        raise ValueError("synthetic_rates must be set for method 'synthetic'")
+    rates = check_rates(cfg.synthetic_rates, k, "synthetic_rates")
+    # NOTE: a constant [K] tensor built from static config floats; float32 so
+    # the comparison with the float32 uniforms is the same in every backend.
+    cond = torch.tensor(conditional_rates(rates), dtype=torch.float32, device=inp.p.device)  # [K]
+    u = common.acceptance_uniforms(key, k)  # [B, K]
+    return common.first_rejection(key, inp, inp.valid & (u < cond))
