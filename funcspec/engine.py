@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from funcspec import rng, sampling
-from funcspec.capture import BucketPlan, capture, check_npu_k, resolve_backend
+from funcspec.capture import BucketPlan, capture, resolve_backend
 from funcspec.checkpoints import Model, load_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.nn import forward, init_kv_cache
@@ -60,6 +60,22 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+def readback(out) -> tuple[list, list, list, Optional[torch.Tensor]]:
+    """Copy a StepOutput to the host in ONE transfer: tokens, num_emitted, num_drafts, confidence.
+
+    NOTE: everything is packed into one float64 tensor (token ids are exact
+    below 2^53), so a step costs exactly one device-to-host sync.
+    """
+    parts = [out.tokens.double(), out.num_emitted.double().unsqueeze(1), out.num_drafts.double().unsqueeze(1)]
+    if out.confidence is not None:
+        parts.append(out.confidence.double())
+    host = torch.cat(parts, 1).cpu()
+    k1 = out.tokens.shape[1]
+    ints = host[:, : k1 + 2].long()
+    conf = host[:, k1 + 2:].float() if out.confidence is not None else None
+    return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf
+
+
 def _next_pow2(n: int, lo: int) -> int:
     b = lo
     while b < n:
@@ -95,10 +111,10 @@ class Engine:
             self.spec = speculative_config
         else:
             self.spec = SpecConfig.from_vllm(speculative_config, additional_config)
-        self.backend = resolve_backend(backend, device)
         max_k = self.spec.num_speculative_tokens if self.spec else 0
-        if self.backend == "aclgraph":
-            check_npu_k(max_k)
+        if self.spec is not None:
+            self.spec.validate_for_backend(backend)  # before importing torch_npu: report K+1 <= 16 first
+        self.backend = resolve_backend(backend, device)
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 2048)
         if max_model_len < 2:
@@ -112,6 +128,12 @@ class Engine:
 
         self.proposer = build_proposer(self.spec, self.model, self) if self.spec else None
         self.params = {"target": self.model.params, "draft": self.proposer.params if self.proposer else None}
+        self.dyn = None
+        if self.spec is not None and self.spec.dynamic_spec is not None:
+            from funcspec.dynamic import ConfidenceScheduler
+
+            self.dyn = ConfidenceScheduler(self.spec.dynamic_spec, max_k)
+            self._dyn_k = self.dyn.budget_k
         self.state = self._init_state(dtype)
         self.graphs: dict[tuple[int, int], Any] = {}
         self.free_slots = list(range(self.num_slots))
@@ -139,20 +161,24 @@ class Engine:
     def _step_config(self, k: int) -> StepConfig:
         p = self.proposer
         return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None,
-                          p.verify_config(k) if p else None, p.hidden_layers if p else ())
+                          p.verify_config(k) if p else None, p.hidden_layers if p else (),
+                          self.dyn.min_k if self.dyn else None)
 
-    def _inputs(self, slots: list[int], b: int, k: int, drafts=None, verify_len=None) -> StepInputs:
+    def _inputs(self, slots: list[int], b: int, k: int, drafts=None) -> StepInputs:
         pad = slots + [self.num_slots] * (b - len(slots))
+        budget = self.dyn.budget_tensor(self.device) if self.dyn else None
         return StepInputs(torch.tensor(pad, dtype=torch.int64, device=self.device),
-                          drafts if drafts is not None else self._host_drafts_placeholder(b, k), verify_len)
+                          drafts if drafts is not None else self._host_drafts_placeholder(b, k), budget)
 
     def _host_drafts_placeholder(self, b: int, k: int):
         if self.proposer is None or not self.proposer.runs_on_host:
             return None
         return torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
 
+    @torch.no_grad()
     def _graph(self, b: int, k: int):
-        """The captured step for bucket (b, k), capturing it on first use."""
+        """The captured step for bucket (b, k), capturing it on first use (always under no_grad,
+        which Dynamo guards on)."""
         if (b, k) not in self.graphs:
             import functools
 
@@ -193,43 +219,54 @@ class Engine:
         self._counter += 1
         return Request(str(self._counter - 1), text, ids, params)
 
-    def _admit(self, req: Request) -> None:
-        """Prefill ``req`` into a free slot and sample its first token."""
-        slot = self.free_slots.pop(0)
-        req.slot, req.t_start = slot, time.perf_counter()
-        p, st, n = req.params, self.state, len(req.prompt_ids)
-        seed = p.seed if p.seed is not None else (self.seed << 32) + int(req.request_id)
-        st.keys[slot] = rng.key(seed, self.device)
-        st.sampling.temperature[slot] = p.temperature
-        st.sampling.top_k[slot] = p.top_k
-        st.sampling.top_p[slot] = p.top_p
-        ids = torch.tensor(req.prompt_ids, dtype=torch.int64, device=self.device)
-        st.history[slot, :n] = ids
-        first = self._prefill(slot, ids)
-        st.kv.lens[slot] = n
-        st.history[slot, n] = first
-        self.running[slot] = req
-        req.t_first = time.perf_counter()
-        self._append(req, [first])
+    def _admit(self, reqs: list[Request]) -> None:
+        """Prefill ``reqs`` into free slots together and emit each one's first token."""
+        st = self.state
+        for req in reqs:
+            req.slot, req.t_start = self.free_slots.pop(0), time.perf_counter()
+            p, slot, n = req.params, req.slot, len(req.prompt_ids)
+            seed = p.seed if p.seed is not None else (self.seed << 32) + int(req.request_id)
+            st.keys[slot] = rng.key(seed, self.device)
+            st.sampling.temperature[slot] = p.temperature
+            st.sampling.top_k[slot] = p.top_k
+            st.sampling.top_p[slot] = p.top_p
+            st.history[slot, :n] = torch.tensor(req.prompt_ids, dtype=torch.int64, device=self.device)
+        firsts = self._prefill(reqs)
+        for req, first in zip(reqs, firsts):
+            n = len(req.prompt_ids)
+            st.kv.lens[req.slot] = n
+            st.history[req.slot, n] = first
+            self.running[req.slot] = req
+            req.t_first = time.perf_counter()
+            self._append(req, [first])
 
     @torch.no_grad()
-    def _prefill(self, slot: int, ids: torch.Tensor) -> int:
-        """Eager prefill of one prompt, padded to a power-of-two length bucket; returns the first token."""
-        n = ids.shape[0]
-        t = min(_next_pow2(n, MIN_PREFILL_BUCKET), self.t_max)
-        tokens = torch.zeros(1, t, dtype=torch.int64, device=self.device)
-        tokens[0, :n] = ids
-        slots = torch.tensor([slot], device=self.device)
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+    def _prefill(self, reqs: list[Request]) -> list[int]:
+        """Eager batched prefill, padded to a power-of-two length bucket; returns the first tokens.
+
+        NOTE: prefill runs eagerly, like vLLM's FULL_DECODE_ONLY graph mode: its
+        shapes vary with prompt lengths, and the decode graphs are what repeats.
+        """
+        lens = [len(r.prompt_ids) for r in reqs]
+        t = min(_next_pow2(max(lens), MIN_PREFILL_BUCKET), self.t_max)
+        tokens = torch.zeros(len(reqs), t, dtype=torch.int64, device=self.device)
+        for i, r in enumerate(reqs):
+            tokens[i, : lens[i]] = torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        zero = torch.zeros_like(slots)
         layers = self.proposer.hidden_layers if self.proposer else ()
         logits, hiddens, _ = forward(self.model.cfg, self.model.params, self.state.kv, tokens, slots, zero, layers)
         if self.proposer is not None:
-            pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens, slot, n, hiddens)
-            self.state = replace(self.state, proposer=pstate)
+            for i, r in enumerate(reqs):
+                pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,
+                                               lens[i], tuple(h[i:i + 1] for h in hiddens))
+                self.state = replace(self.state, proposer=pstate)
+        last = torch.tensor(lens, device=self.device) - 1  # [P]
+        key = row_keys(self.state, slots, last)
         s = self.state.sampling
-        key = row_keys(self.state, slots, torch.tensor([n - 1], device=self.device))
-        tok = sampling.sample(key, logits[:, n - 1], s.temperature[slots], s.top_k[slots], s.top_p[slots])
-        return int(tok[0])  # SYNC: prefill returns the first token to the host
+        first = sampling.sample(key, logits[torch.arange(len(reqs)), last], s.temperature[slots], s.top_k[slots],
+                                s.top_p[slots])
+        return first.tolist()  # SYNC: prefill hands the first tokens to the host
 
     # ----------------------------------------------------------- stop rules
     def _append(self, req: Request, new: list[int]) -> None:
@@ -269,7 +306,21 @@ class Engine:
 
     # ------------------------------------------------------------ the loop
     def _choose_k(self, active: int) -> int:
+        """K for this step: the K table (or ``num_speculative_tokens``), or the confidence budget."""
+        if self.dyn is not None:
+            return self._dyn_k
         return self.spec.k_for_batch_size(active) if self.spec else 0
+
+    def _observe_confidence(self, rows: int, conf: torch.Tensor, drafts: list[int], k: int) -> None:
+        """Confidence-based verify length on the host: update the budget, then the next K bucket.
+
+        NOTE: graphs have static K, so the bucket is the width rows may verify: the
+        largest verify length used this step, one more when a row hit the cap, and
+        never below the per-request budget. Rows verify their allocated prefix inside it.
+        """
+        self.dyn.observe(self._stats["steps"] - 1, conf[:rows])
+        used = max(drafts[:rows], default=0)
+        self._dyn_k = min(self.dyn.d, max(self.dyn.budget_k, used + (used == k)))
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -280,26 +331,27 @@ class Engine:
         graph = self._graph(b, k)
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
-        result = torch.cat([out.tokens, out.num_emitted.unsqueeze(1).to(out.tokens.dtype)], 1).cpu()  # SYNC
+        tokens, n, drafts, conf = readback(out)  # SYNC: the step's one device-to-host copy
         graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
-        self._record(rows, result, k, b)
+        self._record(rows, tokens, n, drafts, k, b)
+        if self.dyn is not None and k > 0:
+            self._observe_confidence(len(rows), conf, drafts, k)
 
-    def _record(self, rows: list[Request], result: torch.Tensor, k: int, b: int) -> None:
+    def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int) -> None:
         self._stats["steps"] += 1
         self._buckets_used[f"B{b}_K{k}"] += 1
-        for req, row in zip(rows, result.tolist()):
-            n = row[-1]
+        for i, req in enumerate(rows):
             req.steps += 1
             self._stats["row_steps"] += 1
-            self._stats["emitted"] += n
+            self._stats["emitted"] += n[i]
             if k > 0:
-                req.num_draft_tokens += k
-                req.num_accepted_tokens += n - 1
+                req.num_draft_tokens += drafts[i]
+                req.num_accepted_tokens += n[i] - 1
                 self._stats["spec_row_steps"] += 1
-                for i in range(n - 1):
-                    self._accepted_per_pos[i] += 1
+                for j in range(n[i] - 1):
+                    self._accepted_per_pos[j] += 1
             before = len(req.output_ids)
-            self._append(req, row[:n])
+            self._append(req, tokens[i][:n[i]])
             self._stats["tokens_generated"] += len(req.output_ids) - before
             if req.finish_reason:
                 self._retire(req)
@@ -324,11 +376,12 @@ class Engine:
         waiting = collections.deque(requests)
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests")
         while waiting or self.running:
-            while waiting and self.free_slots:
-                req = waiting.popleft()
-                self._admit(req)
-                if req.finish_reason:
-                    self._retire(req)
+            admitted = [waiting.popleft() for _ in range(min(len(waiting), len(self.free_slots)))]
+            if admitted:
+                self._admit(admitted)
+                for req in admitted:
+                    if req.finish_reason:
+                        self._retire(req)
             if self.running:
                 self._step()
             bar.n = sum(r.finish_reason is not None for r in requests)

@@ -51,20 +51,31 @@ class StepInputs:
     Attributes:
         slots: [B] int64 slot per row; padding rows use the scratch slot S.
         drafts: [B, K] int64 drafts from a host proposer, else ``None``.
-        verify_len: [B] int64 drafts each row may verify (dynamic K), else ``None``.
+        budget_k: int64 [] per-request verify budget (confidence-based
+            verify length), else ``None``. A tensor, so a new budget never recompiles.
     """
 
     slots: torch.Tensor
     drafts: Optional[torch.Tensor] = None
-    verify_len: Optional[torch.Tensor] = None
+    budget_k: Optional[torch.Tensor] = None
 
 
 @pytree_dataclass
 class StepOutput:
-    """tokens [B, K+1] int64 (``PLACEHOLDER`` after the emitted ones), num_emitted [B] int32."""
+    """What the host reads back, in one copy.
+
+    Attributes:
+        tokens: [B, K+1] int64, ``PLACEHOLDER`` after the emitted ones.
+        num_emitted: [B] int32.
+        num_drafts: [B] int64 drafts that were verified (not ``PLACEHOLDER``).
+        confidence: [B, K] float32 draft confidences (confidence-based verify
+            length only), else ``None``.
+    """
 
     tokens: torch.Tensor
     num_emitted: torch.Tensor
+    num_drafts: torch.Tensor
+    confidence: Optional[torch.Tensor] = None
 
 
 @pytree_dataclass
@@ -109,6 +120,7 @@ class StepConfig:
     proposer_cfg: Any = None
     verify: Any = None  # funcspec.verifiers.VerifyConfig
     hidden_layers: tuple[int, ...] = ()
+    dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
 
 
 def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:
@@ -126,12 +138,21 @@ def row_keys(state: EngineState, slots: torch.Tensor, pos: torch.Tensor) -> torc
     return rng.fold_in(state.keys[slots], pos)
 
 
-def mask_beyond(drafts: torch.Tensor, verify_len: Optional[torch.Tensor]) -> torch.Tensor:
+def mask_beyond(drafts: torch.Tensor, verify_len: torch.Tensor) -> torch.Tensor:
     """Drafts [B, K] with positions >= verify_len[b] replaced by ``PLACEHOLDER``."""
-    if verify_len is None:
-        return drafts
     k = torch.arange(drafts.shape[1], device=drafts.device)
     return torch.where(k.view(1, -1) < verify_len.view(-1, 1), drafts, PLACEHOLDER)
+
+
+def verify_prefix(sc: StepConfig, state: EngineState, proposal: Proposal, slots, budget_k) -> torch.Tensor:
+    """Drafts [B, K] cut to each row's confidence-allocated verify length (vLLM-Ascend's
+    DynamicSpecScheduler); the cut positions become ``PLACEHOLDER``, which every verifier
+    rejects, so verification stays lossless."""
+    from funcspec import dynamic
+
+    real = slots < state.kv.lens.shape[0] - 1  # [B]
+    verify_len = dynamic.allocate(dynamic.survival(proposal.confidence), budget_k, sc.dynamic_min_k, real)
+    return mask_beyond(proposal.tokens, verify_len)
 
 
 def commit_lengths(kv: KVCache, history: torch.Tensor, slots, lens, tokens, n) -> None:
@@ -167,7 +188,8 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
         ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts)
         proposal, pstate = sc.proposer.propose(sc.proposer_cfg, params["draft"], pstate, ctx, sc.k)
-        proposal = replace(proposal, tokens=mask_beyond(proposal.tokens, inputs.verify_len))
+        if sc.dynamic_min_k is not None and sc.k > 0:
+            proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))
         # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
         # verifier rejects PLACEHOLDER, so that position's logits are unused.
         tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
@@ -184,5 +206,9 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
         pstate = sc.proposer.commit(sc.proposer_cfg, pstate, VerifyResult(slots, lens, out, n, hiddens))
+        num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
+    else:
+        num_drafts = torch.zeros_like(slots)
     new_state = EngineState(kv, state.history, state.keys, state.sampling, pstate)
-    return StepOutput(out, n), new_state
+    confidence = proposal.confidence if sc.dynamic_min_k is not None and sc.k > 0 else None
+    return StepOutput(out, n, num_drafts, confidence), new_state

@@ -57,12 +57,5 @@ def default_model():
     return str(zoo.build_default())
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test starts with Dynamo's caches cleared, so counters are per test."""
-    yield
-    torch._dynamo.reset()
-
-
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -60,9 +60,9 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int):
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)
     vocab = eng.model.cfg.vocab_size
-    for _ in range(max(batches)):
-        ids = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-        eng._admit(eng._make_request(ids, SamplingParams(temperature=0.0, max_tokens=1000)))
+    reqs = [eng._make_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=1000)) for _ in range(max(batches))]
+    eng._admit(reqs)
     return eng
 
 

@@ -5,7 +5,6 @@ from funcspec.capture.backends import (
     Captured,
     CaptureStats,
     capture,
-    check_npu_k,
     fresh_code_copy,
     resolve_backend,
 )
@@ -17,7 +16,6 @@ __all__ = [
     "Captured",
     "CaptureStats",
     "capture",
-    "check_npu_k",
     "default_batch_buckets",
     "fresh_code_copy",
     "resolve_backend",

@@ -18,8 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
-NPU_MAX_TOKENS_PER_ROW = 16  # npu_fused_infer_attention_score: K+1 <= 16
+from funcspec.config import BACKENDS
 
 
 @dataclasses.dataclass
@@ -61,13 +60,20 @@ class Captured:
 
 
 def fresh_code_copy(fn: Callable, name: str) -> Callable:
-    """A copy of ``fn`` with its own code object.
+    """A function with its own code object that calls ``fn`` (a function or a partial).
 
     NOTE: Dynamo's recompile budget (8) counts per code object, so buckets that
     share one function would exhaust it; each bucket compiles its own copy.
+    ``torch.compile`` of a ``functools.partial`` wraps it in one shared
+    ``inner`` function, so partials are turned into a copied closure instead.
     """
     if isinstance(fn, functools.partial):
-        return functools.partial(fresh_code_copy(fn.func, name), *fn.args, **fn.keywords)
+        func, args, kwargs = fn.func, fn.args, fn.keywords
+
+        def bound(*a, **k):
+            return func(*args, *a, **kwargs, **k)
+
+        fn = bound
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
@@ -144,19 +150,14 @@ def _npu_module():
     return torch.npu
 
 
-def check_npu_k(k: int) -> None:
-    """vLLM-Ascend's limit: npu_fused_infer_attention_score takes at most 16 query tokens per row."""
-    if k + 1 > NPU_MAX_TOKENS_PER_ROW:
-        raise ValueError(
-            f"num_speculative_tokens={k}: on aclgraph (Ascend NPU) K+1 must be <= {NPU_MAX_TOKENS_PER_ROW}, "
-            "because npu_fused_infer_attention_score takes at most 16 tokens per decode round"
-        )
-
-
 def resolve_backend(backend: str, device: torch.device | str = "cpu") -> str:
     """Map ``auto`` to a concrete backend for ``device``; reject unknown names."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "aclgraph":
+        _npu_module()  # refuse now, not at the first capture
+    if backend == "cudagraph" and not torch.cuda.is_available():
+        raise RuntimeError("backend='cudagraph' needs a CUDA GPU; torch.cuda.is_available() is False here")
     if backend != "auto":
         return backend
     kind = torch.device(device).type
