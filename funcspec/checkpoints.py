@@ -207,3 +207,24 @@ def save_params(path: str | os.PathLike, params: dict, hf_config: dict) -> None:
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     flat = {k: v.detach().contiguous().cpu() for k, v in flatten(params).items()}
     save_file(flat, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def init_draft_head(method: str, target_model, path, seed: int = 0, **sizes) -> Path:
+    """Write a randomly initialised ``method`` draft head for ``target_model`` in its published format.
+
+    ``method``: medusa | eagle | eagle3 | mtp | dflash | dspark. ``target_model``
+    is a checkpoint path or a loaded :class:`Model`; ``sizes`` go to the head's
+    ``init_params`` (e.g. ``num_heads`` for medusa, ``num_layers``). Returns
+    ``path``, which ``speculative_config["model"]`` can point at.
+    """
+    from funcspec.nn import dflash, eagle, medusa, mtp  # NOTE: heads import this module
+
+    heads = {"medusa": (medusa, {}), "eagle": (eagle, {"version": 1}), "eagle3": (eagle, {"version": 3}),
+             "mtp": (mtp, {}), "dflash": (dflash, {"method": "dflash"}), "dspark": (dflash, {"method": "dspark"})}
+    if method not in heads:
+        raise ValueError(f"method must be one of {sorted(heads)}, got {method!r}")
+    target = target_model if isinstance(target_model, Model) else load_model(target_model)
+    module, kwargs = heads[method]
+    hf_config, params = module.init_params(target.cfg, seed, **kwargs, **sizes)
+    save_params(path, params, hf_config)
+    return Path(path)

@@ -34,7 +34,7 @@ VLLM_METHODS = frozenset(
 )
 """The speculative methods of the vLLM-Ascend guide, under their canonical vLLM names."""
 
-BUILT_METHODS = frozenset({"ngram", "suffix", "draft_model"})
+BUILT_METHODS = frozenset({"ngram", "suffix", "draft_model", "dflash", "dspark", "medusa", "eagle", "eagle3", "mtp"})
 """Methods whose proposer exists in ``funcspec/proposers``. Extend it when a proposer lands."""
 
 # vLLM's deprecated per-model MTP method names. vLLM rewrites each to "mtp" with a warning.

@@ -24,6 +24,12 @@ PROPOSERS = {
     "ngram": "funcspec.proposers.ngram",
     "suffix": "funcspec.proposers.suffix",
     "draft_model": "funcspec.proposers.draft_model",
+    "dflash": "funcspec.proposers.dflash",
+    "dspark": "funcspec.proposers.dspark",
+    "medusa": "funcspec.proposers.medusa",
+    "eagle": "funcspec.proposers.eagle",
+    "eagle3": "funcspec.proposers.eagle3",
+    "mtp": "funcspec.proposers.mtp",
 }
 
 

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 multi-token prediction (MTP) module: a pure function under DeepSeek's key names.
+
+Layout (DeepSeek-V3 checkpoints; vLLM ``deepseek_mtp.py``), L = the target's
+``num_hidden_layers``, one module ``model.layers.{L}``::
+
+    enorm.weight [H], hnorm.weight [H], eh_proj.weight [H, 2H]
+    shared_head.norm.weight [H], shared_head.head.weight [V, H]
+    embed_tokens.weight [V, H] (optional: shared with the target, as DeepSeek-V3 does)
+    self_attn.*, mlp.*, input_layernorm.weight, post_attention_layernorm.weight   (the block)
+
+    x_t = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])     embed zeroed at position 0 (as vLLM)
+    g_t = block(x_t)                                        fed back as h at the next step
+    logits = shared_head.head(shared_head.norm(g_t))
+
+NOTE: funcspec's block is a Llama block of the target's family (no MLA, no
+MoE) under DeepSeek's key names. h_t for the first step is the target's final
+normed hidden state (what vLLM's DeepSeek model returns to its MTP drafter).
+Further MTP modules (``num_nextn_predict_layers`` > 1) are not read: the
+first one is applied autoregressively for every draft step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
+from funcspec.nn.eagle import hf_config_dict, layer_shapes, random_tensors, to_target
+from funcspec.nn.llama import ModelConfig, decoder_layer, linear, rms_norm, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Static config: ``model`` the block's dims (``num_layers`` 1); ``layer`` = L, its checkpoint index."""
+
+    model: ModelConfig
+    layer: int
+
+
+def _module(cfg: MTPConfig, params) -> dict:
+    return params["model"]["layers"][str(cfg.layer)]
+
+
+def target_features(cfg: MTPConfig, params, feats: torch.Tensor) -> torch.Tensor:
+    """MTP reads the target's hidden state as is."""
+    return feats
+
+
+def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None):
+    """Run the module over tokens [B, T] (x_{t+1}) and hidden states h [B, T, H] (h_t) at starts[b] + t.
+
+    Returns ``(g [B, T, H], kv)``. ``window`` is ignored (vLLM-Ascend turns the
+    draft window off for MTP). Donates: kv.k, kv.v.
+    """
+    m, p = cfg.model, _module(cfg, params)
+    pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
+    emb = p["embed_tokens"]["weight"][tokens].masked_fill((pos == 0).unsqueeze(-1), 0.0)  # [B, T, H]
+    e = rms_norm(emb, p["enorm"]["weight"], m.rms_norm_eps)
+    x = linear(torch.cat([e, rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)], -1), p["eh_proj"])
+    cos, sin = rope_tables(m, pos, x.dtype)
+    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin), kv
+
+
+def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts [B] int64 from module outputs g [B, H]."""
+    head = _module(cfg, params)["shared_head"]
+    logits = F.linear(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"])
+    return torch.argmax(logits.float(), dim=-1)
+
+
+def head_shapes(cfg: MTPConfig) -> dict:
+    """Every key of the MTP module (without the optional embedding) and its shape."""
+    m, pre = cfg.model, f"model.layers.{cfg.layer}."
+    h = m.hidden_size
+    shapes = layer_shapes(m, pre)
+    shapes.update({pre + "enorm.weight": (h,), pre + "hnorm.weight": (h,), pre + "eh_proj.weight": (h, 2 * h),
+                   pre + "shared_head.norm.weight": (h,), pre + "shared_head.head.weight": (m.vocab_size, h)})
+    return shapes
+
+
+def init_params(target_cfg: ModelConfig, seed: int = 0):
+    """A random MTP module for ``target_cfg`` as a stand-alone checkpoint: ``(hf_config, params)``.
+
+    The config is the target's plus ``num_nextn_predict_layers: 1``, as DeepSeek-V3 ships it.
+    """
+    cfg = MTPConfig(dataclasses.replace(target_cfg, num_layers=1), target_cfg.num_layers)
+    return hf_config_dict(target_cfg, num_nextn_predict_layers=1), nest(random_tensors(head_shapes(cfg), seed))
+
+
+def load_params(path, target):
+    """The MTP module ``model.layers.{L}.*`` of checkpoint ``path`` (the target's own or a separate one).
+
+    Returns ``(cfg, params)``; params share the target's embedding unless the
+    module ships one. Raises ``ValueError`` naming missing or mis-shaped keys.
+    """
+    path, hf = read_config(path)
+    base = ModelConfig.from_hf(hf)
+    if (base.num_layers, base.hidden_size) != (target.cfg.num_layers, target.cfg.hidden_size):
+        raise ValueError(f"{path}: MTP config num_hidden_layers/hidden_size ({base.num_layers}, {base.hidden_size})"
+                         f" must equal the target's ({target.cfg.num_layers}, {target.cfg.hidden_size})")
+    if hf.get("num_nextn_predict_layers", 1) < 1:
+        raise ValueError(f"{path}: num_nextn_predict_layers is 0: this checkpoint has no MTP module")
+    cfg = MTPConfig(dataclasses.replace(base, num_layers=1), base.num_layers)
+    shapes = head_shapes(cfg)
+    embed_key = f"model.layers.{cfg.layer}.embed_tokens.weight"
+    tensors = read_safetensors(path, set(shapes) | {embed_key})
+    if not tensors:
+        raise ValueError(f"{path}: no MTP module (keys model.layers.{cfg.layer}.*) in this checkpoint")
+    if embed_key in tensors:
+        shapes[embed_key] = (base.vocab_size, base.hidden_size)
+    check_keys(tensors, shapes, str(path))
+    target_embed = target.params["model"]["embed_tokens"]["weight"]
+    params = nest(to_target(tensors, target_embed))
+    _module(cfg, params).setdefault("embed_tokens", {"weight": target_embed})
+    return cfg, params

@@ -1,0 +1,24 @@
+"""``mtp``: DeepSeek-V3-style multi-token prediction, applied autoregressively for K > 1.
+
+Drafting is the feature chain of :mod:`funcspec.proposers.eagle` with the MTP
+module as the head: it reads the target's final normed hidden state and feeds
+its own block output back. The module comes from ``speculative_config["model"]``
+if given, else from the target checkpoint itself (``model.layers.{L}.*``,
+which :func:`funcspec.checkpoints.load_model` leaves out of the target).
+The draft KV window does not apply (vLLM-Ascend turns it off for MTP).
+"""
+
+from __future__ import annotations
+
+from funcspec.nn import mtp as net
+from funcspec.proposers.eagle import ChainConfig, chain_config, commit, hidden_layers, init_state, prefill, propose
+
+__all__ = ["ChainConfig", "build", "commit", "hidden_layers", "init_state", "prefill", "propose", "runs_on_host"]
+
+runs_on_host = False
+
+
+def build(spec, target, engine):
+    """Load the MTP module from ``speculative_config["model"]`` or the target's own checkpoint."""
+    head, params = net.load_params(spec.model or target.path, target)
+    return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params

@@ -1,0 +1,249 @@
+"""Neural draft heads (Medusa, EAGLE-1, EAGLE-3, MTP): lossless greedy decoding, draft alignment
+against a from-scratch recompute, checkpoint round trips, state structure, padding, draft window, capture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_hf_model
+from funcspec import Engine, SamplingParams, load_model
+from funcspec.checkpoints import flatten, read_safetensors, save_params
+from funcspec.nn import eagle, medusa, mtp
+from funcspec.nn.llama import forward, init_kv_cache
+from funcspec.step import StepContext, VerifyResult
+from funcspec.tree import tree_map, tree_signature
+from funcspec.types import Sampling
+
+K_MAX = 3
+HEADS = {"medusa": (medusa, {}), "eagle": (eagle, {"version": 1}), "eagle3": (eagle, {"version": 3}),
+         "mtp": (mtp, {})}
+METHODS = ["medusa", "eagle", "eagle3", "mtp", "mtp_in_target"]
+PROMPTS = [[5, 17, 33], list(range(10, 30)), [44, 9, 71, 8, 3, 90, 12, 6, 51, 7, 23], [7, 7, 7, 7, 8]]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """A 3-layer target (EAGLE-3's default aux layers [2, 1, 0] fit it), one random head per method,
+    and a copy of the target with the MTP module appended as ``model.layers.3.*``."""
+    root = tmp_path_factory.mktemp("heads")
+    make_hf_model(root / "target", num_hidden_layers=3)
+    target = load_model(root / "target")
+    paths = {"target": str(root / "target")}
+    for name, (mod, kw) in HEADS.items():
+        hf, params = mod.init_params(target.cfg, seed=1, **kw)
+        save_params(root / name, params, hf)
+        paths[name] = str(root / name)
+    both = root / "target_mtp"
+    both.mkdir()
+    shutil.copy(root / "target" / "config.json", both)
+    tensors = {**read_safetensors(root / "target"), **read_safetensors(root / "mtp")}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(both / "model.safetensors"))
+    paths["mtp_in_target"] = str(both)
+    ar = Engine(target, max_batch_size=4, max_model_len=96).generate(PROMPTS, greedy(24))
+    return types.SimpleNamespace(target=target, paths=paths, ar=[o.outputs[0].token_ids for o in ar])
+
+
+def spec_engine(zoo, method, k=K_MAX, max_batch_size=4, spec=None, **kw):
+    if method == "mtp_in_target":
+        return Engine(zoo.paths["mtp_in_target"], {"method": "mtp", "num_speculative_tokens": k, **(spec or {})},
+                      max_batch_size=max_batch_size, max_model_len=96, **kw)
+    return Engine(zoo.target, {"method": method, "model": zoo.paths[method], "num_speculative_tokens": k,
+                               **(spec or {})}, max_batch_size=max_batch_size, max_model_len=96, **kw)
+
+
+def record_drafts(eng):
+    """Wrap the engine's proposer so every propose call appends (slots, lens, drafts) to the returned list."""
+    rec, mod = [], eng.proposer.module
+    wrapped = types.ModuleType(mod.__name__ + "_recorded")
+    wrapped.__dict__.update(vars(mod))
+
+    def propose(cfg, params, state, ctx, k):
+        proposal, new = mod.propose(cfg, params, state, ctx, k)
+        rec.append((ctx.slots.tolist(), ctx.lens.tolist(), proposal.tokens.tolist()))
+        return proposal, new
+
+    wrapped.propose = propose
+    eng.proposer.module = wrapped
+    return rec
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_autoregressive(zoo, method, k):
+    eng = spec_engine(zoo, method, k)
+    out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))]
+    assert out == zoo.ar
+    st = eng.stats
+    assert len(st["per_position_acceptance"]) == k and st["mean_acceptance_length"] >= 1.0
+    assert eng.generate(PROMPTS[3:], greedy(12))[0].outputs[0].token_ids == zoo.ar[3][:12]  # batch of 1
+
+
+def reference_drafts(eng, seq: list[int], k: int) -> list[int]:
+    """Drafts after committed seq[:-1] and pending seq[-1], recomputed from scratch (fresh caches,
+    target features from one full target pass): what the proposer's incremental state must reproduce."""
+    handle, params, tgt = eng.proposer, eng.params["draft"], eng.model
+    n = len(seq) - 1
+    x = torch.tensor([seq])
+    zero, slot = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    _, hid, _ = forward(tgt.cfg, tgt.params, init_kv_cache(tgt.cfg, 1, n), x[:, :n], slot, zero,
+                        handle.hidden_layers)
+    feats = torch.cat(hid, -1)  # [1, n, F]
+    cfg = handle.cfg
+    if isinstance(cfg.head, medusa.MedusaConfig):
+        return [int(medusa.head_logits(cfg.head, params, feats[:, -1], i).argmax()) for i in range(k)]
+    kv = init_kv_cache(cfg.model, 1, n + k)
+    g, kv = cfg.forward(cfg.head, params, kv, x[:, 1:], cfg.features(cfg.head, params, feats), slot, zero)
+    g, drafts = g[:, -1], []
+    for i in range(k):
+        drafts.append(cfg.draft(cfg.head, params, g))
+        g, kv = cfg.forward(cfg.head, params, kv, drafts[-1].view(1, 1), g.unsqueeze(1), slot, zero + n + i)
+        g = g[:, 0]
+    return [int(d) for d in drafts]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_drafts_match_full_recompute(zoo, method):
+    """Every step's drafts equal a from-scratch recompute, over two slots and every acceptance count.
+
+    Random heads are almost never accepted, so the synthetic verifier (lossy,
+    accepts by rate) makes each step commit 1..K+1 tokens: the catch-up after
+    partial and full acceptance is what this checks.
+    """
+    synthetic = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.6, 0.4]}
+    eng = spec_engine(zoo, method, max_batch_size=2, spec=synthetic)
+    rec = record_drafts(eng)
+    outs = eng.generate(PROMPTS[1:3], greedy(16))
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS[1:3], outs)]
+    checked = 0
+    for slots, lens, drafts in rec:
+        for slot, n, d in zip(slots, lens, drafts):
+            if slot < 2:
+                assert d == reference_drafts(eng, seqs[slot][:n + 1], K_MAX), (slot, n)
+                checked += 1
+    assert checked >= 8
+    assert set(eng.stats["per_position_acceptance"]) != {0.0}  # some drafts were accepted
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_checkpoint_round_trip_and_bad_keys(zoo, method, tmp_path):
+    mod, kw = HEADS[method]
+    hf, params = mod.init_params(zoo.target.cfg, seed=1, **kw)
+    def load(path):
+        return mod.load_params(path, zoo.target, **kw)
+
+    _, loaded = load(zoo.paths[method])
+    written, got = flatten(params), flatten(loaded)
+    for name, t in written.items():
+        assert torch.equal(got[name], t.to(got[name].dtype)), name
+    shared = set(got) - set(written)  # the target's tensors, by reference
+    target_ids = {id(t) for t in flatten(zoo.target.params).values()}
+    assert all(id(got[name]) in target_ids for name in shared) and (method == "medusa" or shared)
+
+    flat = read_safetensors(Path(zoo.paths[method]))
+    victim = sorted(k for k, v in flat.items() if v.dim() == 2)[0]
+    for label, tensors in [("missing", {k: v for k, v in flat.items() if k != victim}),
+                           ("mis-shaped", {**flat, victim: flat[victim][:, :-1].contiguous()})]:
+        bad = tmp_path / label
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(hf))
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match=label) as err:
+            load(bad)
+        assert victim in str(err.value)
+
+
+def test_bad_head_configs(zoo):
+    with pytest.raises(ValueError, match="medusa_num_heads"):  # K larger than the number of heads
+        Engine(zoo.target, {"method": "medusa", "model": zoo.paths["medusa"], "num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        eagle.load_params(zoo.paths["eagle3"], zoo.target, version=3, aux_layers=(0, 1, 3))
+    with pytest.raises(ValueError, match="no MTP module"):
+        Engine(zoo.target, {"method": "mtp", "num_speculative_tokens": 1})
+
+
+# ----------------------------------------------------------------------------- state, padding
+
+
+def _ctx(state, slots):
+    slots = torch.tensor(slots)
+    b = slots.shape[0]
+    return StepContext(slots, state.kv.lens[slots], state.history, torch.zeros(b, dtype=torch.int64),
+                       Sampling.full(b, 0.0))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_state_structure_and_padding_invariance(zoo, method):
+    eng = spec_engine(zoo, method, max_batch_size=2)
+    eng.generate(PROMPTS[:2], greedy(7))  # slots 0 and 1 now hold decoded requests
+    h, params, s = eng.proposer, eng.params["draft"], eng.num_slots
+
+    def run(slots):
+        state = tree_map(torch.clone, eng.state)
+        sig = tree_signature(state.proposer)
+        proposal, new = h.module.propose(h.cfg, params, state.proposer, _ctx(state, slots), K_MAX)
+        assert tree_signature(new) == sig
+        return proposal.tokens, new
+
+    alone, _ = run([1])
+    padded, new = run([1, s, s])
+    both, _ = run([0, 1])
+    assert torch.equal(padded[:1], alone) and torch.equal(both[1:], alone)
+    hid = tuple(torch.ones(3, K_MAX + 1, eng.model.cfg.hidden_size) for _ in h.hidden_layers)  # [B, K+1, H] each
+    result = VerifyResult(torch.tensor([1, s, s]), torch.tensor([9, 0, 0]), torch.zeros(3, K_MAX + 1, dtype=torch.int64),
+                          torch.tensor([2, 1, 4], dtype=torch.int32), hid)
+    assert tree_signature(h.module.commit(h.cfg, new, result)) == tree_signature(new)
+
+
+# ----------------------------------------------------------------------------- draft window
+
+
+def test_draft_window_changes_drafts_never_the_output(zoo):
+    def run(window):
+        extra = None if window is None else {"draft_window_size": window}
+        eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config=extra)
+        rec = record_drafts(eng)
+        out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))]
+        return out, rec
+
+    out, full = run(None)
+    assert run(1000) == (out, full)  # W >= every context: the same drafts
+    small_out, small = run(2)
+    assert out == small_out == zoo.ar[:2] and small != full
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def test_propose_compiles_fullgraph(zoo):
+    eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config={"draft_window_size": 8})
+    eng.generate(PROMPTS[:2], greedy(5))
+    h, params = eng.proposer, eng.params["draft"]
+
+    def step(params, pstate, ctx):  # NOTE: K = 2 keeps the cold compile short; it still has a feedback step
+        return h.module.propose(h.cfg, params, pstate, ctx, 2)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    outs = []
+    for fn in (step, compiled):
+        state = tree_map(torch.clone, eng.state)
+        proposal, new = fn(params, state.proposer, _ctx(state, [0, 1]))
+        outs.append((proposal.tokens, new.kv.k))
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-5)

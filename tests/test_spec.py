@@ -1,0 +1,152 @@
+"""Speculative decoding through the engine: greedy lossless for every host/in-graph proposer,
+sampled lossless with a sampling draft model, dynamic K, captured graphs without recompiles."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from funcspec import Engine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts (code-editing-like), so ngram and suffix find matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, 96, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        out.append((motif * 4)[: 4 + (i * 5) % 14])
+    return out
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _spec(method, k, draft=None, **extra):
+    cfg = {"method": method, "num_speculative_tokens": k, **extra}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "draft_model":
+        cfg["model"] = draft
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Autoregressive greedy outputs of 30 prompts (the ground truth)."""
+    prompts = _prompts(30)
+    return prompts, _ids(Engine(tiny_llama, max_batch_size=8, max_model_len=96).generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_lossless_eager(tiny_llama, tiny_draft, reference, method, k):
+    prompts, want = reference
+    eng = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_batch_size=8, max_model_len=96)
+    for n in (1, 3, 8):  # buckets 1, 4 and 8
+        assert _ids(eng.generate(prompts[:n], GREEDY)) == want[:n]
+    slots4 = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_batch_size=4, max_model_len=96)
+    assert _ids(slots4.generate(prompts, GREEDY)) == want  # 30 requests through 4 slots
+    st = slots4.stats
+    assert st["mean_acceptance_length"] > 1.0, "repetitive prompts must accept some drafts"
+    assert len(st["per_position_acceptance"]) == k and st["per_position_acceptance"][0] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_greedy_lossless_inductor(tiny_llama, tiny_draft, reference, method):
+    """Every step padded to bucket (4, 3): one compiled graph, no recompiles on a second run."""
+    prompts, want = reference
+    eng = Engine(tiny_llama, speculative_config=_spec(method, 3, tiny_draft), backend="inductor",
+                 max_batch_size=4, batch_buckets=[4], max_model_len=96)
+    assert _ids(eng.generate(prompts[:12], GREEDY)) == want[:12]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert _ids(eng.generate(prompts[12:], GREEDY)) == want[12:]
+    assert eng.stats["recompiles"] == 0 and list(eng.graphs) == [(4, 3)]
+
+
+def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):
+    """vLLM's num_speculative_tokens_per_batch_size: K=3 for 1-2 requests, K=1 for 3+, on inductor."""
+    prompts, want = reference
+    spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 4, 1]])
+    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
+                 max_model_len=96)
+    assert _ids(eng.generate(prompts[:6], GREEDY)) == want[:6]  # captures K=1 and K=3
+    used = set(eng.stats["buckets_used"])
+    assert used == {"B4_K1", "B4_K3"}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert _ids(eng.generate(prompts[6:14], GREEDY)) == want[6:14]
+    assert eng.stats["recompiles"] == 0
+
+
+def test_acceptance_is_zero_beyond_active_k(tiny_llama, reference):
+    """With a K table capping K at 1 for every batch size, positions 2.. of K_max = 3 never accept."""
+    prompts, want = reference
+    spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 8, 1]])
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts[:8], GREEDY)) == want[:8]
+    acc = eng.stats["per_position_acceptance"]
+    assert acc[0] > 0 and acc[1] == 0 and acc[2] == 0
+    assert set(eng.stats["buckets_used"]) <= {"B1_K1", "B2_K1", "B4_K1"}
+
+
+def test_k_zero_rows_of_the_table_decode_autoregressively(tiny_llama, tiny_draft, reference):
+    """K = 0 means no drafting; the draft model still keeps its KV in step."""
+    prompts, want = reference
+    spec = _spec("draft_model", 2, tiny_draft, num_speculative_tokens_per_batch_size=[[1, 1, 2], [2, 8, 0]])
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
+    assert _ids(eng.generate(prompts[:7], params)) == [w[:4 + 2 * i] for i, w in enumerate(want[:7])]
+    assert {"B4_K0", "B1_K2"} <= set(eng.stats["buckets_used"])
+
+
+def test_request_metrics(tiny_llama, reference):
+    prompts, _ = reference
+    eng = Engine(tiny_llama, speculative_config=_spec("ngram", 3), max_batch_size=4, max_model_len=96)
+    out = eng.generate(prompts[:4], GREEDY)
+    for o in out:
+        m = o.metrics
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["steps"]
+        assert m["acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["steps"])
+
+
+def _first_two(eng_kwargs, tiny_llama, n_seeds, prompt):
+    eng = Engine(tiny_llama, max_batch_size=16, max_model_len=16, **eng_kwargs)
+    params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=2, ignore_eos=True) for s in range(n_seeds)]
+    outs = eng.generate([prompt] * n_seeds, params)
+    return [tuple(o.outputs[0].token_ids) for o in outs], eng
+
+
+def test_sampled_lossless_draft_model(tiny_llama, tiny_draft):
+    """Joint law of the first two tokens: speculative (sampled drafts, standard verify) vs autoregressive."""
+    n, prompt = 3000, [7, 8, 9]
+    spec_pairs, eng = _first_two({"speculative_config": _spec("draft_model", 2, tiny_draft)}, tiny_llama,
+                                 n, prompt)
+    ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
+    assert eng.stats["mean_acceptance_length"] > 1.0
+    cells = sorted(set(spec_pairs) | set(ar_pairs))
+    a = np.array([spec_pairs.count(c) for c in cells])
+    b = np.array([ar_pairs.count(c) for c in cells])
+    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
+    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-4
+
+
+def test_dynamic_verify_length_is_lossless(tiny_llama, tmp_path, reference):
+    """Confidence-based verify length (dspark): budget-driven K buckets, output equals AR."""
+    from funcspec.checkpoints import init_draft_head
+
+    prompts, want = reference
+    head = init_draft_head("dspark", tiny_llama, tmp_path / "dspark", markov_rank=8)
+    spec = {"method": "dspark", "model": str(head), "num_speculative_tokens": 4}
+    extra = {"dynamic_spec_config": {"method": "dspark", "method_params": {
+        "initial_verify_budget_per_req": 2, "budget_update_interval": 2, "budget_threshold": 0.3}}}
+    eng = Engine(tiny_llama, speculative_config=spec, additional_config=extra, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts[:8], GREEDY)) == want[:8]
+    ks = {int(b.split("_K")[1]) for b in eng.stats["buckets_used"]}
+    assert ks and max(ks) <= 4 and min(ks) >= 1
