@@ -28,6 +28,9 @@ def _generate(args) -> None:
     st = engine.stats
     print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s  (backend={st['backend']}, steps={st['steps']}, "
           f"mean acceptance length={st['mean_acceptance_length']:.2f})")
+    if spec:
+        acc = ", ".join(f"{a:.2f}" for a in st["per_position_acceptance"])
+        print(f"speculative_config={json.dumps(spec)}  per-position acceptance: [{acc}]")
 
 
 def _run_default(args) -> None:
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen_args(sub.add_parser("generate", help="generate text and print tokens/s"))
     p = sub.add_parser("run-default", help="what `make run` does")
     gen_args(p, model_required=False)
-    p.set_defaults(ignore_eos=True)
+    p.set_defaults(ignore_eos=True, speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}))
     from funcspec.bench import add_bench_parser
 
     add_bench_parser(sub)

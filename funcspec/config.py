@@ -34,7 +34,8 @@ VLLM_METHODS = frozenset(
 )
 """The speculative methods of the vLLM-Ascend guide, under their canonical vLLM names."""
 
-BUILT_METHODS = frozenset({"ngram", "suffix", "draft_model", "dflash", "dspark", "medusa", "eagle", "eagle3", "mtp"})
+BUILT_METHODS = frozenset({"ngram", "suffix", "draft_model", "dflash", "dspark", "medusa", "eagle", "eagle3", "mtp",
+                           "extract_hidden_states"})
 """Methods whose proposer exists in ``funcspec/proposers``. Extend it when a proposer lands."""
 
 # vLLM's deprecated per-model MTP method names. vLLM rewrites each to "mtp" with a warning.

@@ -104,13 +104,21 @@ class Engine:
     def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
                  max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
-                 device="cpu", dtype=torch.float32):
+                 device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
         cfg = self.model.cfg
         if isinstance(speculative_config, SpecConfig) or speculative_config is None:
             self.spec = speculative_config
         else:
             self.spec = SpecConfig.from_vllm(speculative_config, additional_config)
+        self.dump = None
+        if self.spec is not None and self.spec.method == "extract_hidden_states":
+            from funcspec import extract
+
+            self.dump = extract.build(self.spec, cfg.num_layers, kv_transfer_config)
+            self.spec = None  # it does not speculate: decode is plain autoregressive
+        elif kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")
         max_k = self.spec.num_speculative_tokens if self.spec else 0
         if self.spec is not None:
             self.spec.validate_for_backend(backend)  # before importing torch_npu: report K+1 <= 16 first
@@ -239,6 +247,8 @@ class Engine:
             self.running[req.slot] = req
             req.t_first = time.perf_counter()
             self._append(req, [first])
+            if self.dump is not None and not req.finish_reason:
+                req.finish_reason = "length"  # extract_hidden_states emits one token per request
 
     @torch.no_grad()
     def _prefill(self, reqs: list[Request]) -> list[int]:
@@ -254,8 +264,12 @@ class Engine:
             tokens[i, : lens[i]] = torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         zero = torch.zeros_like(slots)
-        layers = self.proposer.hidden_layers if self.proposer else ()
+        layers = self.proposer.hidden_layers if self.proposer else self.dump.layers if self.dump else ()
         logits, hiddens, _ = forward(self.model.cfg, self.model.params, self.state.kv, tokens, slots, zero, layers)
+        if self.dump is not None:
+            for i, r in enumerate(reqs):
+                path = self.dump.save(r.request_id, tokens[i, :lens[i]], tuple(h[i, :lens[i]] for h in hiddens))
+                r.extra["kv_transfer_params"] = {"hidden_states_path": path}
         if self.proposer is not None:
             for i, r in enumerate(reqs):
                 pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,

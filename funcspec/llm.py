@@ -63,14 +63,13 @@ class LLM:
         if spec is not None and spec.ignored_keys:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
-        max_k = spec.num_speculative_tokens if spec else 0
+        max_k = spec.num_speculative_tokens if spec and spec.method != "extract_hidden_states" else 0
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
-        self.kv_transfer_config = kv_transfer_config
         self.engine = Engine(
             model, speculative_config=spec, backend=backend or ("eager" if enforce_eager else "auto"),
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
             batch_buckets=batch_buckets_from_compilation(compilation_config, max_k), seed=seed,
-            device=device, dtype=torch_dtype,
+            device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

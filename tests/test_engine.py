@@ -148,3 +148,39 @@ def test_llm_facade(tiny_llama):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="unknown engine argument"):
         funcspec.LLM(model=tiny_llama, not_an_arg=1)
+
+
+def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch):
+    """The host reads each step's results with one .cpu() call (the # SYNC line), nothing else."""
+    eng = Engine(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_max": 2}, max_batch_size=4, max_model_len=64)
+    eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # warm up
+    calls = {"cpu": 0, "item": 0}
+    real_cpu, real_item = torch.Tensor.cpu, torch.Tensor.item
+
+    def cpu(self, *a, **k):
+        calls["cpu"] += 1
+        return real_cpu(self, *a, **k)
+
+    def item(self, *a, **k):
+        calls["item"] += 1
+        return real_item(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    steps0 = eng.stats["steps"]
+    eng._admit([eng._make_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                   ignore_eos=True))])
+    calls["cpu"] = calls["item"] = 0
+    for _ in range(4):
+        eng._step()
+    assert eng.stats["steps"] - steps0 == 4
+    assert calls == {"cpu": 4, "item": 0}
+
+
+def test_cli_generate_prints_text_and_speed(default_model, capsys):
+    from funcspec.cli import main
+
+    main(["generate", "--model", default_model, "--max-tokens", "5", "--ignore-eos", "--max-model-len", "64"])
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "Generated:" in out

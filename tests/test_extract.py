@@ -1,0 +1,49 @@
+"""extract_hidden_states: the guide's example runs and the saved states equal the target's layers."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import funcspec
+from conftest import make_hf_model
+from funcspec import SamplingParams
+
+
+def test_guide_example_saves_target_hidden_states(tmp_path):
+    hf = make_hf_model(tmp_path / "target", num_hidden_layers=4)
+    llm = funcspec.LLM(
+        model=str(tmp_path / "target"),
+        tensor_parallel_size=1,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "hs")}},
+    )
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1))
+    for prompt, out in zip(prompts, outputs):
+        assert len(out.outputs[0].token_ids) == 1
+        path = out.kv_transfer_params.get("hidden_states_path")
+        with safe_open(path, "pt") as f:
+            token_ids, hidden = f.get_tensor("token_ids"), f.get_tensor("hidden_states")
+        assert token_ids.tolist() == prompt
+        assert hidden.shape == (len(prompt), 3, 32)  # [num_tokens, num_layers, hidden_size]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        for j, layer in enumerate([1, 2, 4]):
+            torch.testing.assert_close(hidden[:, j], ref[layer][0], atol=1e-5, rtol=0)
+
+
+def test_extract_needs_its_connector(tiny_llama, tmp_path):
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1]}}}
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        funcspec.LLM(model=tiny_llama, speculative_config=spec)
+    bad = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer"}
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_connector"):
+        funcspec.LLM(model=tiny_llama, speculative_config=spec, kv_transfer_config=bad)
+    far = dict(spec, draft_model_config={"hf_config": {"eagle_aux_hidden_state_layer_ids": [9]}})
+    good = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids: \[9\]"):
+        funcspec.LLM(model=tiny_llama, speculative_config=far, kv_transfer_config=good)
