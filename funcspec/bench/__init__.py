@@ -2,9 +2,10 @@
 
 
 def add_bench_parser(sub) -> None:
-    """Register ``bench capture`` under the CLI's subcommands."""
-    from funcspec.bench.capture import add_parser
+    """Register ``bench capture`` and ``bench spec`` under the CLI's subcommands."""
+    from funcspec.bench import capture, spec
 
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    add_parser(kinds)
+    capture.add_parser(kinds)
+    spec.add_parser(kinds)
