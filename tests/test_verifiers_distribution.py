@@ -142,9 +142,9 @@ def test_block_beats_standard_on_suns_toy_case():
 
 def test_block_never_worse_than_standard():
     gains = []
-    for seed in range(4):
-        vocab = 6 + 2 * seed
-        logits, q, drafts = make_case(100 + seed, vocab, n=15000, k=4)
+    for seed in range(3):
+        vocab = 6 + 3 * seed
+        logits, q, drafts = make_case(100 + seed, vocab, n=10000, k=4)
         _, std = verifiers.rejection_sample(rng.key(seed), logits, drafts, q, method="standard")
         _, blk = verifiers.rejection_sample(rng.key(seed), logits, drafts, q, method="block")
         diff = (blk - std).double()  # paired: same drafts and uniforms
@@ -169,7 +169,7 @@ def test_synthetic_per_position_acceptance():
     for i, rate in enumerate(RATES):
         assert (accepted > i).double().mean().item() == pytest.approx(rate, abs=1e-2)
     # rates ending in zero: nothing is ever accepted past them
-    _, num = verifiers.rejection_sample(rng.key(2), logits, drafts, method="synthetic",
+    _, num = verifiers.rejection_sample(rng.key(2), logits[:5000], drafts[:5000], method="synthetic",
                                         synthetic_acceptance_rates=(1.0, 0.5, 0.0, 0.0))
     assert set(num.tolist()) == {2, 3}
 

@@ -15,10 +15,13 @@ which runs KMP on the reversed history). For one row with valid tokens ``x[0:N]`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from funcspec.types import PLACEHOLDER
+from funcspec.proposers import keep_state, no_prefill
+from funcspec.types import PLACEHOLDER, Proposal
 
 
 def ngram_propose(
@@ -101,10 +104,6 @@ def ngram_propose(
 
 
 # ---------------------------------------------------------------- protocol (DESIGN §4)
-import dataclasses  # noqa: E402
-
-from funcspec.proposers import keep_state, no_prefill  # noqa: E402
-from funcspec.types import Proposal  # noqa: E402
 
 runs_on_host = False
 prefill = no_prefill

@@ -30,6 +30,11 @@ import struct
 from collections.abc import Hashable, KeysView, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from funcspec.proposers import keep_state, no_prefill
+from funcspec.types import PLACEHOLDER, Proposal
+
 
 def _f32(x: float) -> float:
     """Round to the nearest float32. A double op then this rounding equals the float32 op."""
@@ -289,10 +294,6 @@ class SuffixDecodingCache:
 
 
 # ---------------------------------------------------------------- protocol (DESIGN §4)
-import torch  # noqa: E402
-
-from funcspec.proposers import keep_state, no_prefill  # noqa: E402
-from funcspec.types import PLACEHOLDER, Proposal  # noqa: E402
 
 runs_on_host = True
 prefill = no_prefill

@@ -114,18 +114,9 @@ def prepare(target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
     return Inputs(drafts, valid, supported, p, q, ratio)
 
 
-def stream_key(key: torch.Tensor, stream: int) -> torch.Tensor:
-    """The sub-key [B] ``rng.fold_in(key, stream)`` of the row keys [B]."""
-    sub = rng.fold_in(key, stream)  # [B]
-    # NOTE: the max over two copies changes no value; it makes inductor store
-    # the sub-key instead of re-inlining fold_in's hash chain into the draw that
-    # follows. Chained inline hashes made each rule cost ~3x more compile time.
-    return torch.stack([sub, sub], dim=-1).amax(dim=-1)
-
-
 def acceptance_uniforms(key: torch.Tensor, k: int) -> torch.Tensor:
     """u [B, K] in (0, 1) from stream ``STREAM_ACCEPT`` of the row keys [B]."""
-    return rng.uniform(stream_key(key, STREAM_ACCEPT), k)
+    return rng.uniform(rng.fold_in(key, STREAM_ACCEPT), k)
 
 
 def num_leading(accept: torch.Tensor) -> torch.Tensor:
@@ -133,8 +124,8 @@ def num_leading(accept: torch.Tensor) -> torch.Tensor:
     k = accept.shape[1]
     if k == 0:
         return accept.sum(dim=1)
-    # NOTE: the first rejected position as a min-reduction; a cumprod scan
-    # costs inductor noticeably more compile time for the same result.
+    # NOTE: the first rejected position as a min-reduction rather than a
+    # cumprod scan, which inductor compiles more slowly on CPU.
     pos = torch.arange(k, device=accept.device)  # [K]
     return torch.where(accept, k, pos).amin(dim=1)
 
@@ -150,9 +141,9 @@ def cumulative_ratio(ratio: torch.Tensor) -> torch.Tensor:
     Not a clamped ``cumprod``: the clamp applies to the running product, so a
     ratio above 1 can restore mass lost earlier (Sun et al.; vLLM-Ascend's kernel).
     """
-    running = torch.ones_like(ratio[:, 0]) if ratio.shape[1] else None  # [B]
+    running = ratio.new_ones(ratio.shape[0])  # [B]
     out = []
-    for i in range(ratio.shape[1]):  # K is static and small (<= 15): unrolled
+    for i in range(ratio.shape[1]):  # K is static and small (K+1 <= 16): unrolled
         running = torch.clamp(running * ratio[:, i], max=1.0)
         out.append(running)
     return torch.stack(out, dim=1) if out else ratio
@@ -187,7 +178,7 @@ def final_token(key: torch.Tensor, inp: Inputs, num_accepted: torch.Tensor,
         q_row = torch.zeros_like(p_row)
     w = torch.ones_like(p_row[:, 0]) if weight is None else weight[rows, num_accepted]  # [B]
     w = torch.where(num_accepted < k, w, 1.0)
-    return rng.categorical(stream_key(key, STREAM_FINAL), residual(p_row, q_row, w))
+    return rng.categorical(rng.fold_in(key, STREAM_FINAL), residual(p_row, q_row, w))
 
 
 def emit(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

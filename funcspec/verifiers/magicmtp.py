@@ -13,6 +13,10 @@ from ``norm(max(0, p - q))``, or the bonus if ``last+1 == K``. With
 ``thr_k · U_k`` (:func:`funcspec.verifiers.entropy.threshold`), as vLLM-Ascend
 does when both flags are on.
 
+NOTE: this follows vLLM-Ascend's Triton kernel (and ALGORITHMS.md): the clamp
+is on the running product, and q = 0 drops π to 0. Its PyTorch fallback differs
+(clamps each ratio before a cumprod; recovers from ``max(0, π·p - q)``).
+
 Active only for K >= 3; below that it is standard verification (entropy
 verification with ``cfg.entropy``), as in vLLM-Ascend. Uses stream 0 (u) and
 stream 1 (final race) of ``common``.

@@ -82,9 +82,9 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(r / p if p > 0 else 0.0 for r, p in zip(rates, prev))
 
 
-def verify(cfg: common.VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
+def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic verification; see the module docstring. Uses stream 0 (u) and 1 (final race)."""
+    """Synthetic verification with ``cfg.synthetic_rates``. Uses stream 0 (u) and 1 (final race)."""
     inp = common.prepare(target_logits, proposal, sampling, key)
     k = inp.drafts.shape[1]
     if cfg.synthetic_rates is None:
