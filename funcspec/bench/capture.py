@@ -150,8 +150,11 @@ def add_parser(kinds) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--no-warm", action="store_true", help="skip the warm-cache recapture")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
     def go(a):
+        if a.threads:
+            torch.set_num_threads(a.threads)
         run(a.model, [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")], a.backend,
             a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir)
 

@@ -151,8 +151,11 @@ def add_parser(kinds) -> None:
     p.add_argument("--draft", default=None, help="draft checkpoint for draft_model and HF assistant_model")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
     def go(a):
+        if a.threads:
+            torch.set_num_threads(a.threads)
         run(a.model, [m for m in a.methods.split(",") if m], a.k, a.batch, a.backend, a.num_prompts,
             a.max_tokens, a.draft, not a.no_hf, a.out_dir)
 
