@@ -13,6 +13,13 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session):
+    """Tests that call torch.compile directly get the same -fwrapv kernels as capture()."""
+    from funcspec.capture.backends import wrap_int64_overflow
+
+    wrap_int64_overflow()
+
+
 def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
     """Save a tiny random transformers model of ``arch`` to ``path``; return the HF model."""
     import transformers

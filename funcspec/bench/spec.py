@@ -108,6 +108,7 @@ def run(model: str, methods=("ngram", "suffix"), k: int = 4, batch: int = 4, bac
         r["matches_ar_greedy"] = r["outputs"] == ar["outputs"]
         if r.get("tau"):
             r["speedup_over_tau"] = r["speedup_vs_funcspec_ar"] / r["tau"]
+    for r in rows:
         del r["outputs"]
     result = {"model": model, "backend": backend, "batch": batch, "k": k, "num_prompts": num_prompts,
               "max_tokens": max_tokens, "device": device_name("cpu"), "torch": torch.__version__,

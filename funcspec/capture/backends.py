@@ -95,8 +95,32 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def wrap_int64_overflow() -> None:
+    """Compile inductor's C++ kernels with ``-fwrapv`` (idempotent).
+
+    NOTE: funcspec.rng's splitmix64 hash relies on int64 multiply/add wrapping
+    around. Signed overflow is undefined behaviour in C++, and GCC was seen to
+    miscompile the hash in an inductor scalar loop (torch 2.13 CPU), breaking
+    eager/compiled bit-identity. ``-fwrapv`` makes wrap-around defined. torch
+    has no public option for kernel cflags, hence the wrapper.
+    """
+    from torch._inductor import cpp_builder
+
+    orig = cpp_builder._get_optimization_cflags
+    if getattr(orig, "funcspec_fwrapv", False):
+        return
+
+    def with_fwrapv(*args, **kwargs):
+        cflags, ldflags = orig(*args, **kwargs)
+        return cflags + ["fwrapv"], ldflags
+
+    with_fwrapv.funcspec_fwrapv = True
+    cpp_builder._get_optimization_cflags = with_fwrapv
+
+
 def compile_inductor(fn: Callable, name: str, stats: CaptureStats) -> Callable:
     """``torch.compile(fullgraph=True, dynamic=False)`` of a private code copy of ``fn``."""
+    wrap_int64_overflow()
     return torch.compile(fresh_code_copy(fn, name), backend=_counting_inductor(stats), fullgraph=True, dynamic=False)
 
 
