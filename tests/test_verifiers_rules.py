@@ -74,7 +74,8 @@ def test_magicmtp_active_from_k3_and_falls_back_below():
         want = verifiers.rejection_sample(key, logits, drafts, probs, method=fallback)
         assert all(torch.equal(x, y) for x, y in zip(got, want))
     # K = 3: it is a different rule (accepts more)
-    logits3, drafts3, probs3 = torch.randn(b, 4, v), torch.randint(0, v, (b, 3)), torch.softmax(torch.randn(b, 3, v), -1)
+    logits3, drafts3 = torch.randn(b, 4, v), torch.randint(0, v, (b, 3))
+    probs3 = torch.softmax(torch.randn(b, 3, v), -1)
     _, n_mtp = verifiers.rejection_sample(key, logits3, drafts3, probs3, method="magicmtp")
     _, n_std = verifiers.rejection_sample(key, logits3, drafts3, probs3, method="standard")
     assert n_mtp.float().mean() > n_std.float().mean() + 0.05
@@ -326,7 +327,8 @@ GOOD = dict(target_logits=torch.zeros(B, K + 1, V), draft_tokens=torch.zeros(B, 
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(method="synthetic"), "exactly one of synthetic_acceptance_rates or synthetic_acceptance_length"),
-    (dict(method="synthetic", synthetic_acceptance_rates=(1.0, 1.0)), "synthetic_acceptance_rates must have length K=3"),
+    (dict(method="synthetic", synthetic_acceptance_rates=(1.0, 1.0)),
+     "synthetic_acceptance_rates must have length K=3"),
     (dict(method="synthetic", synthetic_acceptance_length=5.0), "synthetic_acceptance_length must be in"),
     (dict(synthetic_acceptance_length=2.0), "apply only to method 'synthetic'"),
     (dict(method="block", entropy=True), "entropy=True combines only with method"),

@@ -95,7 +95,8 @@ class VerifyConfig:
             )
         if self.synthetic_rates is not None:
             # NOTE: stored as a tuple of floats so the config stays hashable.
-            object.__setattr__(self, "synthetic_rates", synthetic.check_rates(self.synthetic_rates, name="synthetic_rates"))
+            rates = synthetic.check_rates(self.synthetic_rates, name="synthetic_rates")
+            object.__setattr__(self, "synthetic_rates", rates)
 
 
 def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
