@@ -7,8 +7,9 @@ One run measures, on the same checkpoint and prompts:
 - HF ``transformers`` ``generate``: plain greedy, ``prompt_lookup_num_tokens=K``
   and, given ``--draft``, ``assistant_model``.
 
-HF runs one prompt at a time (its assisted generation is batch-1 only);
-funcspec runs the whole batch through its slots. Results go to
+HF runs one prompt at a time (its assisted generation is batch-1 only), and
+plain greedy also in left-padded batches of ``--batch``; funcspec runs the
+prompts through ``--batch`` slots. Results go to
 ``graphs/results/<device>/spec-<time>.json`` and ``.md``.
 """
 
@@ -62,12 +63,35 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, draft):
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
-def _hf_run(model_path, prompts, max_tokens, mode, k, draft):
+def _hf_batched(model, prompts, batch, pad_id, kwargs):
+    """HF greedy on left-padded batches of ``batch`` prompts; returns the new tokens per prompt."""
+    outs = []
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(ids, attention_mask=mask, pad_token_id=pad_id, **kwargs)
+        outs.extend(out[:, width:].tolist())
+    return outs
+
+
+def _hf_run(model_path, prompts, max_tokens, mode, k, draft, batch=1):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     kwargs = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
+    if mode == "greedy_batched":
+        pad = model.generation_config.pad_token_id or 0
+        with torch.no_grad():
+            _hf_batched(model, prompts[:batch], batch, pad, kwargs)  # warm-up
+            t0 = time.perf_counter()
+            outs = _hf_batched(model, prompts, batch, pad, kwargs)
+            dt = time.perf_counter() - t0
+        n = sum(len(o) for o in outs)
+        return {"engine": "hf", "method": f"greedy, batch {batch}", "k": 0, "backend": "eager", "tokens": n,
+                "seconds": dt, "tokens_per_s": n / dt, "outputs": outs}
     if mode == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = k
     if mode == "assistant":
@@ -98,8 +122,8 @@ def run(model: str, methods=("ngram", "suffix"), k: int = 4, batch: int = 4, bac
     for m in methods:
         rows.append(_funcspec_run(model, prompts, m, k, backend, batch, max_tokens, draft))
     if hf:
-        for mode in ["greedy", "prompt_lookup"] + (["assistant"] if draft else []):
-            rows.append(_hf_run(model, prompts, max_tokens, mode, k, draft))
+        for mode in ["greedy", "greedy_batched", "prompt_lookup"] + (["assistant"] if draft else []):
+            rows.append(_hf_run(model, prompts, max_tokens, mode, k, draft, batch))
     ar, hf_greedy = rows[0], next((r for r in rows if r["engine"] == "hf" and r["method"] == "greedy"), None)
     for r in rows:
         r["speedup_vs_funcspec_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]

@@ -46,8 +46,8 @@ def _neg_count(node: _Node) -> int:
 
 
 def _as_list(tokens) -> list[int]:
-    """Tokens from a list, numpy array or torch tensor, as Python ints."""
-    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+    """Tokens from a list, numpy array or torch tensor, as Python ints (host proposer: host data)."""
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]  # SYNC
 
 
 @dataclass
