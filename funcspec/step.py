@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from funcspec import rng, sampling
+from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.tree import pytree_dataclass, replace
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
@@ -148,8 +148,6 @@ def verify_prefix(sc: StepConfig, state: EngineState, proposal: Proposal, slots,
     """Drafts [B, K] cut to each row's confidence-allocated verify length (vLLM-Ascend's
     DynamicSpecScheduler); the cut positions become ``PLACEHOLDER``, which every verifier
     rejects, so verification stays lossless."""
-    from funcspec import dynamic
-
     real = slots < state.kv.lens.shape[0] - 1  # [B]
     verify_len = dynamic.allocate(dynamic.survival(proposal.confidence), budget_k, sc.dynamic_min_k, real)
     return mask_beyond(proposal.tokens, verify_len)
@@ -197,8 +195,6 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         tokens = pending.unsqueeze(1)  # [B, 1]
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers)
     if sc.k > 0:
-        from funcspec import verifiers
-
         out, n = verifiers.verify(sc.verify, key, logits, proposal, samp)  # [B, K+1], [B]
     else:
         out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p).unsqueeze(1)  # [B, 1]
