@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -1,8 +1,6 @@
 """Speculative decoding through the engine: greedy lossless for every host/in-graph proposer,
 sampled lossless with a sampling draft model, dynamic K, captured graphs without recompiles."""
 
-import functools
-
 import numpy as np
 import pytest
 import torch
