@@ -106,13 +106,18 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None)
     return x, kv
 
 
+def draft_logits(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
+    """float32 logits [.., V_d] of head outputs g [.., H] over the head's vocabulary (EAGLE-1: V_d = V)."""
+    if cfg.version == 1:
+        return F.linear(g, params["lm_head"]["weight"]).float()
+    x = rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
+    return F.linear(x, params["lm_head"]["weight"]).float()
+
+
 def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 (target vocabulary ids) from head outputs g [B, H]."""
-    if cfg.version == 1:
-        return torch.argmax(F.linear(g, params["lm_head"]["weight"]).float(), dim=-1)
-    x = rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
-    d = torch.argmax(F.linear(x, params["lm_head"]["weight"]).float(), dim=-1)  # [B] draft-vocab ids
-    return d + params["d2t"][d]
+    d = torch.argmax(draft_logits(cfg, params, g), dim=-1)  # [B] draft-vocab ids
+    return d if cfg.version == 1 else d + params["d2t"][d]
 
 
 # ----------------------------------------------------------------------------- checkpoints

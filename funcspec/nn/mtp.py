@@ -63,11 +63,15 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None):
     return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin), kv
 
 
+def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
+    """float32 logits [.., V] of module outputs g [.., H] through its ``shared_head``."""
+    head = _module(cfg, params)["shared_head"]
+    return F.linear(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"]).float()
+
+
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 from module outputs g [B, H]."""
-    head = _module(cfg, params)["shared_head"]
-    logits = F.linear(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"])
-    return torch.argmax(logits.float(), dim=-1)
+    return torch.argmax(draft_logits(cfg, params, g), dim=-1)
 
 
 def head_shapes(cfg: MTPConfig) -> dict:
