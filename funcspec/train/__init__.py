@@ -1,0 +1,49 @@
+"""Recipes of the model zoo: ``funcspec train <role>`` (or ``python -m funcspec.train <role>``).
+
+Roles, in dependency order: ``target`` (tokenizer + Llama), then the drafters
+distilled from it. Every recipe uses fixed seeds, shows tqdm progress and keeps
+a resumable state under ``--work`` (default ``models/.work``, not committed);
+rerunning a role continues where it stopped. Each writes its checkpoint into
+``models/<role>/`` and its facts (sizes, tokens, loss, wall time) into
+``models/<role>/train.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+ROLES = ("target", "draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark")
+
+
+def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | None = None) -> dict:
+    """Train one role into ``models/<role>`` and write its ``train.json``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    module = importlib.import_module(f"funcspec.train.{'target' if role == 'target' else 'drafters'}")
+    kwargs = {} if role == "target" else {"role": role, "target": models / "target"}
+    facts = module.run(out=models / role, work=work, seed=seed, steps=steps, **kwargs)
+    (models / role / "train.json").write_text(json.dumps(facts, indent=2) + "\n")
+    return facts
+
+
+def main(argv=None) -> None:
+    from funcspec.zoo import MODELS
+
+    ap = argparse.ArgumentParser(prog="funcspec train", description=__doc__.splitlines()[0])
+    ap.add_argument("roles", nargs="+", choices=ROLES + ("all",))
+    ap.add_argument("--models", type=Path, default=MODELS)
+    ap.add_argument("--work", type=Path, default=MODELS / ".work")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for role in ROLES if "all" in args.roles else args.roles:
+        facts = run_role(role, args.models, args.work, args.seed, args.steps)
+        print(role, json.dumps({k: facts[k] for k in ("steps", "final_loss", "wall_s")}))

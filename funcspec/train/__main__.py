@@ -1,0 +1,3 @@
+from funcspec.train import main
+
+main()

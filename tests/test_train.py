@@ -1,0 +1,126 @@
+"""The zoo's training pieces: corpus split, resumable loop, and that TTT / block training runs
+the heads exactly as drafting does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from funcspec.checkpoints import init_draft_head, load_model
+from funcspec.nn import dflash, eagle, llama, mtp
+from funcspec.train import data, drafters
+from funcspec.train.loop import Schedule, train
+
+from conftest import make_hf_model
+
+
+def test_split_is_sorted_disjoint_and_about_five_percent():
+    train_files, held = data.split_files("train"), data.split_files("heldout")
+    assert train_files == sorted(train_files) and held == sorted(held)
+    assert not set(train_files) & set(held)
+    assert set(train_files) | set(held) == set(data.stdlib_files())
+    assert 0.02 < len(held) / len(data.stdlib_files()) < 0.08
+    assert all("site-packages" not in p.parts and "test" not in p.parts for p in held + train_files)
+    assert data.manifest("heldout")["files"] == len(held)
+    with pytest.raises(ValueError, match="split must be"):
+        data.split_files("val")
+
+
+def test_batch_is_a_pure_function_of_seed_and_step():
+    stream = torch.arange(10_000).numpy()
+    a, b = data.batch(stream, 0, 7, 4, 16), data.batch(stream, 0, 7, 4, 16)
+    assert torch.equal(a, b) and a.shape == (4, 16)
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 15, dtype=torch.int64))  # contiguous windows
+    assert not torch.equal(a, data.batch(stream, 0, 8, 4, 16))
+
+
+def _toy(tmp, stop_after=None):
+    torch.manual_seed(0)
+    w = {"w": torch.randn(8)}
+    target = torch.linspace(-1, 1, 8)
+
+    def loss_fn(step):
+        noise = torch.sin(torch.arange(8.0) * (step + 1))  # a step-dependent batch
+        return ((w["w"] - target - 0.1 * noise) ** 2).sum(), {}
+
+    out = train(w, loss_fn, Schedule(steps=6, lr=0.05, warmup=2, log_every=2, save_every=2), tmp,
+                stop_after=stop_after)
+    return w["w"], out
+
+
+def test_resumed_training_equals_a_straight_run(tmp_path):
+    straight, _ = _toy(tmp_path / "a")
+    _toy(tmp_path / "b", stop_after=3)  # interrupted after step 3, between two checkpoints
+    state = torch.load(tmp_path / "b" / "state.pt", weights_only=True)
+    assert state["step"] == 3
+    resumed, summary = _toy(tmp_path / "b")
+    assert torch.equal(straight, resumed)
+    rows = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 6 and summary["final_loss"] == rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory):
+    """A 4-layer tiny Llama (EAGLE-3 needs aux layers 1..3), loaded by funcspec."""
+    path = tmp_path_factory.mktemp("target4")
+    make_hf_model(path, num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return load_model(path)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_ttt_unroll_equals_sequential_drafting(method, target4, tmp_path):
+    if method == "eagle3":
+        init_draft_head("eagle3", target4, tmp_path, seed=3, aux_layers=[1, 2, 3])
+        cfg, params = eagle.load_params(tmp_path, target4, version=3)
+        net, layers = eagle, cfg.aux_layers
+    else:
+        init_draft_head("mtp", target4, tmp_path, seed=3)
+        cfg, params = mtp.load_params(tmp_path, target4)
+        net, layers = mtp, (target4.cfg.num_layers,)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 96, (2, 24), generator=g)
+    _, hid = drafters.target_pass(target4, x, layers)
+    raw = torch.cat(hid, -1)
+    a = torch.tensor([[3, 10], [0, 17]])
+    outs = drafters.chain_unroll(net, cfg, params, x, raw, a, steps=4)
+    assert [o[0].shape for o in outs] == [(2, 22, cfg.draft_vocab_size if method == "eagle3" else 96)] + \
+        [(2, 2, outs[0][0].shape[-1])] * 3
+    for b in range(2):
+        for n in range(2):
+            o = int(a[b, n])
+            # drafting after a catch-up: target-feature pairs up to o, then the head's own outputs
+            kv = llama.init_kv_cache(cfg.model, 1, 24)
+            feats = net.target_features(cfg, params, raw[b:b + 1, :o + 1])
+            gs, kv = net.forward(cfg, params, kv, x[b:b + 1, 1:o + 2], feats, torch.tensor([0]), torch.tensor([0]))
+            torch.testing.assert_close(net.draft_logits(cfg, params, gs[0, -1]), outs[0][0][b, o], rtol=1e-4, atol=1e-4)
+            g_prev = gs[:, -1:]
+            for j in range(1, 4):
+                g_prev, kv = net.forward(cfg, params, kv, x[b:b + 1, o + j + 1:o + j + 2], g_prev,
+                                         torch.tensor([0]), torch.tensor([o + j]))
+                torch.testing.assert_close(net.draft_logits(cfg, params, g_prev[0, 0]), outs[j][0][b, n],
+                                           rtol=1e-4, atol=1e-4)
+                assert int(outs[j][1][b, n]) == o + j
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_rows_equal_a_block_drafted_after_its_context(method, target4, tmp_path):
+    init_draft_head(method, target4, tmp_path, seed=4, target_layer_ids=[1, 3], block_size=5, mask_token_id=95,
+                    markov_rank=8)
+    cfg, params = dflash.load_params(tmp_path, target4, method)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 95, (2, 20), generator=g)
+    _, hid = drafters.target_pass(target4, x, tuple(i + 1 for i in cfg.target_layer_ids))
+    raw = torch.cat(hid, -1)
+    a = torch.tensor([[1, 9], [4, 14]])
+    h = drafters.block_rows(cfg, params, x, raw, a, rows=5)
+    assert h.shape == (2, 2, 5, 64)
+    for b in range(2):
+        for n in range(2):
+            o, zero = int(a[b, n]), torch.tensor([0])
+            kv = dflash.init_context_kv(cfg, 1, 20, torch.float32, "cpu")
+            kv = dflash.write_context(cfg, params, kv, raw[b:b + 1, :o], zero, zero)  # committed: positions < a
+            block = torch.tensor([[int(x[b, o])] + [95] * 4])
+            ref, _ = dflash.block_forward(cfg, params, kv, block, zero, torch.tensor([o]))
+            torch.testing.assert_close(ref[0], h[b, n], rtol=1e-4, atol=1e-4)
