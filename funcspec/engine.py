@@ -421,6 +421,12 @@ class Engine:
                              metrics=metrics, kv_transfer_params=req.extra.get("kv_transfer_params"))
 
     # ----------------------------------------------------------------- stats
+    def reset_stats(self) -> None:
+        """Zero the step, token and acceptance counters (e.g. after a warm-up); graphs are kept."""
+        self._stats = collections.Counter()
+        self._accepted_per_pos = [0] * len(self._accepted_per_pos)
+        self._buckets_used = collections.Counter()
+
     @property
     def stats(self) -> dict:
         """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance."""

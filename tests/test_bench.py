@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from funcspec.bench import capture, spec
 
 
@@ -17,11 +19,25 @@ def test_bench_capture_writes_json_and_plot(tiny_llama, tmp_path):
 
 
 def test_bench_spec_compares_with_hf_on_the_same_prompts(tiny_llama, tiny_draft, tmp_path):
-    res = spec.run(tiny_llama, methods=["ngram", "draft_model"], k=2, batch=2, num_prompts=3, max_tokens=8,
-                   draft=tiny_draft, out_dir=tmp_path)
-    rows = {(r["engine"], r["method"]): r for r in res["rows"]}
-    assert set(rows) == {("funcspec", "ar"), ("funcspec", "ngram"), ("funcspec", "draft_model"),
-                         ("hf", "greedy"), ("hf", "greedy, batch 2"), ("hf", "prompt_lookup"), ("hf", "assistant")}
+    res = spec.run(tiny_llama, methods=["ngram", "draft_model"], ks=(1, 2), batches=(2,), prompts="repetitive",
+                   num_prompts=3, max_tokens=8, heads={"draft_model": tiny_draft}, out_dir=tmp_path)
+    rows = {(r["engine"], r["method"], r["k"]): r for r in res["rows"]}
+    assert set(rows) == {("funcspec", "ar", 0), ("funcspec", "ngram", 1), ("funcspec", "ngram", 2),
+                         ("funcspec", "draft_model", 1), ("funcspec", "draft_model", 2), ("hf", "greedy", 0),
+                         ("hf", "greedy, batch 2", 0), ("hf", "prompt_lookup", 1), ("hf", "prompt_lookup", 2),
+                         ("hf", "assistant", 1), ("hf", "assistant", 2)}
     assert all(r["matches_ar_greedy"] for r in res["rows"]), "every engine must reproduce AR greedy"
-    assert rows[("funcspec", "ar")]["speedup_vs_funcspec_ar"] == 1.0
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]
+    assert rows[("funcspec", "ar", 0)]["speedup_vs_funcspec_ar"] == 1.0
+    assert all(r["tokens"] == 3 * 8 for r in res["rows"])
+    draft = rows[("funcspec", "draft_model", 2)]
+    assert len(draft["per_position_acceptance"]) == 2 and 1.0 <= draft["tau"] <= 3.0
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "| funcspec | draft_model | 2 | 2 |" in md and "| hf | assistant | 2 | 1 |" in md
+
+
+def test_bench_spec_refuses_a_neural_method_without_a_checkpoint(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"methods \['eagle3'\] need a checkpoint"):
+        spec.run(tiny_llama, methods=["eagle3"], prompts="repetitive", num_prompts=1, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="prompts: 'nope.txt'"):
+        spec.load_prompts("nope.txt", None, 1, 8)

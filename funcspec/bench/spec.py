@@ -3,14 +3,16 @@
 One run measures, on the same checkpoint and prompts:
 
 - funcspec autoregressive decoding (K = 0),
-- funcspec with each speculative method,
+- funcspec with each speculative method at each K and batch size,
 - HF ``transformers`` ``generate``: plain greedy, ``prompt_lookup_num_tokens=K``
-  and, given ``--draft``, ``assistant_model``.
+  and ``assistant_model`` = the draft_model checkpoint (a constant K per round).
 
-HF runs one prompt at a time (its assisted generation is batch-1 only), and
-plain greedy also in left-padded batches of ``--batch``; funcspec runs the
-prompts through ``--batch`` slots. Results go to
-``graphs/results/<device>/spec-<time>.json`` and ``.md``.
+By default the model is the zoo target, the neural methods use the zoo's heads
+and the prompts are the first 128 tokens of the zoo's held-out stdlib files
+(128 new tokens, greedy, EOS ignored). HF runs one prompt at a time (its
+assisted generation is batch-1 only), and plain greedy also in left-padded
+batches; funcspec runs the prompts through ``batch`` slots. Results go to
+``graphs/results/<device>/spec-<time>.json``, ``.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,25 @@ def repetitive_prompts(n: int, tokenizer=None) -> list:
     return out
 
 
-def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, draft):
+def load_prompts(source: str, tokenizer, num: int, prompt_tokens: int) -> list[list[int]]:
+    """Prompt token ids from ``source``: ``heldout`` (the zoo's held-out stdlib files, first
+    ``prompt_tokens`` tokens each), ``repetitive`` (code-editing prompts), or a path to a
+    ``.json`` list of strings or a text file with one prompt per line."""
+    if source == "heldout":
+        from funcspec.train.data import heldout_prompts
+
+        return heldout_prompts(tokenizer, num, prompt_tokens)
+    if source == "repetitive":
+        texts = repetitive_prompts(num, tokenizer)
+        return [tokenizer(t)["input_ids"] for t in texts] if tokenizer is not None else texts
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"prompts: {source!r} is neither 'heldout', 'repetitive' nor an existing file")
+    texts = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text().splitlines()
+    return [tokenizer(t)["input_ids"] for t in texts if t][:num]
+
+
+def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head):
     from funcspec import Engine, SamplingParams
 
     spec = None
@@ -44,18 +64,19 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, draft):
         spec = {"method": method, "num_speculative_tokens": k}
         if method == "ngram":
             spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
-        if method == "draft_model":
-            spec["model"] = draft
+        if head:
+            spec["model"] = head
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
                  max_model_len=max(len(p) for p in prompts) + max_tokens + 8)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:batch], sp)  # warm-up: captures every bucket this run uses
+    eng.reset_stats()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, sp)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     st = eng.stats
-    return {"engine": "funcspec", "method": method, "k": k if spec else 0, "backend": eng.backend,
+    return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
             "step_ms_median": statistics.median(
@@ -82,6 +103,8 @@ def _hf_run(model_path, prompts, max_tokens, mode, k, draft, batch=1):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     kwargs = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
+    row = {"engine": "hf", "method": mode, "k": k if mode in ("prompt_lookup", "assistant") else 0, "batch": batch,
+           "backend": "eager"}
     if mode == "greedy_batched":
         pad = model.generation_config.pad_token_id or 0
         with torch.no_grad():
@@ -90,12 +113,17 @@ def _hf_run(model_path, prompts, max_tokens, mode, k, draft, batch=1):
             outs = _hf_batched(model, prompts, batch, pad, kwargs)
             dt = time.perf_counter() - t0
         n = sum(len(o) for o in outs)
-        return {"engine": "hf", "method": f"greedy, batch {batch}", "k": 0, "backend": "eager", "tokens": n,
-                "seconds": dt, "tokens_per_s": n / dt, "outputs": outs}
+        return {**row, "method": f"greedy, batch {batch}", "tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+                "outputs": outs}
     if mode == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = k
     if mode == "assistant":
-        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        # NOTE: a constant K drafts per round, as funcspec does (HF's default schedule adapts K).
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = assistant
     outs, n = [], 0
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0]]), **kwargs)  # warm-up
@@ -105,54 +133,138 @@ def _hf_run(model_path, prompts, max_tokens, mode, k, draft, batch=1):
             outs.append(ids)
             n += len(ids)
         dt = time.perf_counter() - t0
-    return {"engine": "hf", "method": mode, "k": k if mode != "greedy" else 0, "backend": "eager",
-            "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "outputs": outs}
+    return {**row, "batch": 1, "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "outputs": outs}
 
 
-def run(model: str, methods=("ngram", "suffix"), k: int = 4, batch: int = 4, backend: str = "eager",
-        num_prompts: int = 8, max_tokens: int = 64, draft: str | None = None, hf: bool = True,
-        out_dir=None) -> dict:
-    """Benchmark AR, each method and HF on the same prompts; returns (and writes) the result."""
+def _head_paths(model: str, methods, heads: dict | None) -> dict:
+    """Checkpoint per neural method: ``heads`` first, then the zoo's when ``model`` is the zoo target."""
+    from funcspec import zoo
+
+    out = dict(heads or {})
+    is_zoo = Path(model).resolve() == zoo.model_path("target").resolve()
+    for m in list(methods) + ["draft_model"]:
+        if m in zoo.HEAD_METHODS and m not in out and is_zoo and zoo.model_path(m).exists():
+            out[m] = str(zoo.model_path(m))
+    missing = [m for m in methods if m in zoo.HEAD_METHODS and m not in out]
+    if missing:
+        raise ValueError(f"methods {missing} need a checkpoint: pass heads={{method: path}} (--head METHOD=PATH)")
+    return out
+
+
+def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=(4,), backend: str = "eager",
+        prompts: str = "heldout", num_prompts: int = 8, prompt_tokens: int = 128, max_tokens: int = 128,
+        heads: dict | None = None, hf: bool = True, out_dir=None) -> dict:
+    """Benchmark AR, each method at each K and batch, and HF, on the same prompts; writes and returns the result.
+
+    ``model`` defaults to the zoo target; ``heads`` maps neural methods to their
+    checkpoints (the zoo's by default on the zoo target), ``heads["draft_model"]``
+    is also HF's ``assistant_model``. Every row records whether its outputs equal
+    funcspec AR greedy's, token for token.
+    """
+    from funcspec import zoo
     from funcspec.checkpoints import load_model
 
-    tok = load_model(model).tokenizer
-    texts = repetitive_prompts(num_prompts, tok)
-    prompts = [tok(t)["input_ids"] if tok is not None else t for t in texts]
-    rows = [_funcspec_run(model, prompts, "ar", 0, backend, batch, max_tokens, draft)]
-    for m in methods:
-        rows.append(_funcspec_run(model, prompts, m, k, backend, batch, max_tokens, draft))
+    model = str(model or zoo.model_path("target"))
+    heads = _head_paths(model, methods, heads)
+    ids = load_prompts(prompts, load_model(model).tokenizer, num_prompts, prompt_tokens)
+    rows, ar = [], {}
+    for b in batches:
+        ar[b] = _funcspec_run(model, ids, "ar", 0, backend, b, max_tokens, None)
+        rows.append(ar[b])
+        for m in methods:
+            for k in ks:
+                rows.append(_funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m)))
     if hf:
-        for mode in ["greedy", "greedy_batched", "prompt_lookup"] + (["assistant"] if draft else []):
-            rows.append(_hf_run(model, prompts, max_tokens, mode, k, draft, batch))
-    ar, hf_greedy = rows[0], next((r for r in rows if r["engine"] == "hf" and r["method"] == "greedy"), None)
+        rows.append(_hf_run(model, ids, max_tokens, "greedy", 0, None))
+        rows += [_hf_run(model, ids, max_tokens, "greedy_batched", 0, None, b) for b in batches if b > 1]
+        for k in ks:
+            rows.append(_hf_run(model, ids, max_tokens, "prompt_lookup", k, None))
+            if "draft_model" in heads:
+                rows.append(_hf_run(model, ids, max_tokens, "assistant", k, heads["draft_model"]))
+    reference = ar[batches[0]]["outputs"]
+    hf_greedy = next((r for r in rows if r["engine"] == "hf" and r["method"] == "greedy"), None)
     for r in rows:
-        r["speedup_vs_funcspec_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        base = ar.get(r["batch"], ar[batches[0]])
+        r["speedup_vs_funcspec_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
         if hf_greedy:
             r["speedup_vs_hf_greedy"] = r["tokens_per_s"] / hf_greedy["tokens_per_s"]
-        r["matches_ar_greedy"] = r["outputs"] == ar["outputs"]
+        r["matches_ar_greedy"] = r["outputs"] == reference
         if r.get("tau"):
             r["speedup_over_tau"] = r["speedup_vs_funcspec_ar"] / r["tau"]
     for r in rows:
         del r["outputs"]
-    result = {"model": model, "backend": backend, "batch": batch, "k": k, "num_prompts": num_prompts,
-              "max_tokens": max_tokens, "device": device_name("cpu"), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": rows}
+    result = {"model": model, "heads": heads, "backend": backend, "batches": list(batches), "ks": list(ks),
+              "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+              "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "rows": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name("cpu"))
     return result
 
 
+def label(r: dict) -> str:
+    """A row's short name, e.g. ``funcspec eagle3 K4 B4`` or ``hf assistant K4``."""
+    k = f" K{r['k']}" if r["k"] else ""
+    b = f" B{r['batch']}" if r["engine"] == "funcspec" else ""
+    return f"{r['engine']} {r['method']}{k}{b}"
+
+
 def markdown(result: dict) -> str:
     """The result as a markdown table."""
-    head = "| engine | method | K | backend | tokens/s | vs funcspec AR | vs HF greedy | τ | speedup/τ | = AR greedy |\n"
-    head += "|---|---|---|---|---|---|---|---|---|---|\n"
+    head = ("| engine | method | K | batch | backend | tokens/s | vs funcspec AR | vs HF greedy | τ | speedup/τ "
+            "| per-position acceptance | = AR greedy |\n")
+    head += "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     lines = []
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
         sot = f"{r['speedup_over_tau']:.2f}" if r.get("speedup_over_tau") else "-"
         vs_hf = f"{r['speedup_vs_hf_greedy']:.2f}x" if "speedup_vs_hf_greedy" in r else "-"
-        lines.append(f"| {r['engine']} | {r['method']} | {r['k']} | {r['backend']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_funcspec_ar']:.2f}x | {vs_hf} | {tau} | {sot} | {r['matches_ar_greedy']} |")
+        acc = ", ".join(f"{a:.2f}" for a in r.get("per_position_acceptance") or []) or "-"
+        lines.append(f"| {r['engine']} | {r['method']} | {r['k']} | {r['batch']} | {r['backend']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_funcspec_ar']:.2f}x | {vs_hf} | {tau} | {sot} | "
+                     f"{acc} | {r['matches_ar_greedy']} |")
     return head + "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Four panels: tokens/s; speedup over funcspec AR and HF greedy; τ and speedup/τ; per-position acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [label(r) for r in rows]
+    spec = [r for r in rows if r.get("tau") and r["k"]]
+    fig, ax = plt.subplots(2, 2, figsize=(15, 10))
+    colors = ["tab:blue" if r["engine"] == "funcspec" else "tab:orange" for r in rows]
+    ax[0, 0].barh(names, [r["tokens_per_s"] for r in rows], color=colors)
+    ax[0, 0].set_xlabel("tokens/s (blue funcspec, orange HF)")
+    y = range(len(rows))
+    ax[0, 1].barh([i - 0.2 for i in y], [r["speedup_vs_funcspec_ar"] for r in rows], 0.4, label="vs funcspec AR")
+    ax[0, 1].barh([i + 0.2 for i in y], [r.get("speedup_vs_hf_greedy", 0) for r in rows], 0.4,
+                  label="vs HF greedy (batch 1)")
+    ax[0, 1].set_yticks(list(y), names)
+    ax[0, 1].axvline(1.0, color="k", lw=0.5)
+    ax[0, 1].legend()
+    ax[0, 1].set_xlabel("speedup")
+    sy = range(len(spec))
+    ax[1, 0].barh([i - 0.2 for i in sy], [r["tau"] for r in spec], 0.4, label="τ (mean tokens per step)")
+    ax[1, 0].barh([i + 0.2 for i in sy], [r["speedup_over_tau"] for r in spec], 0.4, label="speedup / τ")
+    ax[1, 0].set_yticks(list(sy), [label(r) for r in spec])
+    ax[1, 0].legend()
+    for r in spec:
+        acc = r["per_position_acceptance"]
+        ax[1, 1].plot(range(1, len(acc) + 1), acc, marker="o", label=label(r))
+    ax[1, 1].set_xlabel("draft position")
+    ax[1, 1].set_ylabel("acceptance rate")
+    ax[1, 1].set_ylim(0, 1.02)
+    if spec:
+        ax[1, 1].legend(fontsize=7)
+    fig.suptitle(f"{Path(result['model']).name}: {result['num_prompts']} prompts ({result['prompts']}), "
+                 f"{result['max_tokens']} new tokens, backend {result['backend']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def _write(result: dict, out_dir: Path) -> None:
@@ -160,20 +272,28 @@ def _write(result: dict, out_dir: Path) -> None:
     stem = out_dir / f"spec-{time.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     stem.with_suffix(".md").write_text(markdown(result))
+    plot(result, stem.with_suffix(".png"))
     print(markdown(result))
-    print(f"wrote {stem}.json and {stem}.md")
+    print(f"wrote {stem}.json, .md and .png")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("spec", help="speculative vs autoregressive vs HF generate, in one run")
-    p.add_argument("--model", required=True)
-    p.add_argument("--methods", default="ngram,suffix")
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--model", default=None, help="checkpoint (default: the zoo target)")
+    p.add_argument("--methods", default="ngram,suffix,draft_model,medusa,mtp,eagle3,dflash,dspark")
+    p.add_argument("--k", default="4", help="comma-separated K values")
+    p.add_argument("--batch", default="4", help="comma-separated batch sizes (engine slots)")
     p.add_argument("--backend", default="eager")
+    p.add_argument("--prompts", default="heldout", help="heldout | repetitive | a .json list or a text file")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--draft", default=None, help="draft checkpoint for draft_model and HF assistant_model")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for --prompts heldout")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--head", action="append", default=[], metavar="METHOD=PATH",
+                   help="checkpoint of a neural method (draft_model's is also HF's assistant_model)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -181,7 +301,8 @@ def add_parser(kinds) -> None:
     def go(a):
         if a.threads:
             torch.set_num_threads(a.threads)
-        run(a.model, [m for m in a.methods.split(",") if m], a.k, a.batch, a.backend, a.num_prompts,
-            a.max_tokens, a.draft, not a.no_hf, a.out_dir)
+        heads = dict(h.split("=", 1) for h in a.head)
+        run(a.model, [m for m in a.methods.split(",") if m], _ints(a.k), _ints(a.batch), a.backend, a.prompts,
+            a.num_prompts, a.prompt_tokens, a.max_tokens, heads, not a.no_hf, a.out_dir)
 
     p.set_defaults(func=go)
