@@ -1,21 +1,30 @@
-"""The model zoo under ``models/``: the manifest and the recipe of the default model.
+"""The model zoo under ``models/``: the manifest, and a speculative config per method.
 
-Until the trained zoo exists, the default model is a small *random* Llama
-with a byte-level BPE tokenizer trained on a slice of the Python standard
-library. ``make run`` builds it on first use (seconds, deterministic, no
-network) with ``python -m funcspec.zoo build-default``.
+``models/zoo.json`` maps each role (``target``, ``draft_model``, ``eagle3``,
+``medusa``, ``mtp``, ``dflash``, ``dspark``) to its directory. The zoo is
+trained on this machine from the Python standard library by the recipes in
+:mod:`funcspec.train` (``funcspec train all``); ``models/README.md`` holds the
+model cards.
+
+``build_default`` keeps the small *random* Llama that tests use as a cheap
+stand-in (``python -m funcspec.zoo build-default``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 from pathlib import Path
+
+from funcspec.train.data import stdlib_files  # noqa: F401  (re-exported: older callers import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models"
 MANIFEST = MODELS / "zoo.json"
+RANDOM_DEFAULT = MODELS / "_default_random"
+
+HEAD_METHODS = ("draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark")
+"""Methods whose draft comes from a zoo checkpoint (the role of the same name)."""
 
 
 def manifest() -> dict:
@@ -33,36 +42,28 @@ def model_path(role: str = "default") -> Path:
     return MODELS / m["roles"][role]
 
 
-def stdlib_files() -> list[Path]:
-    """Sorted ``.py`` files of the running interpreter's stdlib, without tests and site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3")
-    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+def speculative_config(method: str, k: int = 4, **extra) -> dict:
+    """A vLLM ``speculative_config`` for ``method`` on the zoo target, with K = ``k``.
 
-
-def train_tokenizer(out: Path, vocab_size: int, files: list[Path]) -> None:
-    """A byte-level BPE with BOS/EOS/PAD/MASK, saved for ``AutoTokenizer``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train([str(f) for f in files], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1],
-                                   pad_token=specials[2], mask_token=specials[3])
-    fast.save_pretrained(str(out))
+    Neural methods point ``model`` at the zoo checkpoint; ngram looks up 1..4-grams.
+    """
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
+    if method in HEAD_METHODS:
+        spec["model"] = str(model_path(method))
+    spec.update(extra)
+    return spec
 
 
 def build_default(out: Path | None = None, seed: int = 0) -> Path:
-    """Build the random default Llama (about 1M params) and its tokenizer."""
+    """Build the random stand-in Llama (about 1M params) and its tokenizer (tests use it)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = out or model_path("default")
+    from funcspec.train.target import train_tokenizer
+
+    out = out or RANDOM_DEFAULT
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)

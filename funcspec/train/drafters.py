@@ -295,7 +295,8 @@ SETUPS = {"draft_model": draft_model_setup, "medusa": medusa_setup,
           "dflash": functools.partial(block_setup, "dflash"), "dspark": functools.partial(block_setup, "dspark")}
 
 
-def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: int | None = None) -> dict:
+def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: int | None = None,
+        stop_after: int | None = None) -> dict:
     """Distil ``role`` from the target at ``target`` into ``out``; returns the model card's facts."""
     tgt = load_model(target)
     out.mkdir(parents=True, exist_ok=True)
@@ -308,7 +309,7 @@ def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: in
         p, hid = target_pass(tgt, x, layers)
         return loss_of(x, p, hid, seed, step)
 
-    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ)
+    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after)
     save()
     rows = [json.loads(line) for line in (work / role / "log.jsonl").read_text().splitlines()]
     return {**summary, "params": sum(v.numel() for v in trainable.values()), "final_metrics": rows[-1] if rows else {},

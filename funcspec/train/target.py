@@ -38,7 +38,8 @@ def train_tokenizer(out: Path, vocab_size: int, files: list[Path]) -> None:
     fast.save_pretrained(str(out))
 
 
-def run(out: Path, work: Path, seed: int = 0, steps: int | None = None) -> dict:
+def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
+        stop_after: int | None = None) -> dict:
     """Train tokenizer + target into ``out``; returns the model card's facts."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +58,8 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None) -> dict:
         x = data.batch(stream, seed, step, BATCH, SEQ)
         return model(input_ids=x, labels=x).loss, {}
 
-    summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "target", "target", BATCH * SEQ)
+    summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "target", "target", BATCH * SEQ,
+                    stop_after=stop_after)
     model.save_pretrained(str(out))
     return {**summary, "params": sum(p.numel() for p in model.parameters()), "train_stream_tokens": len(stream),
             "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": SIZES,
