@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from funcspec.engine import Engine
 
@@ -16,8 +16,16 @@ NO_EFFECT_ARGS = frozenset({
 })
 
 
-def batch_buckets_from_compilation(compilation_config: Any, max_k: int) -> Optional[list[int]]:
-    """Batch buckets from vLLM ``cudagraph_capture_sizes`` (token counts n·(K+1))."""
+def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Callable[[int], int],
+                                   max_batch: int) -> Optional[list[int]]:
+    """Batch buckets from vLLM ``cudagraph_capture_sizes`` (token counts n·(K_n+1)).
+
+    ``k_for_batch_size(n)`` is the K a batch of n runs with (the
+    ``num_speculative_tokens_per_batch_size`` table, or the fixed K), so the
+    sizes ``funcspec tune-k`` exports decode back to their buckets. A size
+    matching several n names all of them (e.g. 4 = 1·(3+1) = 4·(0+1)): an
+    extra bucket costs a capture, a missing one would pad batches further.
+    """
     if compilation_config is None:
         return None
     get = compilation_config.get if isinstance(compilation_config, dict) else (
@@ -25,12 +33,14 @@ def batch_buckets_from_compilation(compilation_config: Any, max_k: int) -> Optio
     sizes = get("cudagraph_capture_sizes", None)
     if not sizes:
         return None
-    if any(s % (max_k + 1) for s in sizes):
-        raise ValueError(
-            f"compilation_config.cudagraph_capture_sizes {list(sizes)} must be multiples of "
-            f"num_speculative_tokens + 1 = {max_k + 1}"
-        )
-    return sorted({s // (max_k + 1) for s in sizes})
+    buckets = set()
+    for s in sizes:
+        ns = {n for n in range(1, max_batch + 1) if n * (k_for_batch_size(n) + 1) == s}
+        if not ns:
+            raise ValueError(f"compilation_config.cudagraph_capture_sizes: {s} is not n·(K+1) for any batch size "
+                             f"n <= max_num_seqs={max_batch} with its num_speculative_tokens K")
+        buckets |= ns
+    return sorted(buckets)
 
 
 class LLM:
@@ -64,11 +74,12 @@ class LLM:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
         max_k = spec.num_speculative_tokens if spec and spec.method != "extract_hidden_states" else 0
+        k_of = spec.k_for_batch_size if spec and spec.num_speculative_tokens_per_batch_size else lambda n: max_k
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
         self.engine = Engine(
             model, speculative_config=spec, backend=backend or ("eager" if enforce_eager else "auto"),
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
-            batch_buckets=batch_buckets_from_compilation(compilation_config, max_k), seed=seed,
+            batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
         )
 
@@ -77,4 +88,5 @@ class LLM:
         return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):
+        """The target checkpoint's tokenizer (``None`` if it ships none), as vLLM's ``LLM.get_tokenizer``."""
         return self.engine.model.tokenizer
