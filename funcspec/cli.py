@@ -1,7 +1,8 @@
-"""Command line: ``funcspec generate``, ``funcspec bench capture``, ``funcspec bench spec``.
+"""Command line: ``funcspec generate``, ``funcspec bench capture``, ``funcspec bench spec``, ``funcspec tune-k``.
 
-``funcspec run-default`` is what ``make run`` calls: build the default zoo
-model if needed, then generate with it.
+``funcspec run-default`` is what ``make run`` calls: generate with the zoo
+target and a zoo drafter, and print tokens/s and acceptance stats.
+``funcspec train <role>`` runs the zoo's recipes (:mod:`funcspec.train`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+
+DEFAULT_METHOD = "eagle3"
+DEFAULT_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    def __init__(self):\n",
+                   "def parse_args(args):\n    \"\"\"Parse the command line.\"\"\"\n"]
 
 
 def _generate(args) -> None:
@@ -34,11 +40,40 @@ def _generate(args) -> None:
 
 
 def _run_default(args) -> None:
+    """The zoo target with the zoo's default speculative method (``make run``)."""
     from funcspec import zoo
 
-    path = zoo.build_default()
-    args.model = str(path)
+    args.model = str(zoo.model_path("target"))
+    if args.speculative_config is None:
+        args.speculative_config = json.dumps(zoo.speculative_config(args.method, args.k))
     _generate(args)
+
+
+def _tune_k(args) -> None:
+    """`funcspec tune-k`: tune the K table, print it, write the config (see funcspec.tune)."""
+    from pathlib import Path
+
+    from funcspec import tune
+
+    keys = {}
+    for item in args.spec_key:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--spec-key wants KEY=JSON_VALUE, got {item!r}")
+        try:
+            keys[name] = json.loads(value)
+        except json.JSONDecodeError:
+            keys[name] = value  # a bare string, e.g. a path
+    if args.model:
+        keys["model"] = args.model
+    out = args.out or str(Path(args.capture).with_name("tuned-k.json"))
+    try:
+        cfg = tune.tune_files(args.capture, args.spec, args.method, out, max_batch=args.max_batch,
+                              cost=args.cost, max_k=args.max_k, spec_keys=keys)
+    except ValueError as err:  # bad input: say which field, without a traceback
+        raise SystemExit(f"funcspec tune-k: {err}") from err
+    print(tune.format_table(cfg))
+    print(f"wrote {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--speculative-config", default=None, help="vLLM speculative_config as JSON")
 
     gen_args(sub.add_parser("generate", help="generate text and print tokens/s"))
-    p = sub.add_parser("run-default", help="what `make run` does")
+    p = sub.add_parser("run-default", help="what `make run` does: the zoo target with a zoo drafter")
     gen_args(p, model_required=False)
-    p.set_defaults(ignore_eos=True, speculative_config=json.dumps(
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}))
+    p.add_argument("--method", default=DEFAULT_METHOD, help="zoo method when --speculative-config is not given")
+    p.add_argument("--k", type=int, default=4)
+    p.set_defaults(max_tokens=128, prompt=DEFAULT_PROMPTS)
+    p = sub.add_parser("tune-k", help="choose K per batch size from bench capture + bench spec results")
+    p.add_argument("--capture", required=True, help="a `funcspec bench capture` result JSON")
+    p.add_argument("--spec", required=True, help="a `funcspec bench spec` result JSON")
+    p.add_argument("--method", required=True, help="the speculative method whose acceptance to use")
+    p.add_argument("--max-batch", type=int, default=None, help="default: the largest measured batch")
+    p.add_argument("--max-k", type=int, default=None, help="default: the largest measured K")
+    p.add_argument("--cost", choices=("replay_ms", "eager_ms"), default=None,
+                   help="step cost to use (default: replay_ms when measured)")
+    p.add_argument("--model", default=None, help="draft checkpoint, passed into speculative_config")
+    p.add_argument("--spec-key", action="append", default=[], metavar="KEY=VALUE",
+                   help="another speculative_config key (JSON value), e.g. prompt_lookup_max=4")
+    p.add_argument("--out", default=None, help="default: tuned-k.json beside the capture result")
+    sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     from funcspec.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -71,11 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # the recipes own their argument parser
+        from funcspec.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         _generate(args)
     elif args.command == "run-default":
         _run_default(args)
+    elif args.command == "tune-k":
+        _tune_k(args)
     else:
         args.func(args)
 

@@ -56,6 +56,7 @@ class Request:
 
     @property
     def total_len(self) -> int:
+        """Prompt plus generated tokens so far."""
         return len(self.prompt_ids) + len(self.output_ids)
 
 

@@ -79,6 +79,7 @@ def build_default(out: Path | None = None, seed: int = 0) -> Path:
 
 
 def main(argv=None) -> None:
+    """``python -m funcspec.zoo build-default``."""
     ap = argparse.ArgumentParser(prog="python -m funcspec.zoo")
     ap.add_argument("command", choices=["build-default"])
     args = ap.parse_args(argv)

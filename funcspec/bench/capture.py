@@ -139,6 +139,7 @@ def _write(result: dict, out_dir: Path) -> None:
 
 
 def add_parser(kinds) -> None:
+    """Register ``funcspec bench capture`` and its options."""
     p = kinds.add_parser("capture", help="per-bucket capture cost and replay vs eager")
     p.add_argument("--model", required=True)
     p.add_argument("--batch", default="1,2,4,8")

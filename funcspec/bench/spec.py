@@ -282,6 +282,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(kinds) -> None:
+    """Register ``funcspec bench spec`` and its options."""
     p = kinds.add_parser("spec", help="speculative vs autoregressive vs HF generate, in one run")
     p.add_argument("--model", default=None, help="checkpoint (default: the zoo target)")
     p.add_argument("--methods", default="ngram,suffix,draft_model,medusa,mtp,eagle3,dflash,dspark")

@@ -34,6 +34,7 @@ class CaptureStats:
 
     @property
     def recompiles(self) -> int:
+        """Compiles beyond the first (0 for a static bucket)."""
         return max(0, self.compiles - 1)
 
     def summary(self) -> dict:

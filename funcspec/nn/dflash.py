@@ -87,6 +87,7 @@ class ContextKV:
 
 
 def init_context_kv(cfg: DFlashConfig, num_slots: int, max_len: int, dtype, device) -> ContextKV:
+    """Zeroed context K/V [L_d, S+1, H_kv, T_max, D] for ``num_slots`` slots plus the scratch slot."""
     m = cfg.model
     shape = (m.num_layers, num_slots + 1, m.num_kv_heads, max_len, m.head_dim)
     return ContextKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

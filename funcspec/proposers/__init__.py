@@ -55,16 +55,20 @@ class ProposerHandle:
 
     @property
     def runs_on_host(self) -> bool:
+        """Whether drafts come from a host-side drafter (suffix trees) instead of the graph."""
         return self.module.runs_on_host
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
+        """The target hidden-state indices the proposer reads."""
         return self.module.hidden_layers(self.cfg)
 
     def init_state(self, num_slots: int, max_len: int):
+        """The proposer's zeroed state pytree for ``num_slots`` slots of ``max_len`` positions."""
         return self.module.init_state(self.cfg, self.params, num_slots, max_len)
 
     def prefill(self, params, state, tokens, slot, n, hiddens):
+        """Fold a prefilled prompt into the proposer's state (eager, outside the bucket graphs)."""
         return self.module.prefill(self.cfg, params, state, tokens, slot, n, hiddens)
 
     def verify_config(self, k: int):
@@ -82,9 +86,11 @@ class ProposerHandle:
         )
 
     def host_drafts(self, rows, b: int, k: int):
+        """Host drafts [B, K] for the running rows, or ``None`` for in-graph proposers."""
         return self.host.drafts(rows, b, k)
 
     def on_finish(self, req) -> None:
+        """Tell a host drafter that a request finished (it may keep the tokens for later lookups)."""
         if self.host is not None:
             self.host.finish(req)
 

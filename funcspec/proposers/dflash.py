@@ -60,6 +60,7 @@ def build_for(spec, target, engine, method: str):
 
 
 def build(spec, target, engine):
+    """Load ``speculative_config["model"]`` as a DFlash drafter."""
     return build_for(spec, target, engine, "dflash")
 
 
@@ -69,6 +70,7 @@ def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:
 
 
 def init_state(cfg: DFlashProposerConfig, params, num_slots: int, max_len: int) -> DFlashState:
+    """Zeroed context K/V, staged target features [S+1, K_max+1, n·H] and their start positions."""
     w = params["fc"]["weight"]
     return DFlashState(
         dflash.init_context_kv(cfg.net, num_slots, max_len, w.dtype, w.device),
@@ -116,6 +118,7 @@ def draft_block(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, rows
 
 
 def empty_proposal(ctx, vocab: int, with_probs: bool) -> Proposal:
+    """A K = 0 proposal: no drafts (with an empty q when the method samples)."""
     b, dev = ctx.slots.shape[0], ctx.slots.device
     return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=dev),
                     torch.zeros(b, 0, vocab, device=dev) if with_probs else None, torch.zeros(b, 0, device=dev))

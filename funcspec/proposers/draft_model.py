@@ -53,10 +53,12 @@ def build(spec, target, engine):
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
+    """A draft model reads no target hidden states."""
     return ()
 
 
 def init_state(cfg: DraftModelConfig, params, num_slots: int, max_len: int) -> DraftState:
+    """The draft model's own zeroed KV cache for ``num_slots`` slots."""
     dtype = params["model"]["embed_tokens"]["weight"].dtype
     device = params["model"]["embed_tokens"]["weight"].device
     return DraftState(init_kv_cache(cfg.model, num_slots, max_len, dtype, device))

@@ -26,6 +26,7 @@ runs_on_host = False
 
 
 def build(spec, target, engine):
+    """Load ``speculative_config["model"]`` as a DSpark drafter (DFlash backbone + Markov and confidence heads)."""
     return build_for(spec, target, engine, "dspark")
 
 

@@ -103,10 +103,12 @@ def build(spec, target, engine):
 
 
 def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
+    """The target hidden states the head reads (concatenated as its features)."""
     return cfg.hidden_layers
 
 
 def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
+    """Zeroed head KV cache, staged features [S+1, K_max+1, F] and staged counts."""
     ref = next(x for x in tree_leaves(params) if x.is_floating_point())
     return ChainState(
         init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),

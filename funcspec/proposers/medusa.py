@@ -47,10 +47,12 @@ def build(spec, target, engine):
 
 
 def hidden_layers(cfg: MedusaProposerConfig) -> tuple[int, ...]:
+    """Medusa reads the target's final normed hidden state."""
     return (cfg.layer,)
 
 
 def init_state(cfg: MedusaProposerConfig, params, num_slots: int, max_len: int) -> MedusaState:
+    """The last committed hidden state per slot, zeroed: [S+1, H]."""
     w = params["medusa_head"][0][cfg.head.num_layers]["weight"]
     return MedusaState(torch.zeros(num_slots + 1, cfg.head.hidden_size, dtype=w.dtype, device=w.device))
 

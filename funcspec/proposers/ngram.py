@@ -125,6 +125,7 @@ def build(spec, target, engine):
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
+    """ngram reads no hidden states."""
     return ()
 
 

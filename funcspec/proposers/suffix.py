@@ -214,10 +214,12 @@ class SuffixDecodingCache:
 
     @property
     def max_tree_depth(self) -> int:
+        """The deepest suffix kept in the trees."""
         return self._max_tree_depth
 
     @property
     def max_cached_requests(self) -> int:
+        """How many finished requests the global tree keeps."""
         return self._max_cached_requests
 
     @property
@@ -311,15 +313,18 @@ class SuffixConfig:
 
 
 def build(spec, target, engine):
+    """The suffix proposer's config from the speculative_config's suffix_decoding_* options (no device params)."""
     return SuffixConfig(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                         spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob), None
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
+    """suffix reads no hidden states."""
     return ()
 
 
 def init_state(cfg, params, num_slots, max_len):
+    """No device state: the suffix trees live on the host."""
     return None
 
 
@@ -369,5 +374,6 @@ class HostDrafter:
         return out.to(self.engine.device)
 
     def finish(self, req) -> None:
+        """Stop tracking a finished request (arctic's ``stop_request``); its output stays cached for later lookups."""
         if self.seen.pop(req.request_id, None) is not None:
             self.cache.stop_request(req.request_id)

@@ -33,6 +33,7 @@ def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | No
 
 
 def main(argv=None) -> None:
+    """``funcspec train``: train the given roles in order, or write the model cards."""
     from funcspec.zoo import MODELS
 
     ap = argparse.ArgumentParser(prog="funcspec train", description=__doc__.splitlines()[0])

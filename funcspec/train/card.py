@@ -98,6 +98,7 @@ def render(models: Path, bench_path: Path | None) -> str:
 
 
 def write(models: Path, bench_path: Path | None) -> Path:
+    """Write ``models/README.md``; returns its path."""
     out = models / "README.md"
     out.write_text(render(models, bench_path))
     return out

@@ -21,6 +21,7 @@ SKIP_PARTS = ("site-packages", "test", "tests", "idlelib", "lib2to3")
 
 
 def stdlib_root() -> Path:
+    """The running interpreter's standard-library directory."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -53,6 +54,7 @@ def manifest(split: str) -> dict:
 
 
 def read_text(path: Path) -> str:
+    """A source file as text (undecodable bytes replaced)."""
     return path.read_text(encoding="utf-8", errors="replace")
 
 

@@ -67,6 +67,7 @@ def agree(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def fresh_kv(cfg: llama.ModelConfig, rows: int, max_len: int) -> llama.KVCache:
+    """An empty KV cache for ``rows`` slots of ``max_len`` positions."""
     return llama.init_kv_cache(cfg, rows, max_len)
 
 
@@ -107,6 +108,7 @@ def save_head(out: Path, params: dict, names, dtype=torch.float32) -> None:
 
 
 def patch_config(out: Path, **updates) -> dict:
+    """Update keys of ``out/config.json``; returns the new dict."""
     hf = json.loads((out / "config.json").read_text())
     hf.update(updates)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
@@ -141,6 +143,7 @@ def draft_model_setup(target, out: Path, seed: int, stream):
 
 
 def medusa_setup(target, out: Path, seed: int, stream):
+    """4 Medusa heads of 1 ResBlock; head k on h_t learns the target's p at t+k+1."""
     init_draft_head("medusa", target, out, seed, num_heads=TTT_STEPS, num_layers=1)
     cfg, params = medusa.load_params(out, target)
     names = list(read_safetensors(out))
