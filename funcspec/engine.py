@@ -18,7 +18,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec import rng, sampling
 from funcspec.capture import BucketPlan, capture, resolve_backend
@@ -430,7 +430,12 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance."""
+        """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance.
+
+        ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
+        ``per_position_acceptance[i]`` is the fraction of speculative row-steps
+        whose first i+1 drafts were all accepted (unconditional, so it never rises with i).
+        """
         s = self._stats
         graphs = {f"B{b}_K{k}": g.stats.summary() for (b, k), g in sorted(self.graphs.items())}
         spec_rows = s["spec_row_steps"]

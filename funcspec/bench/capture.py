@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import statistics
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -51,11 +52,16 @@ def _time_calls(fn, args, reset, reps: int) -> float:
     return statistics.median(times)
 
 
-def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int):
+def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None):
     from funcspec import Engine, SamplingParams
 
-    spec = None if max(ks) == 0 else {"method": method, "num_speculative_tokens": max(ks),
-                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = None
+    if max(ks) > 0:
+        spec = {"method": method, "num_speculative_tokens": max(ks)}
+        if method == "ngram":
+            spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
+        if head:
+            spec["model"] = head
     eng = Engine(model, speculative_config=spec, backend="eager", max_batch_size=max(batches),
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)
@@ -67,14 +73,32 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int):
 
 
 def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "inductor", method: str = "ngram",
-        device: str = "cpu", reps: int = 20, prompt_len: int = 64, warm: bool = True, out_dir=None) -> dict:
-    """Benchmark every (B, K) bucket; returns (and writes) the result dict."""
+        device: str = "cpu", reps: int = 20, prompt_len: int = 64, warm: bool = True, out_dir=None,
+        head: str | None = None) -> dict:
+    """Benchmark every (B, K) bucket; returns (and writes) the result dict.
+
+    K > 0 buckets draft with ``method`` (``head``: its checkpoint, for neural
+    methods). Compiles go to a fresh inductor cache, so "cold" means cold; the
+    caller's ``TORCHINDUCTOR_CACHE_DIR`` is restored afterwards.
+    """
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    cache_dir = tempfile.mkdtemp(prefix="funcspec-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        return _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head)
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head) -> dict:
     from funcspec.capture import capture
     from funcspec.step import spec_step
 
-    cache_dir = tempfile.mkdtemp(prefix="funcspec-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # NOTE: a cold cache, so "cold" means cold
-    eng = _engine(model, batches, ks, method, device, prompt_len)
+    eng = _engine(model, batches, ks, method, device, prompt_len, head)
     saved = eng.state.kv.lens.clone()
 
     def reset():
@@ -101,7 +125,7 @@ def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "induc
             warm_s = f" / {row['capture_s_warm']:.2f}s warm" if "capture_s_warm" in row else ""
             print(f"B={b} K={k}: capture {row['capture_s_cold']:.2f}s cold{warm_s}, "
                   f"eager {eager_ms:.2f} ms, replay {replay_ms:.2f} ms ({eager_ms / replay_ms:.2f}x)")
-    result = {"model": str(model), "backend": backend, "method": method, "device": device_name(device),
+    result = {"model": str(model), "backend": backend, "method": method, "head": head, "device": device_name(device),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": reps,
               "prompt_len": prompt_len, "buckets": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name(device))
@@ -109,10 +133,7 @@ def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "induc
 
 
 def _write(result: dict, out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # NOTE: not pyplot: leaves a notebook's backend alone
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"capture-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -120,7 +141,8 @@ def _write(result: dict, out_dir: Path) -> None:
     rows = result["buckets"]
     labels = [f"B{r['B']}K{r['K']}" for r in rows]
     x = range(len(rows))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig = Figure(figsize=(12, 4))
+    a1, a2 = fig.subplots(1, 2)
     a1.bar(x, [r["capture_s_cold"] for r in rows], label="cold")
     if all("capture_s_warm" in r for r in rows):
         a1.bar(x, [r["capture_s_warm"] for r in rows], label="warm cache", alpha=0.7)
@@ -134,7 +156,6 @@ def _write(result: dict, out_dir: Path) -> None:
     a2.legend()
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=100)
-    plt.close(fig)
     print(f"wrote {stem}.json and {stem}.png")
 
 
@@ -146,6 +167,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--k", default="0,1,3,5")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--method", default="ngram", help="proposer used for K > 0 buckets")
+    p.add_argument("--head", default=None, help="checkpoint of a neural --method")
     p.add_argument("--device", default="cpu")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -157,6 +179,6 @@ def add_parser(kinds) -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         run(a.model, [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")], a.backend,
-            a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir)
+            a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir, a.head)
 
     p.set_defaults(func=go)

@@ -227,15 +227,13 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Four panels: tokens/s; speedup over funcspec AR and HF greedy; τ and speedup/τ; per-position acceptance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # NOTE: not pyplot: leaves a notebook's backend alone
 
     rows = result["rows"]
     names = [label(r) for r in rows]
     spec = [r for r in rows if r.get("tau") and r["k"]]
-    fig, ax = plt.subplots(2, 2, figsize=(15, 10))
+    fig = Figure(figsize=(15, 10))
+    ax = fig.subplots(2, 2)
     colors = ["tab:blue" if r["engine"] == "funcspec" else "tab:orange" for r in rows]
     ax[0, 0].barh(names, [r["tokens_per_s"] for r in rows], color=colors)
     ax[0, 0].set_xlabel("tokens/s (blue funcspec, orange HF)")
@@ -264,7 +262,6 @@ def plot(result: dict, path: Path) -> None:
                  f"{result['max_tokens']} new tokens, backend {result['backend']}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def _write(result: dict, out_dir: Path) -> None:

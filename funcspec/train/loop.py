@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 
 @dataclasses.dataclass(frozen=True)
