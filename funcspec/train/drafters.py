@@ -33,7 +33,7 @@ from funcspec.nn import dflash, eagle, llama, medusa, mtp
 from funcspec.train import data
 from funcspec.train.loop import Schedule, train
 
-BATCH, SEQ = 16, 256
+BATCH, SEQ = 12, 256
 TTT_STEPS = 4          # training-time-test depth of mtp / eagle3 (the benchmark drafts K = 4)
 ORIGINS = 32           # sampled origins / anchors per sequence for the unrolled steps
 EAGLE3_AUX = [1, 2, 3]  # the default [2, L//2, L-3] collides on a 4-layer target
@@ -44,12 +44,12 @@ DSPARK_BLOCK = 7
 MARKOV_RANK = 64
 
 SCHEDULES = {
-    "draft_model": Schedule(steps=400, lr=2e-3, warmup=30),
-    "medusa": Schedule(steps=400, lr=2e-3, warmup=30),
-    "mtp": Schedule(steps=300, lr=2e-3, warmup=30),
-    "eagle3": Schedule(steps=300, lr=2e-3, warmup=30),
-    "dflash": Schedule(steps=350, lr=2e-3, warmup=30),
-    "dspark": Schedule(steps=350, lr=2e-3, warmup=30),
+    "draft_model": Schedule(steps=300, lr=2e-3, warmup=30),
+    "medusa": Schedule(steps=250, lr=2e-3, warmup=30),
+    "mtp": Schedule(steps=200, lr=2e-3, warmup=30),
+    "eagle3": Schedule(steps=250, lr=2e-3, warmup=30),
+    "dflash": Schedule(steps=250, lr=2e-3, warmup=30),
+    "dspark": Schedule(steps=250, lr=2e-3, warmup=30),
 }
 
 
@@ -252,17 +252,19 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
     shift = 1 if role == "dflash" else 0  # dflash drafts from the mask rows, dspark from every row
 
     def loss_fn(x, p, hid, seed, step):
-        a = origins(seed, step, x.shape[0], 1, x.shape[1] - rows_per_block, ORIGINS)  # [B, N] anchors
-        h = block_rows(cfg, params, x, torch.cat(hid, -1), a, rows_per_block).flatten(0, 1)  # [B·N, R, H]
+        # NOTE: drafting runs blocks of K+1 (dflash) or K (dspark) rows for the bucket's K, and the mask rows
+        # see each other; cycling the block length over K = 1..block_size-shift trains every K it allows.
+        rows = 1 + shift + step % (rows_per_block - shift)
+        a = origins(seed, step, x.shape[0], 1, x.shape[1] - rows, ORIGINS)  # [B, N] anchors
+        h = block_rows(cfg, params, x, torch.cat(hid, -1), a, rows).flatten(0, 1)  # [B·N, R, H]
         a = a.flatten()
-        xs, ps = x.repeat_interleave(ORIGINS, 0), p.repeat_interleave(ORIGINS, 0)
-        r = torch.arange(a.shape[0]).unsqueeze(1)
-        cols = torch.arange(shift, rows_per_block)
+        r = torch.arange(x.shape[0]).repeat_interleave(ORIGINS).unsqueeze(1)  # [B·N, 1] each block's sequence
+        cols = torch.arange(shift, rows)
         base = dflash.logits(params, h[:, shift:])  # [N', K, V]: the row at position a+c guesses x_{a+c+1-shift}
-        target_p = ps[r, a.unsqueeze(1) + cols - shift]  # [N', K, V]
+        target_p = p[r, a.unsqueeze(1) + cols - shift]  # [N', K, V]
         if role == "dflash":
             return soft_ce(base, target_p), {"agree": agree(base, target_p)}
-        prev = xs[r, a.unsqueeze(1) + cols]  # teacher-forced x_{k-1}: the anchor, then the true tokens
+        prev = x[r, a.unsqueeze(1) + cols]  # teacher-forced x_{k-1}: the anchor, then the true tokens
         emb = params["markov_head"]["markov_w1"]["weight"][prev]  # [N', K, r]
         corrected = base + F.linear(emb, params["markov_head"]["markov_w2"]["weight"])
         hit = (corrected.argmax(-1) == target_p.argmax(-1)).float()
