@@ -13,7 +13,7 @@ Functions (``...`` is the key's shape):
     key(seed)                -> key []
     split(key, n)            -> keys [..., n]
     fold_in(key, data)       -> key [...]   (data broadcasts against key)
-    bits24(key, shape)       -> int64 [..., *shape] in [0, 2^24)
+    bits23(key, shape)       -> int64 [..., *shape] in [0, 2^23)
     uniform(key, shape)      -> float32 [..., *shape] in (0, 1)
     exponential(key, shape)  -> float32 [..., *shape], Exp(1), strictly > 0
     categorical(key, probs)  -> int64 [...]   probs [..., V], need not sum to 1
@@ -65,8 +65,8 @@ def split(key: torch.Tensor, n: int) -> torch.Tensor:
     return fold_in(key.unsqueeze(-1), torch.arange(n, device=key.device))
 
 
-def bits24(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
-    """Uniform 24-bit integers [..., *shape]: draw ``i`` is ``mix((key + i + 1)·γ)``.
+def bits23(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
+    """Uniform 23-bit integers [..., *shape]: the top bits of draw ``i`` = ``mix((key + i + 1)·γ)``.
 
     That is the splitmix64 stream seeded with ``key·γ``; the counter is added
     before the multiply for the reason given in :func:`fold_in`.
@@ -77,14 +77,17 @@ def bits24(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
         n *= s
     counter = (torch.arange(n, device=key.device, dtype=torch.int64) + 1).view(shape)
     state = (key.reshape(key.shape + (1,) * len(shape)) + counter) * _GOLDEN
-    return _srl(_mix(state), 40)
+    return _srl(_mix(state), 41)
 
 
 def uniform(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:
     """Float32 uniforms in the open interval (0, 1), shape [..., *shape]."""
-    # NOTE: (bits + 0.5)·2^-24 is exact in float32 and never 0 or 1, so
-    # -log(u) is finite and p/q >= u never accepts a zero-probability token.
-    return (bits24(key, shape).to(torch.float32) + 0.5) * (2.0**-24)
+    # NOTE: (bits + 0.5)·2^-23 needs 24 significant bits, exactly float32's, so
+    # u lies in [2^-24, 1 - 2^-24]: never 0 or 1. Then -log(u) > 0, the race
+    # p/E never divides by zero (0/0 = NaN won argmax: a greedy row once emitted
+    # a zero-probability token), and p/q >= u never accepts a zero-probability
+    # token. A 24-bit version rounded its top value up to exactly 1.0.
+    return (bits23(key, shape).to(torch.float32) + 0.5) * (2.0**-23)
 
 
 def exponential(key: torch.Tensor, shape: tuple[int, ...] | int) -> torch.Tensor:

@@ -16,6 +16,19 @@ def test_uniform_in_open_interval_and_shapes():
     assert float(big.min()) > 0.0 and float(big.max()) < 1.0
 
 
+def test_extreme_draw_stays_inside_the_open_interval():
+    """Regression: this key's draw 787 has every hash bit set. A 24-bit uniform rounded it to 1.0, so
+    E = -log(u) = 0 and the race argmax(p / E) returned 787 (0/0 = NaN) for a one-hot p elsewhere."""
+    key = rng.split(rng.key(123), 20000)[3264]
+    assert int(rng.bits23(key, 4096)[787]) == 2**23 - 1
+    u = rng.uniform(key, 4096)
+    assert float(u[787]) == 1.0 - 2.0**-24 and float(u.min()) >= 2.0**-24
+    assert float(rng.exponential(key, 4096)[787]) > 0.0
+    onehot = torch.zeros(4096)
+    onehot[5] = 1.0
+    assert int(rng.categorical(key, onehot)) == 5
+
+
 def test_uniform_chi_square_over_bins():
     u = rng.uniform(rng.key(7), 200_000).numpy()
     counts, _ = np.histogram(u, bins=50, range=(0, 1))
@@ -59,7 +72,7 @@ def test_bit_identical_eager_and_compiled():
     def draws(key, probs):
         ks = rng.split(key, 16)  # [16]
         sub = rng.fold_in(ks, torch.arange(16))
-        return rng.uniform(sub, (7, 33)), rng.exponential(ks, 100), rng.categorical(ks, probs), rng.bits24(ks, 9)
+        return rng.uniform(sub, (7, 33)), rng.exponential(ks, 100), rng.categorical(ks, probs), rng.bits23(ks, 9)
 
     key = rng.key(123)
     probs = torch.rand(16, 50, generator=torch.Generator().manual_seed(0))
