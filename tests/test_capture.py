@@ -77,7 +77,7 @@ def test_nine_buckets_of_one_model(tiny_llama, monkeypatch):
     """
     import torch._inductor.compile_fx as cfx
 
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs: gm.forward)
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, batch_buckets=list(range(1, 11)),
                  max_model_len=24, eager_capture=True)
     assert len(eng.graphs) == 10 and all(g.stats.compiles == 1 for g in eng.graphs.values())

@@ -259,7 +259,7 @@ def test_whole_step_captures_as_one_graph(zoo, method, monkeypatch, tmp_path):
 
     from funcspec.checkpoints import init_draft_head
 
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs: gm.forward)
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     if method in ("dflash", "dspark"):
         head = init_draft_head(method, zoo.target, tmp_path / method, markov_rank=8)
         eng = Engine(zoo.target, {"method": method, "model": str(head), "num_speculative_tokens": 2},
