@@ -160,7 +160,8 @@ def medusa_setup(target, out: Path, seed: int, stream):
             metrics[f"agree{k}"] = agree(logits, p[:, k + 1:])
         return loss, metrics
 
-    return head_params(params, names), (layer,), loss_fn, lambda: save_head(out, params, names)
+    # NOTE: bfloat16 on disk: four V×H matrices would be a quarter of the zoo's size (the loader casts back).
+    return head_params(params, names), (layer,), loss_fn, lambda: save_head(out, params, names, torch.bfloat16)
 
 
 def chain_setup(role: str, target, out: Path, seed: int, stream):

@@ -64,3 +64,21 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
     return {**summary, "params": sum(p.numel() for p in model.parameters()), "train_stream_tokens": len(stream),
             "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": SIZES,
             "batch": [BATCH, SEQ], "seed": seed}
+
+
+def heldout_loss(path: Path, seq: int = SEQ, batch: int = 16) -> float:
+    """Mean next-token cross-entropy of the HF causal LM at ``path`` over the held-out split."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = [tok.bos_token_id]
+    for p in data.split_files("heldout"):
+        ids += [*tok.encode(data.read_text(p), add_special_tokens=False), tok.eos_token_id, tok.bos_token_id]
+    windows = torch.tensor(ids[:len(ids) // seq * seq]).view(-1, seq)  # [N, seq]
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(windows), batch):
+            x = windows[i:i + batch]
+            total += model(input_ids=x, labels=x).loss.item() * len(x)
+    return total / len(windows)
