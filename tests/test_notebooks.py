@@ -18,14 +18,12 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TIMEOUT = 300  # seconds per cell
 
-# NOTE: CI uses the random default model (built on first use, as the other tests
-# do), eager backends, and only ngram / suffix, so no notebook compiles with
-# inductor or needs a trained zoo head.
+# NOTE: CI runs 01 on the zoo (target, EAGLE-3 and DSpark heads) and the others on
+# the random default model (built on first use), all on eager backends, so no
+# notebook compiles with inductor.
 CI_PARAMS = {
     "01_quickstart.ipynb": """
-from funcspec import zoo
-
-MODEL = str(zoo.build_default())
+MODEL = None
 BACKEND = "eager"
 THREADS = 1
 NUM_PROMPTS = 3
@@ -33,7 +31,7 @@ MAX_SLOTS = 2
 MAX_TOKENS = 16
 K = 3
 SUFFIX_K = 4
-NEURAL_METHODS = ()
+NEURAL_METHODS = ("eagle3", "dspark")
 """,
     "02_verifiers.ipynb": """
 VOCAB = 8
@@ -95,7 +93,8 @@ THREADS = 1
 # Lines each notebook must print, and the fewest inline PNG figures it must show.
 EXPECTED = {
     "01_quickstart.ipynb": (["Generated text:", "acceptance_length", "greedy == AR: True",
-                             "suffix greedy == AR: True", "verifier              block (block)"], 1),
+                             "suffix greedy == AR: True", "verifier              block (block)",
+                             "eagle3: acceptance length", "dspark: acceptance length"], 1),
     "02_verifiers.ipynb": (["all == argmax: True", "standard: joint (token 0, token 1) chi-square p",
                             "lossless at alpha=0.0001: True", "γ=2: standard"], 4),
     "03_graph_capture.ipynb": (["B1 K2", "recompiles after warm-up: 0", "captured spec == eager AR (greedy): True",
