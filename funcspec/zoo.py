@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from funcspec.train.data import stdlib_files  # noqa: F401  (re-exported: older callers import it from here)
+from funcspec.train.data import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models"

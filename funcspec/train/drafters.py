@@ -107,14 +107,6 @@ def save_head(out: Path, params: dict, names, dtype=torch.float32) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def patch_config(out: Path, **updates) -> dict:
-    """Update keys of ``out/config.json``; returns the new dict."""
-    hf = json.loads((out / "config.json").read_text())
-    hf.update(updates)
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    return hf
-
-
 # ----------------------------------------------------------------------------- per-method losses
 
 
@@ -200,8 +192,6 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
             metrics[f"agree{j}"] = agree(logits, target_p)
         return loss, metrics
 
-    extra = {"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX} if role == "eagle3" else {}
-    patch_config(out, **extra)
     return head_params(params, names), tuple(layers), loss_fn, lambda: save_head(out, params, names)
 
 
