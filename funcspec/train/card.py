@@ -108,16 +108,14 @@ def render(models: Path, bench_path: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-MISSES = """**Where goals are missed, and what would close them.** Every drafter saw 0.6-0.9 M training tokens (200-300
-steps of 12 × 256; the target saw 4.9 M), because the whole zoo had to train in about 70 minutes on 2 cores. The
-heads that chain their own tokens (draft_model, MTP, EAGLE-3) reach 50-75% acceptance at the first position; the
-heads that guess several tokens ahead *in parallel* from one state (Medusa heads 2-4, DFlash/DSpark mask rows 2-4)
-fall to 0-15% after the first position, which caps τ near 1.5-1.6. Closing the gap needs more of the same: the
-recipes are resumable (`funcspec train eagle3 --steps N` continues from the saved state), and z-lab/DeepSpec train
-block drafters on ~10^8 tokens with several layers; a 2-3 layer DFlash backbone and more anchors per sequence would
-be the next step here. EAGLE-3 is also handicapped by the target's depth: its features are the *inputs* of layers
-1-3 of 4 (ids must be < L), so it never sees the last layer's output, while MTP reads the final hidden state and
-reaches 75% at the first position against EAGLE-3's 54%."""
+MISSES = """**Where goals are missed, and what would close them.** Most drafters saw 0.6-0.9 M training tokens
+(200-300 steps of 12 × 256; EAGLE-3 600 steps, 1.8 M; the target 4.9 M), because the whole zoo had to train in
+about 90 minutes on 2 cores. The heads that chain their own tokens (draft_model, MTP, EAGLE-3) reach 71-77%
+acceptance at the first position; the heads that guess several tokens ahead *in parallel* from one state (Medusa
+heads 2-4, DFlash/DSpark mask rows 2-4) fall to 0-15% after the first position, which caps τ near 1.5-1.7.
+Training longer is what closed EAGLE-3's gap (250 steps: τ 2.13; 600 steps: τ 2.84); the recipes are resumable
+(`funcspec train medusa --steps N`). For the block drafters, z-lab and DeepSpec train on ~10^8 tokens with several
+layers; a 2-3 layer DFlash backbone and more anchors per sequence would be the next step here."""
 
 
 def write(models: Path, bench_path: Path | None) -> Path:

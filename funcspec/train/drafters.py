@@ -47,7 +47,7 @@ SCHEDULES = {
     "draft_model": Schedule(steps=300, lr=2e-3, warmup=30),
     "medusa": Schedule(steps=250, lr=2e-3, warmup=30),
     "mtp": Schedule(steps=200, lr=2e-3, warmup=30),
-    "eagle3": Schedule(steps=250, lr=2e-3, warmup=30),
+    "eagle3": Schedule(steps=600, lr=2e-3, warmup=30),
     "dflash": Schedule(steps=250, lr=2e-3, warmup=30),
     "dspark": Schedule(steps=250, lr=2e-3, warmup=30),
 }
