@@ -42,15 +42,18 @@ def model_path(role: str = "default") -> Path:
     return MODELS / m["roles"][role]
 
 
-def speculative_config(method: str, k: int = 4, **extra) -> dict:
-    """A vLLM ``speculative_config`` for ``method`` on the zoo target, with K = ``k``.
+def speculative_config(method: str, k: int = 4, model=None, **extra) -> dict:
+    """A vLLM ``speculative_config`` for ``method`` with K = ``k``.
 
-    Neural methods point ``model`` at the zoo checkpoint; ngram looks up 1..4-grams.
+    Neural methods point ``model`` at the given checkpoint, else at the zoo's
+    head of that name; ngram looks up 1..4-grams. ``extra`` keys are added as they are.
     """
     spec = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
-    if method in HEAD_METHODS:
+    if model is not None:
+        spec["model"] = str(model)
+    elif method in HEAD_METHODS:
         spec["model"] = str(model_path(method))
     spec.update(extra)
     return spec

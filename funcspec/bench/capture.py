@@ -54,14 +54,9 @@ def _time_calls(fn, args, reset, reps: int) -> float:
 
 def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None):
     from funcspec import Engine, SamplingParams
+    from funcspec.zoo import speculative_config
 
-    spec = None
-    if max(ks) > 0:
-        spec = {"method": method, "num_speculative_tokens": max(ks)}
-        if method == "ngram":
-            spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
-        if head:
-            spec["model"] = head
+    spec = None if max(ks) == 0 else speculative_config(method, max(ks), head)
     eng = Engine(model, speculative_config=spec, backend="eager", max_batch_size=max(batches),
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)

@@ -58,14 +58,9 @@ def load_prompts(source: str, tokenizer, num: int, prompt_tokens: int) -> list[l
 
 def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head):
     from funcspec import Engine, SamplingParams
+    from funcspec.zoo import speculative_config
 
-    spec = None
-    if method != "ar":
-        spec = {"method": method, "num_speculative_tokens": k}
-        if method == "ngram":
-            spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
-        if head:
-            spec["model"] = head
+    spec = None if method == "ar" else speculative_config(method, k, head)
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
                  max_model_len=max(len(p) for p in prompts) + max_tokens + 8)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

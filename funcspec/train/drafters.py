@@ -307,6 +307,5 @@ def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: in
 
     summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after)
     save()
-    rows = [json.loads(line) for line in (work / role / "log.jsonl").read_text().splitlines()]
-    return {**summary, "params": sum(v.numel() for v in trainable.values()), "final_metrics": rows[-1] if rows else {},
+    return {**summary, "params": sum(v.numel() for v in trainable.values()),
             "corpus": data.manifest("train"), "batch": [BATCH, SEQ], "seed": seed, "distilled_from": "target"}

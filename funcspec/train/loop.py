@@ -45,8 +45,9 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
 
     ``work/state.pt`` holds the resumable state; ``work/log.jsonl`` the loss curve.
     ``stop_after`` ends this run after that many total steps (a checkpoint is
-    written), as an interruption would; the schedule is unchanged. Returns a summary: final loss (mean of the last ``log_every`` steps), steps,
-    tokens and wall seconds (summed over resumed runs).
+    written), as an interruption would; the schedule is unchanged. Returns a
+    summary: final loss (mean of the last ``log_every`` steps), the last logged
+    row (``final_metrics``), steps, tokens and wall seconds (summed over resumed runs).
     """
     work.mkdir(parents=True, exist_ok=True)
     leaves = list(params.values())
@@ -94,4 +95,5 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
     rows = [json.loads(line) for line in (work / "log.jsonl").read_text().splitlines()]
     return {"steps": max(start, end), "tokens": max(start, end) * tokens_per_step,
             "final_loss": rows[-1]["loss"] if rows else (sum(recent) / len(recent) if recent else float("nan")),
+            "final_metrics": rows[-1] if rows else {},
             "wall_s": round(wall + time.perf_counter() - t0, 1)}
