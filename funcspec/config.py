@@ -30,12 +30,13 @@ _DYN = _A + "dynamic_spec_config."
 
 VLLM_METHODS = frozenset(
     {"ngram", "suffix", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark",
-     "draft_model", "extract_hidden_states"}
+     "draft_model", "extract_hidden_states", "echo"}
 )
-"""The speculative methods of the vLLM-Ascend guide, under their canonical vLLM names."""
+"""The speculative methods of the vLLM-Ascend guide, under their canonical vLLM names, plus
+funcspec's ``echo`` (a benchmark proposer that always drafts; see ``proposers/echo.py``)."""
 
 BUILT_METHODS = frozenset({"ngram", "suffix", "draft_model", "dflash", "dspark", "medusa", "eagle", "eagle3", "mtp",
-                           "extract_hidden_states"})
+                           "extract_hidden_states", "echo"})
 """Methods whose proposer exists in ``funcspec/proposers``. Extend it when a proposer lands."""
 
 # vLLM's deprecated per-model MTP method names. vLLM rewrites each to "mtp" with a warning.
@@ -61,7 +62,7 @@ METHOD_ALIASES: Mapping[str, str] = {
 _OUT_OF_SCOPE_METHODS = frozenset({"mlp_speculator", "custom_class"})
 
 _MODEL_REQUIRED = frozenset({"eagle", "eagle3", "dflash", "dspark", "medusa", "draft_model"})
-_MODEL_FREE = frozenset({"ngram", "suffix", "extract_hidden_states"})  # mtp: model optional
+_MODEL_FREE = frozenset({"ngram", "suffix", "extract_hidden_states", "echo"})  # mtp: model optional
 _AUX_LAYER_METHODS = frozenset({"eagle3", "dflash", "dspark", "extract_hidden_states"})
 _WINDOW_METHODS = frozenset({"eagle", "eagle3", "dflash", "dspark", "draft_model"})
 # The guide: suffix is already per-request dynamic, DSpark is not supported on the

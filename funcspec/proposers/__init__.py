@@ -30,6 +30,7 @@ PROPOSERS = {
     "eagle": "funcspec.proposers.eagle",
     "eagle3": "funcspec.proposers.eagle3",
     "mtp": "funcspec.proposers.mtp",
+    "echo": "funcspec.proposers.echo",
 }
 
 
