@@ -2,10 +2,12 @@
 
 Each iteration of :meth:`Engine.generate`:
 
-    admit waiting requests into free slots (prefill)
-    B = smallest batch bucket >= active requests;  K = k_for_batch_size(active)
+    admit waiting requests into the lowest free slots (prefill)
+    rows = slots 0..B-1, B = smallest batch bucket > the highest running slot
+    K = k_for_batch_size(active);  T = smallest context bucket >= longest row + K + 1
+    mode = greedy | random | filtered: the cheapest sampling that serves every row
     drafts = host proposer (suffix only)
-    out, state = graph[B, K](params, state, inputs)
+    out, state = graph[B, K, T, mode](params, state, inputs)
     read (tokens, num_emitted) once            # SYNC
     apply stop rules; retire finished requests
 """
@@ -22,6 +24,7 @@ from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec import rng, sampling
 from funcspec.capture import BucketPlan, capture, resolve_backend
+from funcspec.nn.llama import KVRead
 from funcspec.checkpoints import Model, load_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.nn import forward, init_kv_cache
@@ -76,6 +79,12 @@ def readback(out) -> tuple[list, list, list, Optional[torch.Tensor]]:
     return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf
 
 
+def graph_name(key: tuple[int, int, int, str]) -> str:
+    """``B{b}_K{k}_T{t}_{mode}``: the stats name of the captured step of bucket ``key``."""
+    b, k, t, mode = key
+    return f"B{b}_K{k}_T{t}_{mode}"
+
+
 def _next_pow2(n: int, lo: int) -> int:
     b = lo
     while b < n:
@@ -99,12 +108,16 @@ class Engine:
         eager_capture: capture every bucket at construction (else lazily).
         seed: engine seed for requests without ``SamplingParams.seed``.
         device, dtype: where and in what precision to run.
+        context_buckets: KV lengths that a step's attention reads (default:
+            powers of two from 256, then the whole cache). A step reads the
+            smallest that holds its longest row, so it costs the live KV.
     """
 
     def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
                  max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
-                 device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None):
+                 device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
+                 context_buckets: Optional[Sequence[int]] = None):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
         cfg = self.model.cfg
         if isinstance(speculative_config, SpecConfig) or speculative_config is None:
@@ -128,10 +141,11 @@ class Engine:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.max_model_len, self.device, self.seed = max_model_len, torch.device(device), seed
-        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture)
-        self.num_slots = max_batch_size
         # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
         self.t_max = max_model_len + max_k + 1
+        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
+                                          context_buckets)
+        self.num_slots = max_batch_size
         from funcspec.proposers import build_proposer
 
         self.proposer = build_proposer(self.spec, self.model, self) if self.spec else None
@@ -143,7 +157,7 @@ class Engine:
             self.dyn = ConfidenceScheduler(self.spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
         self.state = self._init_state(dtype)
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.graphs: dict[tuple[int, int, int, str], Any] = {}  # (B, K, T, mode name) -> captured step
         self.free_slots = list(range(self.num_slots))
         self.running: dict[int, Request] = {}
         self._counter = 0
@@ -151,8 +165,11 @@ class Engine:
         self._accepted_per_pos = [0] * max_k
         self._buckets_used: collections.Counter = collections.Counter()
         if eager_capture:
-            for b, k in tqdm(self.plan.buckets, desc="capturing buckets"):
-                self._graph(b, k)
+            # NOTE: up front, only the general mode, which serves any request;
+            # _pick_graph then never captures at run time.
+            todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
+            for b, k, t in tqdm(todo, desc="capturing buckets"):
+                self._graph(b, k, t, sampling.FILTERED)
 
     # ----------------------------------------------------------------- state
     def _init_state(self, dtype) -> EngineState:
@@ -166,14 +183,20 @@ class Engine:
         )
 
     # ---------------------------------------------------------------- graphs
-    def _step_config(self, k: int) -> StepConfig:
+    def _step_config(self, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED) -> StepConfig:
+        """The static config of bucket (·, k, t, mode): ``t`` cache positions read, rows are slots."""
         p = self.proposer
-        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None,
-                          p.verify_config(k) if p else None, p.hidden_layers if p else (),
-                          self.dyn.min_k if self.dyn else None)
+        verify = dataclasses.replace(p.verify_config(k), filters=mode.filters) if p else None
+        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None, verify,
+                          p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
+                          KVRead(t if t is not None else self.t_max, aligned=True), mode)
 
     def _inputs(self, slots: list[int], b: int, k: int, drafts=None) -> StepInputs:
-        pad = slots + [self.num_slots] * (b - len(slots))
+        """Graph inputs for the running ``slots``: row i is slot i, the other rows pad (scratch slot)."""
+        live = set(slots)
+        if live and max(live) >= b:
+            raise ValueError(f"slots {sorted(live)} do not fit a batch bucket of {b} rows (row i is slot i)")
+        pad = [i if i in live else self.num_slots for i in range(b)]
         budget = self.dyn.budget_tensor(self.device) if self.dyn else None
         return StepInputs(torch.tensor(pad, dtype=torch.int64, device=self.device),
                           drafts if drafts is not None else self._host_drafts_placeholder(b, k), budget)
@@ -184,18 +207,26 @@ class Engine:
         return torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
-    def _graph(self, b: int, k: int):
-        """The captured step for bucket (b, k), capturing it on first use (always under no_grad,
+    def _graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
+        """The captured step for bucket (b, k, t, mode), capturing it on first use (always under no_grad,
         which Dynamo guards on)."""
-        if (b, k) not in self.graphs:
+        t = self.t_max if t is None else t
+        key = (b, k, t, mode.name)
+        if key not in self.graphs:
             import functools
 
-            fn = functools.partial(spec_step, self._step_config(k))
+            fn = functools.partial(spec_step, self._step_config(k, t, mode))
             # NOTE: every example row points at the scratch slot, so warm-up
             # and capture never touch a real request's KV or history.
             example = (self.params, self.state, self._inputs([], b, k))
-            self.graphs[(b, k)] = capture(fn, example, self.backend, name=f"spec_step_b{b}_k{k}")
-        return self.graphs[(b, k)]
+            self.graphs[key] = capture(fn, example, self.backend, name=f"spec_step_b{b}_k{k}_t{t}_{mode.name}")
+        return self.graphs[key]
+
+    def _pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
+        """The exact bucket's graph; with ``eager_capture``, the general mode's graph that is already there."""
+        if self.plan.eager_capture and (b, k, t, mode.name) not in self.graphs:
+            mode = sampling.FILTERED
+        return self._graph(b, k, t, mode)
 
     # ------------------------------------------------------------- requests
     def _make_request(self, prompt, params: SamplingParams) -> Request:
@@ -265,7 +296,8 @@ class Engine:
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         zero = torch.zeros_like(slots)
         layers = self.proposer.hidden_layers if self.proposer else self.dump.layers if self.dump else ()
-        logits, hiddens, _ = forward(self.model.cfg, self.model.params, self.state.kv, tokens, slots, zero, layers)
+        logits, hiddens, _ = forward(self.model.cfg, self.model.params, self.state.kv, tokens, slots, zero, layers,
+                                     KVRead(t))  # the prompts' positions are all below t
         if self.dump is not None:
             for i, r in enumerate(reqs):
                 path = self.dump.save(r.request_id, tokens[i, :lens[i]], tuple(h[i, :lens[i]] for h in hiddens))
@@ -279,7 +311,7 @@ class Engine:
         key = row_keys(self.state, slots, last)
         s = self.state.sampling
         first = sampling.sample(key, logits[torch.arange(len(reqs)), last], s.temperature[slots], s.top_k[slots],
-                                s.top_p[slots])
+                                s.top_p[slots], sampling.mode_for(r.params for r in reqs))
         return first.tolist()  # SYNC: prefill hands the first tokens to the host
 
     # ----------------------------------------------------------- stop rules
@@ -325,36 +357,40 @@ class Engine:
             return self._dyn_k
         return self.spec.k_for_batch_size(active) if self.spec else 0
 
-    def _observe_confidence(self, rows: int, conf: torch.Tensor, drafts: list[int], k: int) -> None:
+    def _observe_confidence(self, live: list[int], conf: torch.Tensor, drafts: list[int], k: int) -> None:
         """Confidence-based verify length on the host: update the budget, then the next K bucket.
 
         NOTE: graphs have static K, so the bucket is the width rows may verify: the
         largest verify length used this step, one more when a row hit the cap, and
         never below the per-request budget. Rows verify their allocated prefix inside it.
         """
-        self.dyn.observe(self._stats["steps"] - 1, conf[:rows])
-        used = max(drafts[:rows], default=0)
+        self.dyn.observe(self._stats["steps"] - 1, conf[live])  # the live rows' [n, K]
+        used = max((drafts[i] for i in live), default=0)
         self._dyn_k = min(self.dyn.d, max(self.dyn.budget_k, used + (used == k)))
 
     @torch.no_grad()
     def _step(self) -> None:
-        rows = list(self.running.values())
-        b, k = self.plan.batch_bucket(len(rows)), self._choose_k(len(rows))
+        running, live = list(self.running.values()), sorted(self.running)
+        b, k = self.plan.batch_bucket(live[-1] + 1), self._choose_k(len(running))
+        t = self.plan.context_bucket(max(r.total_len for r in running) + k + 1)
+        rows = [self.running.get(slot) for slot in range(b)]  # row i is slot i; None pads
         drafts = self.proposer.host_drafts(rows, b, k) if self.proposer and self.proposer.runs_on_host else None
-        inputs = self._inputs([r.slot for r in rows], b, k, drafts)
-        graph = self._graph(b, k)
+        inputs = self._inputs(live, b, k, drafts)
+        graph = self._pick_graph(b, k, t, sampling.mode_for(r.params for r in running))
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
         tokens, n, drafts, conf = readback(out)  # SYNC: the step's one device-to-host copy
         graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
         self._record(rows, tokens, n, drafts, k, b)
         if self.dyn is not None and k > 0:
-            self._observe_confidence(len(rows), conf, drafts, k)
+            self._observe_confidence(live, conf, drafts, k)
 
-    def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int) -> None:
+    def _record(self, rows: list[Optional[Request]], tokens, n, drafts, k: int, b: int) -> None:
         self._stats["steps"] += 1
         self._buckets_used[f"B{b}_K{k}"] += 1
         for i, req in enumerate(rows):
+            if req is None:  # a padding row
+                continue
             req.steps += 1
             self._stats["row_steps"] += 1
             self._stats["emitted"] += n[i]
@@ -437,7 +473,7 @@ class Engine:
         whose first i+1 drafts were all accepted (unconditional, so it never rises with i).
         """
         s = self._stats
-        graphs = {f"B{b}_K{k}": g.stats.summary() for (b, k), g in sorted(self.graphs.items())}
+        graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.graphs.items())}
         spec_rows = s["spec_row_steps"]
         return {
             "backend": self.backend,

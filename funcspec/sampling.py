@@ -10,9 +10,50 @@ sampling settings: ``temperature [B]`` (0 means greedy), ``top_k [B]`` int64
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from funcspec import rng
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What a bucket's rows need from sampling (static: part of the bucket's key).
+
+    The host knows every request's parameters, so it picks the cheapest mode
+    that serves all rows, as vLLM's sampler skips top-k/top-p when every row
+    has them off:
+
+    Attributes:
+        greedy: every row has temperature 0: argmax only, O(V), no
+            probabilities, no exponential race.
+        filters: some row has top-k or top-p on: the O(V log V) sort runs.
+    """
+
+    greedy: bool = False
+    filters: bool = True
+
+    @property
+    def name(self) -> str:
+        """``greedy``, ``random`` or ``filtered``."""
+        return "greedy" if self.greedy else "filtered" if self.filters else "random"
+
+
+GREEDY = Mode(greedy=True, filters=False)
+RANDOM = Mode(greedy=False, filters=False)
+FILTERED = Mode(greedy=False, filters=True)
+"""The general mode: serves any mix of rows."""
+
+
+def mode_for(params) -> Mode:
+    """The cheapest mode serving requests with these ``SamplingParams`` (or ``Sampling``-like) values."""
+    params = list(params)
+    if all(p.temperature <= 0 for p in params):
+        return GREEDY
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if p.temperature > 0):
+        return FILTERED
+    return RANDOM
 
 
 def _per_row(x, ref: torch.Tensor, dtype) -> torch.Tensor:
@@ -47,22 +88,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
     return logits.masked_fill(logits < thresh, float("-inf"))
 
 
-def target_probs(logits: torch.Tensor, temperature, top_k=0, top_p=1.0) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, filters: bool = True) -> torch.Tensor:
     """The sampling distribution [B, ..., V] float32 for raw logits [B, ..., V].
 
     Temperature, then top-k, then top-p. Rows with temperature 0 get the
     one-hot distribution of ``argmax`` (first index on ties), which makes every
-    verifier reduce to greedy verification on those rows.
+    verifier reduce to greedy verification on those rows. ``filters=False``
+    (static) skips top-k/top-p: only valid when every row has them off.
     """
     logits = logits.float()
     t = _per_row(temperature, logits, torch.float32)
     greedy = t <= 0
     scaled = logits / torch.where(greedy, 1.0, t)
-    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
+    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p) if filters else scaled, dim=-1)
     onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.where(greedy, onehot, probs)
 
 
-def sample(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.0) -> torch.Tensor:
+def sample(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.0,
+           mode: Mode = FILTERED) -> torch.Tensor:
     """Sample token ids [B, ...] from logits [B, ..., V] with per-row keys ``key [B, ...]``."""
-    return rng.categorical(key, target_probs(logits, temperature, top_k, top_p))
+    return draw(key, logits, temperature, top_k, top_p, mode)[0]
+
+
+def draw(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.0, mode: Mode = FILTERED):
+    """Token ids [B, ...] and their distribution q [B, ..., V], or ``None`` under ``GREEDY``.
+
+    Under ``GREEDY`` the token is ``argmax`` (first index on ties), exactly what
+    the one-hot ``target_probs`` and its race give, at O(V) and with no q: a
+    greedy draft is deterministic, so verifiers treat q as one-hot.
+    """
+    if mode.greedy:
+        return logits.argmax(-1), None
+    q = target_probs(logits, temperature, top_k, top_p, mode.filters)
+    return rng.categorical(key, q), q

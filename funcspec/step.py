@@ -17,6 +17,7 @@ import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
+from funcspec.nn.llama import FULL_READ, KVRead
 from funcspec.tree import pytree_dataclass, replace
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
@@ -89,6 +90,10 @@ class StepContext:
         key: [B] the rows' draft keys (independent of the verifier's).
         sampling: the rows' sampling parameters.
         drafts: [B, K] host drafts, or ``None``.
+        read: static: how attention reads the proposer's own caches (the bucket's
+            context length; rows are slots).
+        mode: static: the bucket's ``sampling.Mode`` (under ``GREEDY`` drafts
+            are argmax and carry no q).
     """
 
     slots: torch.Tensor
@@ -97,6 +102,8 @@ class StepContext:
     key: torch.Tensor
     sampling: Sampling
     drafts: Optional[torch.Tensor] = None
+    read: KVRead = FULL_READ
+    mode: sampling.Mode = sampling.FILTERED
 
 
 @pytree_dataclass
@@ -121,6 +128,8 @@ class StepConfig:
     verify: Any = None  # funcspec.verifiers.VerifyConfig
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
+    read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
+    mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
 
 
 def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:
@@ -184,7 +193,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         # NOTE: proposers run even at K = 0 (a K-table gap), so stateful ones
         # (a draft KV) keep up with every committed token.
         draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
-        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts)
+        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts, sc.read, sc.mode)
         proposal, pstate = sc.proposer.propose(sc.proposer_cfg, params["draft"], pstate, ctx, sc.k)
         if sc.dynamic_min_k is not None and sc.k > 0:
             proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))
@@ -193,11 +202,12 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
     else:
         tokens = pending.unsqueeze(1)  # [B, 1]
-    logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers)
+    logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
+                                  sc.read)  # [B, K+1, V] float32
     if sc.k > 0:
-        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp)  # [B, K+1], [B]
+        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy)  # [B, K+1], [B]
     else:
-        out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p).unsqueeze(1)  # [B, 1]
+        out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p, sc.mode).unsqueeze(1)
         n = torch.ones_like(slots, dtype=torch.int32)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:

@@ -269,5 +269,7 @@ def test_whole_step_captures_as_one_graph(zoo, method, monkeypatch, tmp_path):
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
-    g = eng.graphs[(4, 2)].stats
+    (key, graph), = eng.graphs.items()  # one bucket: (4, 2) at one context length, greedy
+    assert key[:2] == (4, 2) and key[3] == "greedy"
+    g = graph.stats
     assert g.compiles == 1 and g.graph_breaks == 0 and eng.stats["recompiles"] == 0

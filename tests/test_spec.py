@@ -68,7 +68,7 @@ def test_greedy_lossless_inductor(tiny_llama, tiny_draft, reference, method, k):
     assert _ids(eng.generate(prompts[:12], GREEDY)) == want[:12]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[12:], GREEDY)) == want[12:]
-    assert eng.stats["recompiles"] == 0 and list(eng.graphs) == [(4, k)]
+    assert eng.stats["recompiles"] == 0 and [key[:2] for key in eng.graphs] == [(4, k)]
 
 
 def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):
@@ -103,7 +103,8 @@ def test_k_zero_rows_of_the_table_decode_autoregressively(tiny_llama, tiny_draft
     eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
     assert _ids(eng.generate(prompts[:7], params)) == [w[:4 + 2 * i] for i, w in enumerate(want[:7])]
-    assert {"B4_K0", "B1_K2"} <= set(eng.stats["buckets_used"])
+    # NOTE: row i is slot i, so the last request left (in slot 3) still runs in a 4-row bucket.
+    assert {"B4_K0", "B4_K2"} <= set(eng.stats["buckets_used"])
 
 
 def test_request_metrics(tiny_llama, reference):

@@ -99,7 +99,7 @@ def test_lossless_marginal_and_joint(method, vocab, with_probs):
     assert (num >= 2).float().mean() > 0.15  # many rows emit token 1 themselves: the joint is not trivial
 
 
-def broken_residual_from_p(p_row, q_row, weight):
+def broken_residual_from_p(inp, p_row, pos, weight):
     """Recovered token from p instead of max(0, p - q): biased towards draft-heavy tokens."""
     return p_row
 
@@ -115,7 +115,7 @@ def test_chi_square_rejects_a_broken_verifier(monkeypatch, method):
 def test_block_residual_needs_the_block_weight(monkeypatch):
     """Block verification with standard's residual (``p_τ`` ignored) fails the joint test."""
     real = common.residual
-    monkeypatch.setattr(common, "residual", lambda p, q, w: real(p, q, torch.ones_like(w)))
+    monkeypatch.setattr(common, "residual", lambda inp, p, pos, w: real(inp, p, pos, torch.ones_like(w)))
     _, _, p, pair = emitted_pairs("block", seed=SEED_WEIGHT, vocab=6, with_probs=True, top_k=0, k=2)
     assert joint_pvalue(pair, p) < ALPHA
 

@@ -100,7 +100,7 @@ def test_greedy_lossless_on_trained_heads_inductor(method, target, prompts, ar, 
     assert [o.outputs[0].token_ids for o in eng.generate(prompts[:1], GREEDY)] == ar[:1]  # batch 1, padded
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
-    assert eng.stats["recompiles"] == 0 and list(eng.graphs) == [(4, 3)]
+    assert eng.stats["recompiles"] == 0 and [key[:2] for key in eng.graphs] == [(4, 3)]
 
 
 def test_make_run_generates_with_the_zoo_drafter_and_prints_acceptance(capsys):

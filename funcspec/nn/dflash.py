@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from funcspec import rng
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
-from funcspec.nn.llama import ModelConfig, apply_rope, linear, lm_head, mlp, rms_norm, rope_tables, write_kv
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, lm_head, mlp, read_cache, rms_norm,
+                               rope_tables, write_kv)
 from funcspec.tree import pytree_dataclass
 
 WINDOW_ALIGN = 16
@@ -137,7 +138,8 @@ def write_context(cfg: DFlashConfig, params: dict, kv: ContextKV, raw: torch.Ten
     return kv
 
 
-def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots, starts, first=None):
+def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots, starts, first=None,
+                  read: KVRead = FULL_READ):
     """Run the block tokens [B, T] at positions ``starts[b] + t``; returns (h [B, T, H] normed, kv).
 
     Every block token sees the context at positions ``[first, starts)`` and the
@@ -150,11 +152,12 @@ def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots,
     pos = starts.unsqueeze(1) + torch.arange(t, device=tokens.device)  # [B, T]
     x = params["embed_tokens"]["weight"][tokens]  # [B, T, H]
     cos, sin = rope_tables(m, pos, x.dtype)
-    j = torch.arange(kv.k.shape[3], device=tokens.device)  # [T_max]
-    visible = j.view(1, -1) < (starts + t).view(-1, 1)  # [B, T_max]: non-causal inside the block
+    t_read = kv.k.shape[3] if read.length is None else read.length
+    j = torch.arange(t_read, device=tokens.device).view(1, -1)  # [1, T_read]
+    visible = j < (starts + t).view(-1, 1)  # [B, T_read]: non-causal inside the block
     if first is not None:
-        visible = visible & (j.view(1, -1) >= first.view(-1, 1))
-    mask = visible.view(b, 1, 1, -1)
+        visible = visible & (j >= first.view(-1, 1))
+    visible = visible.unsqueeze(1).expand(b, t, t_read)  # [B, T, T_read]
     for i, p in enumerate(params["layers"]):
         a = p["self_attn"]
         h = rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
@@ -163,9 +166,8 @@ def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots,
         k, v = _keys_values(m, a, h, cos, sin)
         write_kv(kv.k, i, slots, pos, k.to(kv.k.dtype))
         write_kv(kv.v, i, slots, pos, v.to(kv.v.dtype))
-        keys, vals = kv.k[i][slots].to(q.dtype), kv.v[i][slots].to(q.dtype)  # [B, H_kv, T_max, D]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True)
-        x = x + linear(out.transpose(1, 2).reshape(b, t, -1), a["o_proj"])
+        keys, vals = read_cache(kv.k, i, slots, read), read_cache(kv.v, i, slots, read)  # [B, H_kv, T_read, D]
+        x = x + linear(attend(q, keys, vals, visible), a["o_proj"])
         x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], m.rms_norm_eps))
     return rms_norm(x, params["norm"]["weight"], m.rms_norm_eps), kv
 
@@ -189,7 +191,8 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
     Args:
         base: [B, K, V] backbone logits U.
         anchor: [B] the pending token.
-        choose: ``choose(k, logits [B, V]) -> (token [B], extra)`` picks ``x_k``.
+        choose: ``choose(k, logits [B, V]) -> (token [B], extra)`` picks ``x_k``;
+            ``extra`` is a tensor, or ``None`` at every k.
 
     Returns:
         tokens [B, K], corrected logits [B, K, V], the extras stacked on dim 1,
@@ -206,7 +209,7 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
         toks.append(prev)
         outs.append(step)
         extras.append(extra)
-    return (torch.stack(toks, 1), torch.stack(outs, 1), torch.stack(extras, 1),
+    return (torch.stack(toks, 1), torch.stack(outs, 1), None if extras[0] is None else torch.stack(extras, 1),
             torch.stack(embs, 1) if embs else None)
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from funcspec import rng
 from funcspec.checkpoints import check_keys, expected_shapes, nest, read_config, read_safetensors
-from funcspec.nn.llama import ARCHITECTURES, ModelConfig, attention, linear, lm_head, mlp, rms_norm, rope_tables
+from funcspec.nn.llama import ARCHITECTURES, FULL_READ, KVRead, ModelConfig, attention, linear, lm_head, mlp, rms_norm, rope_tables
 
 _IGNORED = ("rotary_emb.inv_freq",)
 
@@ -72,9 +72,9 @@ class EagleConfig:
 # ----------------------------------------------------------------------------- network
 
 
-def _block(cfg: ModelConfig, p, kv, layer, residual, attn_in, slots, pos, cos, sin, window):
+def _block(cfg: ModelConfig, p, kv, layer, residual, attn_in, slots, pos, cos, sin, window, read):
     """A pre-norm decoder block whose attention input is given: [B, T, H] -> [B, T, H]."""
-    h = residual + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window)
+    h = residual + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read)
     return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
@@ -83,7 +83,7 @@ def target_features(cfg: EagleConfig, params, feats: torch.Tensor) -> torch.Tens
     return linear(feats, params["fc"]) if cfg.version == 3 else feats
 
 
-def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None):
+def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ):
     """Run the head over tokens [B, T] (x_{t+1}) and features h [B, T, H] (f_t) at positions starts[b] + t.
 
     Returns ``(g [B, T, H], kv)``: g is the feature fed back at the next step.
@@ -98,11 +98,11 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None)
         p = params["midlayer"]
         hn = rms_norm(h, p["hidden_norm"]["weight"], m.rms_norm_eps)
         attn_in = torch.cat([rms_norm(emb, p["input_layernorm"]["weight"], m.rms_norm_eps), hn], -1)  # [B, T, 2H]
-        return _block(m, p, kv, 0, hn if cfg.norm_before_residual else h, attn_in, slots, pos, cos, sin, window), kv
+        return _block(m, p, kv, 0, hn if cfg.norm_before_residual else h, attn_in, slots, pos, cos, sin, window, read), kv
     x = linear(torch.cat([emb, h], -1), params["fc"])  # [B, T, H]
     for i, p in enumerate(params["layers"]):
         attn_in = x if i == 0 else rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
-        x = _block(m, p, kv, i, x, attn_in, slots, pos, cos, sin, window)
+        x = _block(m, p, kv, i, x, attn_in, slots, pos, cos, sin, window, read)
     return x, kv
 
 
@@ -180,17 +180,39 @@ def _draft_model(hf: dict) -> ModelConfig:
     return ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 auxiliary layers ``(2, L//2, L-3)``, clamped into ``[0, L-1]``."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def spread_aux_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """Distinct auxiliary layers for a new head: vLLM's default where it is distinct, else
+    ``min(count, L)`` ids spread evenly over ``[0, L-1]`` (low, middle and high features)."""
+    ids = default_aux_layers(num_layers)
+    if len(set(ids)) == len(ids):
+        return tuple(sorted(ids))
+    n = min(count, num_layers)
+    return tuple(sorted({round(j * (num_layers - 1) / max(n - 1, 1)) for j in range(n)}))
+
+
 def aux_layers(hf: dict, num_layers: int, override=None) -> tuple[int, ...]:
-    """EAGLE-3's auxiliary layer ids: ``override``, else the head's config, else ``[2, L//2, L-3]``."""
+    """EAGLE-3's auxiliary layer ids: ``override``, else the head's config, else vLLM's default.
+
+    NOTE: duplicates are refused, not accepted: vLLM collects one hidden state per
+    distinct layer, so a duplicated id would feed its ``fc`` fewer features than
+    the checkpoint expects. Small targets, where the default collides, need the
+    ids set explicitly (:func:`spread_aux_layers` chooses them for new heads).
+    """
     ids = override or hf.get("eagle_aux_hidden_state_layer_ids") \
         or (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or (2, num_layers // 2, num_layers - 3)
+        or default_aux_layers(num_layers)
     ids = tuple(sorted(int(i) for i in ids))
     if len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
         raise ValueError(
             f"eagle_aux_hidden_state_layer_ids must be distinct target layer indices in [0, {num_layers - 1}] "
             f"(the input of decoder layer i), got {list(ids)}; set it in the head's config.json or in "
-            "speculative_config.draft_model_config.hf_config for a target this small"
+            "speculative_config.draft_model_config.hf_config for a target this small, "
+            f"e.g. {list(spread_aux_layers(num_layers))}"
         )
     return ids
 
@@ -234,8 +256,9 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
         hf = hf_config_dict(base, bias=True)
     else:
         vd = draft_vocab_size or target_cfg.vocab_size // 2
-        extra = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)} if aux_layers else {}
-        hf = hf_config_dict(base, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd, **extra)
+        ids = aux_layers or spread_aux_layers(target_cfg.num_layers)  # written down: usable on any depth
+        hf = hf_config_dict(base, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd,
+                            eagle_aux_hidden_state_layer_ids=list(ids))
     cfg = config_from_hf(hf, version, target_cfg, fc_bias=version == 1)
     shapes = head_shapes(cfg, target_cfg.hidden_size)
     tensors = random_tensors({k: s for k, s in shapes.items() if k not in ("d2t", "t2d")}, seed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +170,57 @@ def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Te
     cache.index_put_((l_idx, slots.view(-1, 1, 1), h, pos.unsqueeze(-1)), x)
 
 
-def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos, cos, sin, window=None):
+@dataclasses.dataclass(frozen=True)
+class KVRead:
+    """How attention reads a KV cache (static: part of a bucket's key).
+
+    Attributes:
+        length: read positions ``[0, length)`` of each slot; ``None`` reads all
+            ``T_max``. The host picks the smallest context bucket that holds every
+            row's live tokens, so a step costs the live KV, not the capacity.
+        aligned: row ``b`` of the batch is slot ``b`` (padding rows excepted), so
+            the cache is read in place as the view ``cache[layer, :B, :, :length]``.
+            Otherwise (prefill, arbitrary slots) the rows' slots are gathered.
+    """
+
+    length: Optional[int] = None
+    aligned: bool = False
+
+
+FULL_READ = KVRead()
+"""Gather every row's whole slot: the reference read, used by prefill."""
+
+
+def read_cache(cache: torch.Tensor, layer: int, slots: torch.Tensor, read: KVRead) -> torch.Tensor:
+    """Keys or values [B, H_kv, T_read, D] of each row's slot, from cache [L, S+1, H_kv, T_max, D]."""
+    t = cache.shape[3] if read.length is None else read.length
+    if read.aligned:
+        # NOTE: a view, no copy: padding rows read a free slot's stale entries,
+        # which only their own (discarded) outputs see.
+        return cache[layer, : slots.shape[0], :, :t]
+    return cache[layer, :, :, :t][slots]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, T, H, D] over keys/vals [B, H_kv, T_read, D] where visible [B, T, T_read]; -> [B, T, H·D].
+
+    The one attention of the target and every head.
+    NOTE: GQA is folded into the query length: the G = H / H_kv query heads that
+    share a KV head become G·T queries of that head. SDPA then runs one plain
+    multi-head attention over the cache as it lies, with no repeated or copied
+    keys, and the G·T queries make a GEMM where T = 1 would be a GEMV.
+    """
+    b, t, h, d = q.shape
+    hkv, tr = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, H_kv, G·T, D]
+    mask = visible.unsqueeze(1).expand(b, g, t, tr).reshape(b, 1, g * t, tr)  # [B, 1, G·T, T_read]
+    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)  # [B, H_kv, G·T, D]
+    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos, cos, sin, window=None,
+              read: KVRead = FULL_READ):
     """Self-attention for x [B, T, H] at positions pos [B, T]; returns [B, T, H].
 
     Keys are this slot's cache up to each query's own position (causal), so
@@ -187,16 +237,12 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
     write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
-    keys = kv.k[layer][slots].to(q.dtype)  # [B, H_kv, T_max, D]
-    vals = kv.v[layer][slots].to(q.dtype)  # [B, H_kv, T_max, D]
-    j = torch.arange(keys.shape[2], device=x.device)  # [T_max]
-    mask = j.view(1, 1, -1) <= pos.unsqueeze(-1)  # [B, T, T_max]
+    keys, vals = read_cache(kv.k, layer, slots, read), read_cache(kv.v, layer, slots, read)  # [B, H_kv, T_read, D]
+    j = torch.arange(keys.shape[2], device=x.device).view(1, 1, -1)  # [1, 1, T_read]
+    visible = j <= pos.unsqueeze(-1)  # [B, T, T_read]
     if window is not None:
-        mask = mask & (j.view(1, 1, -1) >= window.view(-1, 1, 1))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, vals, attn_mask=mask.unsqueeze(1), enable_gqa=True
-    )  # [B, H, T, D]
-    return linear(out.transpose(1, 2).reshape(b, t, -1), p["o_proj"])
+        visible = visible & (j >= window.view(-1, 1, 1))
+    return linear(attend(q, keys, vals, visible), p["o_proj"])
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -204,10 +250,10 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return linear(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
 
 
-def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None):
+def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ):
     """One pre-norm decoder block over x [B, T, H]."""
     h = x + attention(cfg, p["self_attn"], kv, layer, rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
-                      slots, pos, cos, sin, window)
+                      slots, pos, cos, sin, window, read)
     return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
@@ -226,7 +272,7 @@ def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
-            starts: torch.Tensor, hidden_layers: tuple[int, ...] = ()):
+            starts: torch.Tensor, hidden_layers: tuple[int, ...] = (), read: KVRead = FULL_READ):
     """Run the decoder over tokens [B, T] written at positions ``starts[b] + t``.
 
     Args:
@@ -235,6 +281,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         starts: [B] int64 first position per row.
         hidden_layers: static HF ``hidden_states`` indices to return: ``i < L`` is
             the input of layer ``i`` (0 = embeddings), ``L`` the final normed state.
+        read: how attention reads the cache (static; see :class:`KVRead`).
 
     Returns:
         logits [B, T, V] float32, hiddens (tuple of [B, T, H]), kv.
@@ -249,7 +296,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin)
+        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin, read=read)
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
     logits = F.linear(x, lm_head(cfg, params)).float()  # [B, T, V]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
 from funcspec.nn.eagle import hf_config_dict, layer_shapes, random_tensors, to_target
-from funcspec.nn.llama import ModelConfig, decoder_layer, linear, rms_norm, rope_tables
+from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ def target_features(cfg: MTPConfig, params, feats: torch.Tensor) -> torch.Tensor
     return feats
 
 
-def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None):
+def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ):
     """Run the module over tokens [B, T] (x_{t+1}) and hidden states h [B, T, H] (h_t) at starts[b] + t.
 
     Returns ``(g [B, T, H], kv)``. ``window`` is ignored (vLLM-Ascend turns the
@@ -60,7 +60,7 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None):
     e = rms_norm(emb, p["enorm"]["weight"], m.rms_norm_eps)
     x = linear(torch.cat([e, rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)], -1), p["eh_proj"])
     cos, sin = rope_tables(m, pos, x.dtype)
-    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin), kv
+    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read), kv
 
 
 def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:

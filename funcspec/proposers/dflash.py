@@ -113,7 +113,7 @@ def draft_block(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, rows
     masks = torch.full((slots.shape[0], rows - 1), cfg.net.mask_token_id, dtype=torch.int64, device=slots.device)
     block = torch.cat([pending.unsqueeze(1), masks], 1)  # [B, rows]
     first = None if cfg.window is None else dflash.window_start(ctx.lens, cfg.window)
-    h, kv = dflash.block_forward(cfg.net, params, kv, block, slots, ctx.lens, first)
+    h, kv = dflash.block_forward(cfg.net, params, kv, block, slots, ctx.lens, first, ctx.read)
     return pending, h, replace(state, kv=kv)
 
 

@@ -83,20 +83,21 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     start = (ctx.lens - 1).clamp(min=0)  # [B]
     cols = start.unsqueeze(1) + torch.arange(2, device=start.device)  # [B, 2]
     x = ctx.history[ctx.slots.unsqueeze(1), cols]  # [B, 2]
-    logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start)
+    logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read)
     logits = logits[:, -1]  # [B, V]
     s = ctx.sampling
     tokens, probs = [], []
     for i in range(k):
-        q = sampling.target_probs(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
-        tok = rng.categorical(rng.fold_in(ctx.key, i), q)  # [B]
+        # [B], [B, V] (None when every row is greedy: the drafts are then deterministic)
+        tok, q = sampling.draw(rng.fold_in(ctx.key, i), logits, s.temperature, s.top_k, s.top_p, ctx.mode)
         tokens.append(tok)
         probs.append(q)
         if i + 1 < k:
-            step_logits, _, kv = forward(cfg.model, params, kv, tok.unsqueeze(1), ctx.slots, ctx.lens + 1 + i)
+            step_logits, _, kv = forward(cfg.model, params, kv, tok.unsqueeze(1), ctx.slots, ctx.lens + 1 + i,
+                                         read=ctx.read)
             logits = step_logits[:, 0]
     b, v = ctx.slots.shape[0], cfg.model.vocab_size
     if k == 0:
         return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=x.device),
-                        torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
-    return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1)), DraftState(kv)
+                        None if ctx.mode.greedy else torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
+    return Proposal(torch.stack(tokens, 1), None if ctx.mode.greedy else torch.stack(probs, 1)), DraftState(kv)

@@ -40,9 +40,8 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
         return empty_proposal(ctx, cfg.net.model.vocab_size, True), state
     s = ctx.sampling
 
-    def choose(i, logits):  # logits [B, V] -> token [B], q [B, V]
-        q = sampling.target_probs(logits, s.temperature, s.top_k, s.top_p)
-        return rng.categorical(rng.fold_in(ctx.key, i), q), q
+    def choose(i, logits):  # logits [B, V] -> token [B], q [B, V] (None when every row is greedy)
+        return sampling.draw(rng.fold_in(ctx.key, i), logits, s.temperature, s.top_k, s.top_p, ctx.mode)
 
     tokens, corrected, q, prev_emb = net.markov_decode(cfg.net, params, net.logits(params, h), pending, choose)
     if cfg.net.confidence == "none":

@@ -52,7 +52,7 @@ class ChainConfig:
     Attributes:
         head: the head network's static config.
         features: ``(head, params, feats [.., F]) -> [.., H]``, the target features as head input.
-        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window) -> (g [B, T, H], kv)``.
+        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read) -> (g [B, T, H], kv)``.
         draft: ``(head, params, g [B, H]) -> [B]`` greedy target-vocabulary ids.
         model: the head's decoder dims (its KV cache's shape).
         k_max: the largest K of any bucket.
@@ -155,14 +155,14 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, K_max+1] x_{t+1}
     h = cfg.features(cfg.head, params, state.feats[slots])  # [B, K_max+1, H]
     window = window_start(cfg, lens, k)
-    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window)  # [B, K_max+1, H]
+    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, K_max+1, H]
     g = g[rows, (lens - 1 - start).clamp(0, cfg.k_max)]  # [B, H] at position lens-1
     drafts = []
     for i in range(k):
         drafts.append(cfg.draft(cfg.head, params, g))  # [B]
         if i + 1 < k:
             g, kv = cfg.forward(cfg.head, params, kv, drafts[-1].unsqueeze(1), g.unsqueeze(1), slots, lens + i,
-                                window)
+                                window, ctx.read)
             g = g[:, 0]
     out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=slots.device)
     return Proposal(out), ChainState(kv, state.feats, state.count)

@@ -72,6 +72,8 @@ class VerifyConfig:
             ``enable_entropy_verify``). Allowed only for "magicmtp" and "entropy".
         synthetic_rates: per-position acceptance rates [K] for
             ``method="synthetic"`` (required there, refused elsewhere).
+        filters: apply top-k/top-p to ``p``. ``False`` skips the sort and is
+            valid only when every row has both off (see ``sampling.Mode``).
     """
 
     method: str = "standard"
@@ -79,6 +81,7 @@ class VerifyConfig:
     posterior_alpha: float = 0.4
     entropy: bool = False
     synthetic_rates: Optional[tuple[float, ...]] = None
+    filters: bool = True
 
     def __post_init__(self):
         check_method(self.method)
@@ -100,9 +103,15 @@ class VerifyConfig:
 
 
 def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the rule ``cfg.method``; see the module docstring for shapes."""
-    return VERIFIERS[cfg.method](cfg, key, target_logits, proposal, sampling)
+           sampling: Sampling, all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the rule ``cfg.method``; see the module docstring for shapes.
+
+    ``all_greedy`` (static: the host knows every row has temperature 0) runs the
+    greedy rule, which every rule but synthetic reduces to on greedy rows, at
+    O(K·V) argmax cost instead of probabilities, ratios and a race.
+    """
+    rule = "greedy" if all_greedy and cfg.method != "synthetic" else cfg.method
+    return VERIFIERS[rule](cfg, key, target_logits, proposal, sampling)
 
 
 def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ def continue_probs(inp: common.Inputs, cum: torch.Tensor) -> torch.Tensor:
     """h [B, K] from the cumulative acceptance ``cum [B, K]`` = (p_1..p_K)."""
     k = cum.shape[1]
     w = cum[:, :-1]  # [B, K-1]  p_1..p_{K-1}
-    z = torch.clamp(w.unsqueeze(-1) * inp.p[:, 1:k] - inp.q[:, 1:k], min=0.0).sum(dim=-1)  # [B, K-1]
+    pos = torch.arange(1, max(k, 1), device=cum.device).expand(cum.shape[0], -1)  # [B, K-1] positions 2..K (1-indexed)
+    z = common.minus_q(inp, w.unsqueeze(-1) * inp.p[:, 1:k], pos).sum(dim=-1)  # [B, K-1]
     # NOTE: at p_i = 1 the formula is Z/Z (or 0/0 when Z = 0); h = 1 there, so
     # a fully accepted prefix is never cut short. For p_i < 1 the denominator
     # is at least 1 - p_i > 0.
@@ -39,8 +40,8 @@ def continue_probs(inp: common.Inputs, cum: torch.Tensor) -> torch.Tensor:
 
 def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block verification; ``cfg`` is unused."""
-    inp = common.prepare(target_logits, proposal, sampling, key)
+    """Block verification; reads only ``cfg.filters``."""
+    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     batch, k = inp.drafts.shape
     cum = common.cumulative_ratio(inp.ratio)  # [B, K]
     u = common.acceptance_uniforms(key, k)  # [B, K]

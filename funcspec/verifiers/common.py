@@ -36,7 +36,10 @@ class Inputs(NamedTuple):
         valid: [B, K] bool, the draft is not ``PLACEHOLDER``.
         supported: [B, K] bool, ``valid`` and ``q(draft) > 0``.
         p: [B, K+1, V] float32 processed target distribution (``target_probs``).
-        q: [B, K, V] float32 draft distribution; zero rows at ``PLACEHOLDER``.
+        q: [B, K, V] float32 draft distribution, zero rows at ``PLACEHOLDER``; or
+            ``None`` when every row's q is one-hot at its draft (deterministic drafts).
+        onehot: [B] bool, rows whose q is one-hot at the draft whatever ``q`` holds
+            (greedy rows).
         ratio: [B, K] float32 ``p(draft) / q(draft)``, 0 where not ``supported``.
     """
 
@@ -44,7 +47,8 @@ class Inputs(NamedTuple):
     valid: torch.Tensor
     supported: torch.Tensor
     p: torch.Tensor
-    q: torch.Tensor
+    q: Optional[torch.Tensor]
+    onehot: torch.Tensor
     ratio: torch.Tensor
 
 
@@ -75,43 +79,58 @@ def is_greedy(sampling: Sampling, batch: int) -> torch.Tensor:
     return (torch.as_tensor(sampling.temperature).reshape(-1) <= 0).expand(batch)
 
 
-def draft_distribution(proposal: Proposal, greedy: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The draft distribution q [B, K, V], zero at ``PLACEHOLDER`` positions.
-
-    ``probs=None`` means a deterministic draft: q is one-hot at the draft.
-    Greedy rows also use the one-hot q, so that every rule reduces to exactly
-    greedy verification there, whatever ``probs`` holds.
-    """
-    drafts = proposal.tokens  # [B, K]
-    vocab_ids = torch.arange(vocab, device=drafts.device)  # [V]
-    # NOTE: PLACEHOLDER (-1) matches no vocab id, so its one-hot row is zero.
-    onehot = (drafts.unsqueeze(-1) == vocab_ids).float()  # [B, K, V]
-    if proposal.probs is None:
-        return onehot
-    # A missing draft has no distribution: its recovered token must come from p.
-    probs = proposal.probs.float().masked_fill((drafts == PLACEHOLDER).unsqueeze(-1), 0.0)  # [B, K, V]
-    return torch.where(greedy.view(-1, 1, 1), onehot, probs)
-
-
 def prepare(target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
-            key: Optional[torch.Tensor]) -> Inputs:
-    """Check the inputs and build :class:`Inputs` (``p`` only through ``target_probs``)."""
+            key: Optional[torch.Tensor], filters: bool = True) -> Inputs:
+    """Check the inputs and build :class:`Inputs` (``p`` only through ``target_probs``).
+
+    ``probs=None`` means a deterministic draft: q is one-hot at the draft, and is
+    never materialised (:func:`minus_q` applies it). Greedy rows also use the
+    one-hot q, so that every rule reduces to exactly greedy verification there,
+    whatever ``probs`` holds.
+    """
     check_inputs(key, target_logits, proposal.tokens, proposal.probs)
-    batch, _, vocab = target_logits.shape
+    batch = target_logits.shape[0]
     drafts = proposal.tokens.long()  # [B, K]
     valid = drafts != PLACEHOLDER  # [B, K]
-    p = target_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, K+1, V]
-    q = draft_distribution(proposal, is_greedy(sampling, batch), vocab)  # [B, K, V]
+    onehot = is_greedy(sampling, batch)  # [B]
+    p = target_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, filters)  # [B, K+1, V]
     index = drafts.clamp(min=0).unsqueeze(-1)  # [B, K, 1]
     p_draft = torch.gather(p[:, :-1], -1, index).squeeze(-1)  # [B, K]
-    q_draft = torch.gather(q, -1, index).squeeze(-1)  # [B, K]
+    q_draft = valid.float()  # [B, K]: one-hot q at the draft
+    q = None
+    if proposal.probs is not None:
+        # A missing draft has no distribution: its recovered token must come from p.
+        q = proposal.probs.float().masked_fill(~valid.unsqueeze(-1), 0.0)  # [B, K, V]
+        q_draft = torch.where(onehot.unsqueeze(1), q_draft, torch.gather(q, -1, index).squeeze(-1))
     supported = valid & (q_draft > 0)  # [B, K]
     # NOTE: q is clamped to the smallest normal float32 so that p/q stays
     # finite (a subnormal q could give inf, and 0 * inf = nan in the
     # cumulative products of the block rules).
     ratio = p_draft / q_draft.clamp(min=torch.finfo(torch.float32).tiny)  # [B, K]
     ratio = torch.where(supported, ratio, 0.0)
-    return Inputs(drafts, valid, supported, p, q, ratio)
+    return Inputs(drafts, valid, supported, p, q, onehot, ratio)
+
+
+def minus_q(inp: Inputs, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``max(0, x - q_pos)`` [B, N, V] for x [B, N, V] >= 0 and draft positions pos [B, N].
+
+    ``q_pos`` is the draft distribution at position ``pos[b, n]``, and 0 where
+    ``pos >= K`` (after the last draft). A one-hot q only lowers x at the draft
+    token, so those rows cost a gather and a scatter, not a [B, N, V] one-hot.
+    """
+    k = inp.drafts.shape[1]
+    if k == 0:
+        return x
+    inside = pos < k  # [B, N]
+    at = pos.clamp(max=k - 1)  # [B, N]
+    hit = (inside & torch.gather(inp.valid, 1, at)).unsqueeze(-1)  # [B, N, 1]: the one-hot has mass 1
+    idx = torch.gather(inp.drafts, 1, at).clamp(min=0).unsqueeze(-1)  # [B, N, 1]
+    lowered = torch.clamp(torch.gather(x, -1, idx) - hit.float(), min=0.0)  # [B, N, 1]
+    out = x.scatter(-1, idx, lowered)  # [B, N, V]
+    if inp.q is None:
+        return out
+    q = torch.gather(inp.q, 1, at.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * inside.unsqueeze(-1)  # [B, N, V]
+    return torch.where(inp.onehot.view(-1, 1, 1), out, torch.clamp(x - q, min=0.0))
 
 
 def acceptance_uniforms(key: torch.Tensor, k: int) -> torch.Tensor:
@@ -149,14 +168,14 @@ def cumulative_ratio(ratio: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=1) if out else ratio
 
 
-def residual(p_row: torch.Tensor, q_row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Unnormalised ``max(0, weight·p - q)`` [B, V]; falls back to ``p`` where it has no mass.
+def residual(inp: Inputs, p_row: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Unnormalised ``max(0, weight·p - q_pos)`` [B, V]; falls back to ``p`` where it has no mass.
 
     NOTE: the residual is empty only where ``weight·p <= q`` everywhere, which
     the rules reach with probability 0 except through float rounding or on
     one-hot rows; ``p`` keeps the emitted token inside the target's support.
     """
-    res = torch.clamp(weight.unsqueeze(-1) * p_row - q_row, min=0.0)  # [B, V]
+    res = minus_q(inp, (weight.unsqueeze(-1) * p_row).unsqueeze(1), pos.unsqueeze(1)).squeeze(1)  # [B, V]
     return torch.where((res > 0).any(dim=-1, keepdim=True), res, p_row)
 
 
@@ -171,14 +190,9 @@ def final_token(key: torch.Tensor, inp: Inputs, num_accepted: torch.Tensor,
     batch, k = inp.drafts.shape
     rows = torch.arange(batch, device=num_accepted.device)  # [B]
     p_row = inp.p[rows, num_accepted]  # [B, V]
-    if k:
-        q_row = inp.q[rows, num_accepted.clamp(max=k - 1)]  # [B, V]
-        q_row = q_row * (num_accepted < k).unsqueeze(-1)
-    else:
-        q_row = torch.zeros_like(p_row)
     w = torch.ones_like(p_row[:, 0]) if weight is None else weight[rows, num_accepted]  # [B]
     w = torch.where(num_accepted < k, w, 1.0)
-    return rng.categorical(rng.fold_in(key, STREAM_FINAL), residual(p_row, q_row, w))
+    return rng.categorical(rng.fold_in(key, STREAM_FINAL), residual(inp, p_row, num_accepted, w))
 
 
 def emit(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ def threshold(cfg, target_logits: torch.Tensor) -> torch.Tensor:
 def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy verification with ``cfg.posterior_threshold`` and ``cfg.posterior_alpha``."""
-    inp = common.prepare(target_logits, proposal, sampling, key)
+    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, inp.drafts.shape[1])  # [B, K]
     thr = threshold(cfg, target_logits)  # [B, K]
     return common.first_rejection(key, inp, inp.supported & (inp.ratio >= thr * u))

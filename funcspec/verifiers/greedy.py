@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from funcspec.sampling import target_probs
 from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
 
@@ -18,9 +17,10 @@ def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Propos
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification; ``cfg``, ``key`` and ``sampling`` are unused."""
     common.check_inputs(key, target_logits, proposal.tokens, proposal.probs)
-    # NOTE: temperature 0 makes target_probs one-hot at the first argmax,
-    # the same tie rule greedy autoregressive decoding uses.
-    argmax = target_probs(target_logits, 0.0).argmax(dim=-1)  # [B, K+1]
+    # NOTE: argmax takes the first index on ties, the same rule as target_probs'
+    # one-hot at temperature 0 and greedy autoregressive decoding. O(K·V): no
+    # probabilities.
+    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
     drafts = proposal.tokens.long()  # [B, K]
     num_accepted = common.num_leading(drafts == argmax[:, :-1])  # [B]
     final = torch.gather(argmax, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]

@@ -39,7 +39,7 @@ def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Propos
     if proposal.tokens.shape[-1] < MIN_K:  # static shape, not a tensor value
         fallback = entropy.verify if cfg.entropy else standard.verify
         return fallback(cfg, key, target_logits, proposal, sampling)
-    inp = common.prepare(target_logits, proposal, sampling, key)
+    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     pi = common.cumulative_ratio(inp.ratio)  # [B, K]
     bound = torch.cumprod(common.acceptance_uniforms(key, inp.drafts.shape[1]), dim=1)  # [B, K]
     if cfg.entropy:

@@ -16,7 +16,7 @@ from funcspec.verifiers import common
 
 def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard rejection sampling; ``cfg`` is unused."""
-    inp = common.prepare(target_logits, proposal, sampling, key)
+    """Standard rejection sampling; reads only ``cfg.filters``."""
+    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, inp.drafts.shape[1])  # [B, K]
     return common.first_rejection(key, inp, inp.supported & (inp.ratio >= u))

@@ -85,7 +85,7 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
 def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic verification with ``cfg.synthetic_rates``. Uses stream 0 (u) and 1 (final race)."""
-    inp = common.prepare(target_logits, proposal, sampling, key)
+    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     k = inp.drafts.shape[1]
     if cfg.synthetic_rates is None:
         raise ValueError("synthetic_rates must be set for method 'synthetic'")
