@@ -3,7 +3,7 @@
 Each iteration of :meth:`Engine.generate`:
 
     admit waiting requests into the lowest free slots (prefill)
-    rows = slots 0..B-1, B = smallest batch bucket > the highest running slot
+    rows = slots 0..B-1 (running requests fill slots 0..n-1), B = smallest batch bucket >= n
     K = k_for_batch_size(active);  T = smallest context bucket >= longest row + K + 1
     mode = greedy | random | filtered: the cheapest sampling that serves every row
     drafts = host proposer (suffix only)
@@ -29,7 +29,7 @@ from funcspec.checkpoints import Model, load_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.nn import forward, init_kv_cache
 from funcspec.outputs import CompletionOutput, RequestOutput
-from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
+from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
 from funcspec.tree import replace
 from funcspec.types import PLACEHOLDER, Sampling
 
@@ -343,8 +343,18 @@ class Engine:
         return False
 
     def _retire(self, req: Request) -> None:
+        """Free ``req``'s slot, then move the highest running request into it (compaction)."""
         del self.running[req.slot]
-        self.free_slots.append(req.slot)
+        free = req.slot
+        last = max(self.running, default=-1)
+        if last > free:
+            # NOTE: running requests always fill slots 0..n-1, so a batch of n rows is
+            # a view of the first n slots and buckets follow the number of requests.
+            moved = self.running.pop(last)
+            move_slot(self.state, last, free)
+            moved.slot, self.running[free] = free, moved
+            free = last
+        self.free_slots.append(free)
         self.free_slots.sort()
         req.t_end = time.perf_counter()
         if self.proposer is not None:
@@ -370,8 +380,8 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
-        running, live = list(self.running.values()), sorted(self.running)
-        b, k = self.plan.batch_bucket(live[-1] + 1), self._choose_k(len(running))
+        running, live = list(self.running.values()), sorted(self.running)  # live = 0..n-1
+        b, k = self.plan.batch_bucket(len(live)), self._choose_k(len(running))
         t = self.plan.context_bucket(max(r.total_len for r in running) + k + 1)
         rows = [self.running.get(slot) for slot in range(b)]  # row i is slot i; None pads
         drafts = self.proposer.host_drafts(rows, b, k) if self.proposer and self.proposer.runs_on_host else None

@@ -18,7 +18,7 @@ import torch
 from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead
-from funcspec.tree import pytree_dataclass, replace
+from funcspec.tree import pytree_dataclass, replace, tree_leaves
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
 
@@ -130,6 +130,20 @@ class StepConfig:
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
     mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
+
+
+def move_slot(state: EngineState, src: int, dst: int) -> None:
+    """Copy everything slot ``src`` holds into slot ``dst``: KV, history, key, sampling, proposer state.
+
+    Per-slot leaves keep the slot on axis 0, except caches ``[L, S+1, H_kv, T, D]``
+    (axis 1). The host calls this (eagerly, once per retirement) to keep running
+    requests in slots 0..n-1, so that a step's rows are its slots and caches are
+    read in place. Donates: state.
+    """
+    for leaf in tree_leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            axis = 1 if leaf.dim() == 5 else 0
+            leaf.select(axis, dst).copy_(leaf.select(axis, src))
 
 
 def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:

@@ -207,3 +207,24 @@ def test_bf16_speculation_equals_bf16_ar(tmp_path, tiny_llama, tiny_draft, metho
     got = eng.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ar]
     assert eng.state.kv.k.dtype == torch.bfloat16
+
+
+def test_running_requests_stay_in_the_first_slots(tiny_llama, tiny_draft, monkeypatch):
+    """Retirements move the last request into the freed slot; outputs are unchanged by the moves."""
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2}
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    seen, step = [], eng._step
+
+    def checked_step():
+        seen.append(sorted(eng.running))
+        assert seen[-1] == list(range(len(seen[-1])))
+        step()
+
+    monkeypatch.setattr(eng, "_step", checked_step)
+    prompts = [[5 + i, 6, 7 + i, 9] for i in range(7)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20 - 2 * i, ignore_eos=True)
+              for i in range(7)]
+    got = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+    single = Engine(tiny_llama, speculative_config=spec, max_batch_size=1, max_model_len=96)
+    assert got == [single.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert {len(s) for s in seen} >= {1, 2, 3, 4}
