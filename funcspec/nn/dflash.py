@@ -37,12 +37,11 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from funcspec import rng
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, lm_head, mlp, read_cache, rms_norm,
-                               rope_tables, write_kv)
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, lm_head, mlp, project,
+                               read_cache, rms_norm, rope_tables, write_kv)
 from funcspec.tree import pytree_dataclass
 
 WINDOW_ALIGN = 16
@@ -174,7 +173,7 @@ def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots,
 
 def logits(params: dict, h: torch.Tensor) -> torch.Tensor:
     """float32 logits [..., V] of normed hidden states h [..., H] (the target's LM head)."""
-    return F.linear(h, params["lm_head"]["weight"]).float()
+    return project(h, params["lm_head"]["weight"]).float()
 
 
 def max_prob(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +202,7 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
         step = base[:, k]
         if cfg.markov_rank:
             emb = params["markov_head"]["markov_w1"]["weight"][prev]  # [B, r]
-            step = step + F.linear(emb, params["markov_head"]["markov_w2"]["weight"]).float()
+            step = step + project(emb, params["markov_head"]["markov_w2"]["weight"]).float()
             embs.append(emb)
         prev, extra = choose(k, step)
         toks.append(prev)

@@ -39,11 +39,11 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from funcspec import rng
 from funcspec.checkpoints import check_keys, expected_shapes, nest, read_config, read_safetensors
-from funcspec.nn.llama import ARCHITECTURES, FULL_READ, KVRead, ModelConfig, attention, linear, lm_head, mlp, rms_norm, rope_tables
+from funcspec.nn.llama import (ARCHITECTURES, FULL_READ, KVRead, ModelConfig, attention, linear, lm_head, mlp,
+                               project, rms_norm, rope_tables)
 
 _IGNORED = ("rotary_emb.inv_freq",)
 
@@ -109,9 +109,9 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None,
 def draft_logits(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     """float32 logits [.., V_d] of head outputs g [.., H] over the head's vocabulary (EAGLE-1: V_d = V)."""
     if cfg.version == 1:
-        return F.linear(g, params["lm_head"]["weight"]).float()
+        return project(g, params["lm_head"]["weight"]).float()
     x = rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
-    return F.linear(x, params["lm_head"]["weight"]).float()
+    return project(x, params["lm_head"]["weight"]).float()
 
 
 def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
 from funcspec.nn.eagle import random_tensors, to_target
-from funcspec.nn.llama import ModelConfig, linear
+from funcspec.nn.llama import ModelConfig, linear, project
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ def head_logits(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Ten
     p = params["medusa_head"][k]
     for j in range(cfg.num_layers):
         h = h + F.silu(linear(h, p[j]["linear"]))  # [B, H]
-    return F.linear(h, p[cfg.num_layers]["weight"]).float()
+    return project(h, p[cfg.num_layers]["weight"]).float()
 
 
 def head_shapes(cfg: MedusaConfig) -> dict:

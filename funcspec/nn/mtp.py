@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
 from funcspec.nn.eagle import hf_config_dict, layer_shapes, random_tensors, to_target
-from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, rms_norm, rope_tables
+from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, project, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,7 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, r
 def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """float32 logits [.., V] of module outputs g [.., H] through its ``shared_head``."""
     head = _module(cfg, params)["shared_head"]
-    return F.linear(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"]).float()
+    return project(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"]).float()
 
 
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
