@@ -32,6 +32,7 @@ from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
 from funcspec.tree import replace
 from funcspec.types import PLACEHOLDER, Sampling
+from funcspec.verifiers import synthetic
 
 MIN_PREFILL_BUCKET = 16
 
@@ -156,6 +157,7 @@ class Engine:
 
             self.dyn = ConfidenceScheduler(self.spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
+        self.synthetic_rates = self.spec.synthetic_acceptance_rates if self.spec else None
         self.state = self._init_state(dtype)
         self.graphs: dict[tuple[int, int, int, str], Any] = {}  # (B, K, T, mode name) -> captured step
         self.free_slots = list(range(self.num_slots))
@@ -198,8 +200,21 @@ class Engine:
             raise ValueError(f"slots {sorted(live)} do not fit a batch bucket of {b} rows (row i is slot i)")
         pad = [i if i in live else self.num_slots for i in range(b)]
         budget = self.dyn.budget_tensor(self.device) if self.dyn else None
+        cond = None
+        if self.synthetic_rates is not None and k > 0:
+            cond = synthetic.conditional_tensor(self.synthetic_rates[:k], self.device)  # [K]
         return StepInputs(torch.tensor(pad, dtype=torch.int64, device=self.device),
-                          drafts if drafts is not None else self._host_drafts_placeholder(b, k), budget)
+                          drafts if drafts is not None else self._host_drafts_placeholder(b, k), budget, cond)
+
+    def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
+        """New per-position rates [K_max] for ``rejection_sample_method="synthetic"``, without recapture.
+
+        The rates reach the graphs as a tensor input, so a sweep over acceptance
+        rates reuses every captured bucket. Raises ``ValueError`` naming the field.
+        """
+        if self.synthetic_rates is None:
+            raise ValueError("synthetic_acceptance_rates: this engine's rejection_sample_method is not 'synthetic'")
+        self.synthetic_rates = synthetic.check_rates(rates, len(self.synthetic_rates))
 
     def _host_drafts_placeholder(self, b: int, k: int):
         if self.proposer is None or not self.proposer.runs_on_host:

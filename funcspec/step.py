@@ -54,11 +54,14 @@ class StepInputs:
         drafts: [B, K] int64 drafts from a host proposer, else ``None``.
         budget_k: int64 [] per-request verify budget (confidence-based
             verify length), else ``None``. A tensor, so a new budget never recompiles.
+        synthetic_cond: [K] float32 conditional acceptance rates of the
+            synthetic verifier, else ``None``. A tensor, so new rates never recompile.
     """
 
     slots: torch.Tensor
     drafts: Optional[torch.Tensor] = None
     budget_k: Optional[torch.Tensor] = None
+    synthetic_cond: Optional[torch.Tensor] = None
 
 
 @pytree_dataclass
@@ -219,7 +222,8 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
                                   sc.read)  # [B, K+1, V] float32
     if sc.k > 0:
-        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy)  # [B, K+1], [B]
+        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy,
+                                  inputs.synthetic_cond)  # [B, K+1], [B]
     else:
         out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p, sc.mode).unsqueeze(1)
         n = torch.ones_like(slots, dtype=torch.int32)

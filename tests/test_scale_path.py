@@ -228,3 +228,22 @@ def test_running_requests_stay_in_the_first_slots(tiny_llama, tiny_draft, monkey
     single = Engine(tiny_llama, speculative_config=spec, max_batch_size=1, max_model_len=96)
     assert got == [single.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert {len(s) for s in seen} >= {1, 2, 3, 4}
+
+
+def test_synthetic_rates_change_without_recapture(tiny_llama):
+    """echo always drafts; new synthetic rates reach the same graph as a tensor and set τ."""
+    spec = {"method": "echo", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [1.0, 1.0, 1.0]}
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    eng.generate([[5, 6, 7]], params)
+    assert eng.stats["mean_acceptance_length"] == 4.0  # every draft accepted: 40 tokens in 10 steps
+    graphs = dict(eng.graphs)
+    eng.set_synthetic_acceptance_rates([0.0, 0.0, 0.0])
+    eng.reset_stats()
+    eng.generate([[5, 6, 7]], params)
+    assert eng.stats["mean_acceptance_length"] == 1.0 and eng.graphs == graphs
+    with pytest.raises(ValueError, match=r"synthetic_acceptance_rates must have length K=3"):
+        eng.set_synthetic_acceptance_rates([0.5])
+    with pytest.raises(ValueError, match="not 'synthetic'"):
+        Engine(tiny_llama, max_batch_size=1).set_synthetic_acceptance_rates([0.5])

@@ -103,14 +103,19 @@ class VerifyConfig:
 
 
 def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling, all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           sampling: Sampling, all_greedy: bool = False,
+           synthetic_cond: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the rule ``cfg.method``; see the module docstring for shapes.
 
     ``all_greedy`` (static: the host knows every row has temperature 0) runs the
     greedy rule, which every rule but synthetic reduces to on greedy rows, at
     O(K·V) argmax cost instead of probabilities, ratios and a race.
+    ``synthetic_cond`` [K]: the synthetic rule's conditional rates as a runtime
+    tensor (``synthetic.conditional_tensor``), overriding ``cfg.synthetic_rates``.
     """
-    rule = "greedy" if all_greedy and cfg.method != "synthetic" else cfg.method
+    if cfg.method == "synthetic":
+        return synthetic.verify(cfg, key, target_logits, proposal, sampling, synthetic_cond)
+    rule = "greedy" if all_greedy else cfg.method
     return VERIFIERS[rule](cfg, key, target_logits, proposal, sampling)
 
 

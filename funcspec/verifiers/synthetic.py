@@ -83,15 +83,22 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic verification with ``cfg.synthetic_rates``. Uses stream 0 (u) and 1 (final race)."""
+           sampling: Sampling, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic verification. Uses stream 0 (u) and 1 (final race).
+
+    ``cond`` [K] float32 conditional rates, a runtime tensor (the engine passes
+    its current rates, so one graph serves any rates); else ``cfg.synthetic_rates``.
+    """
     inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
     k = inp.drafts.shape[1]
-    if cfg.synthetic_rates is None:
-        raise ValueError("synthetic_rates must be set for method 'synthetic'")
-    rates = check_rates(cfg.synthetic_rates, k, "synthetic_rates")
-    # NOTE: a constant [K] tensor built from static config floats; float32 so
-    # the comparison with the float32 uniforms is the same in every backend.
-    cond = torch.tensor(conditional_rates(rates), dtype=torch.float32, device=inp.p.device)  # [K]
+    if cond is None:
+        if cfg.synthetic_rates is None:
+            raise ValueError("synthetic_rates must be set for method 'synthetic'")
+        cond = conditional_tensor(check_rates(cfg.synthetic_rates, k, "synthetic_rates"), inp.p.device)
     u = common.acceptance_uniforms(key, k)  # [B, K]
     return common.first_rejection(key, inp, inp.valid & (u < cond))
+
+
+def conditional_tensor(rates: tuple[float, ...], device=None) -> torch.Tensor:
+    """The conditional rates [K] as float32, so comparing with float32 uniforms is the same on every backend."""
+    return torch.tensor(conditional_rates(rates), dtype=torch.float32, device=device)
