@@ -1,0 +1,180 @@
+"""``funcspec bench scale`` end to end on the tiny shape (eager only: compiles are too slow for CI)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from funcspec.bench import scale
+
+TINY = dict(shape="tiny", backends="eager", sweep_backend="eager", alphas="0.8", ks="1,2", contexts="16,32",
+            batches="1,2", new_tokens=8, prompt_tokens=16, copy_mb=16, profile_steps=2, reps=2)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    """One full run (every phase) and the directory it wrote to."""
+    cache, out = tmp_path_factory.mktemp("scale-cache"), tmp_path_factory.mktemp("scale-out")
+    res = scale.run(cache_dir=str(cache), out=str(out), **TINY)
+    return res, cache, out
+
+
+def test_writes_json_markdown_and_png(result):
+    res, _, out = result
+    assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md", ".png"]
+    stem = next(out.glob("*.json")).stem
+    assert stem.startswith("scale-tiny-float32-")
+    assert json.loads(next(out.glob("*.json")).read_text())["shape"] == "tiny"
+    md = next(out.glob("*.md")).read_text()
+    for heading in ("## Decode ms/token", "## Synthetic-acceptance sweep", "## Context sweep", "## Batch sweep",
+                    "top ops by self CPU time", "## Machine"):
+        assert heading in md
+    assert res["phases"] == list(scale.PHASES)
+
+
+def test_funcspec_ar_reproduces_hf_greedy_and_is_bounded(result):
+    res, _, _ = result
+    hf, (ar,) = res["hf"], res["ar"]
+    assert len(hf["tokens"]) == 8 and ar["tokens"] == hf["tokens"]
+    assert ar["tokens_equal_hf"] is True and ar["first_mismatch_hf"] is None and res["hf_match"] is True
+    assert ar["backend"] == "eager" and ar["ms_per_token"] > 0 and ar["step_ms"] > 0
+    bw = res["bandwidth"]
+    assert bw["gb_per_s"] > 0 and bw["bound_ms_per_token"] == pytest.approx(
+        res["weight_bytes"] / (bw["gb_per_s"] * 1e9) * 1e3)
+    assert 0 < ar["pct_of_bound"] and ar["speedup_vs_hf"] > 0
+
+
+def test_sweep_rows_have_tau_cost_and_ideal(result):
+    rows = result[0]["sweep"]["rows"]
+    assert [(r["alpha"], r["k"]) for r in rows] == [(0.8, 1), (0.8, 2)]
+    for r in rows:
+        assert r["tau"] > 1 and r["expected_tau"] == pytest.approx(1 + sum(0.8 ** (i + 1) for i in range(r["k"])))
+        assert r["step_cost_ratio"] > 0 and r["ideal_speedup"] == pytest.approx(r["tau"] / r["step_cost_ratio"])
+        assert r["achieved_over_ideal"] == pytest.approx(r["achieved_speedup"] / r["ideal_speedup"])
+
+
+def test_context_batch_and_profile(result):
+    res = result[0]
+    assert [r["context"] for r in res["context"]["rows"]] == [16, 32]
+    assert res["context"]["max_model_len"] == 32 + 8 + 64  # one engine sized for the largest prompt
+    assert all(r["ms_per_token"] > 0 for r in res["context"]["rows"])
+    assert [r["batch"] for r in res["batch"]["rows"]] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 for r in res["batch"]["rows"])
+    ops = res["profile"]["ops"]
+    assert 0 < len(ops) <= 12 and all(o["op"] and o["calls_per_step"] > 0 for o in ops)
+    assert ops == sorted(ops, key=lambda o: -o["ms_per_step"]) and sum(o["pct"] for o in ops) <= 100.0 + 1e-6
+
+
+def test_machine_info_and_llamacpp_note(result):
+    res = result[0]
+    m = res["machine"]
+    assert set(m["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert m["threads"] == torch.get_num_threads() and m["torch"] == torch.__version__ and m["cpu_capability"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert res["llamacpp"] == {"status": "skipped", "note": "skipped: llama-cpp-python not installed"}
+
+
+def test_checkpoint_is_cached_and_reused(result):
+    _, cache, _ = result
+    path = scale.checkpoint_dir("tiny", "float32", cache)
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert scale.build_checkpoint("tiny", "float32", cache) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_phases_subset_and_bad_options(tmp_path):
+    res = scale.run(cache_dir=str(tmp_path / "c"), out=str(tmp_path / "o"), **{**TINY, "phases": "hf,ar"})
+    assert "sweep" not in res and "bandwidth" not in res and res["ar"][0]["pct_of_bound"] is None
+    assert res["ar"][0]["tokens_equal_hf"] is True
+    with pytest.raises(ValueError, match="phases"):
+        scale.run(**{**TINY, "phases": "nope"})
+    with pytest.raises(ValueError, match="shape"):
+        scale.run(shape="gpt-5")
+
+
+def test_gguf_export_permutes_q_and_k_like_llama_cpp():
+    """The q/k row permutation and the llama3 rope factors, checked without the gguf package."""
+    from funcspec.nn.llama import ModelConfig
+
+    w = torch.arange(8 * 3).reshape(8, 3)  # 2 heads of head_dim 4: rows (0 1 2 3) (4 5 6 7)
+    assert scale._permute(w, 2)[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]  # halves interleaved per head
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **scale.SHAPES["llama-3.2-1b"].config,
+                               "num_hidden_layers": 0})
+    out = scale.gguf_tensors(cfg, {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.zeros(1)})
+    factors = out["rope_freqs.weight"]
+    assert set(out) == {"token_embd.weight", "output_norm.weight", "rope_freqs.weight"}  # tied: no output.weight
+    assert factors.shape == (32,) and factors[0] == pytest.approx(1.0) and factors[-1] == pytest.approx(32.0)
+
+
+def test_mismatch_with_hf_raises_after_writing_unless_allowed(tmp_path, monkeypatch):
+    real = scale.hf_greedy
+
+    def shifted(*args, **kwargs):  # HF "disagrees" from token 3 on
+        out = real(*args, **kwargs)
+        out["tokens"] = out["tokens"][:3] + [(t + 1) % 512 for t in out["tokens"][3:]]
+        return out
+
+    monkeypatch.setattr(scale, "hf_greedy", shifted)
+    opts = {**TINY, "phases": "hf,ar", "cache_dir": str(tmp_path / "c"), "out": str(tmp_path / "o"), "reps": 1}
+    with pytest.raises(RuntimeError, match="differs from HF greedy at token 3"):
+        scale.run(**opts)
+    assert len(list((tmp_path / "o").glob("*.json"))) == 1  # the results are written first
+    res = scale.run(**opts, allow_mismatch=True)
+    assert res["ar"][0]["tokens_equal_hf"] is False and res["ar"][0]["first_mismatch_hf"] == 3
+    assert res["hf_match"] is False
+
+
+def test_bfloat16_checkpoint_runs(tmp_path):
+    res = scale.run(**{**TINY, "dtype": "bfloat16", "phases": "hf,ar", "reps": 1, "allow_mismatch": True},
+                    cache_dir=str(tmp_path / "c"), out=str(tmp_path / "o"))
+    assert res["dtype"] == "bfloat16" and res["weight_bytes"] == 2 * res["params"]
+    assert (tmp_path / "c" / "tiny-bfloat16" / "config.json").exists()
+    assert len(res["ar"][0]["tokens"]) == 8
+
+
+def test_llamacpp_phase_with_a_fake_binding(tmp_path, monkeypatch):
+    """The llama.cpp orchestration (greedy settings, timing, HF check, ratio, report) with a stand-in binding."""
+    import sys
+    import types
+
+    hf_tokens, seen = [], {}
+    real = scale.hf_greedy
+
+    def keep(*args, **kwargs):
+        out = real(*args, **kwargs)
+        hf_tokens[:] = out["tokens"]
+        return out
+
+    class Llama:
+        def __init__(self, model_path, **kwargs):
+            seen.update(kwargs, model_path=model_path)
+
+        def reset(self):
+            pass
+
+        def generate(self, tokens, **kwargs):
+            assert kwargs["temp"] == 0.0 and kwargs["top_k"] == 1 and kwargs["repeat_penalty"] == 1.0
+            yield from hf_tokens
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setitem(sys.modules, "gguf", types.SimpleNamespace())
+    monkeypatch.setattr(scale, "hf_greedy", keep)
+    monkeypatch.setattr(scale, "write_gguf", lambda ckpt, dtype: tmp_path / f"model-{dtype}.gguf")
+    res = scale.run(**{**TINY, "phases": "hf,ar,llamacpp", "reps": 1}, cache_dir=str(tmp_path / "c"),
+                    out=str(tmp_path / "o"))
+    lc = res["llamacpp"]
+    assert lc["status"] == "ran" and lc["tokens"] == res["hf"]["tokens"] and lc["tokens_equal_hf"] is True
+    assert lc["ms_per_token"] > 0 and lc["funcspec_over_llamacpp"] > 0
+    assert seen["type_k"] == 0 and seen["type_v"] == 0 and seen["logits_all"] is False  # f32 KV for f32 weights
+    assert "| llama.cpp |" in next((tmp_path / "o").glob("*.md")).read_text()
+
+
+def test_gguf_file_round_trips(tmp_path):
+    import gguf  # a [test] dependency: the writer is checked in CI, llama.cpp itself is not
+    ckpt = scale.build_checkpoint("tiny", "float32", tmp_path)
+    reader = gguf.GGUFReader(str(scale.write_gguf(ckpt, "float32")))
+    names = {t.name: t for t in reader.tensors}
+    assert {"token_embd.weight", "output.weight", "blk.1.ffn_down.weight"} <= set(names)
+    assert names["token_embd.weight"].shape.tolist() == [64, 512]  # GGUF lists dims innermost first
