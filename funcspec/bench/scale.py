@@ -743,56 +743,56 @@ def _pct(bw, row) -> str:
     return f"{100 * bw['bound_ms_per_token'] / row['ms_per_token']:.0f}%" if bw else "-"
 
 
+def _md_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown section: ``title``, then a table of ``rows`` under ``header``."""
+    return [title, "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
 def _md_sweep(r: dict) -> list[str]:
     s = r.get("sweep")
     if not s:
         return []
-    lines = [f"## Synthetic-acceptance sweep ({s['backend']}, echo proposer, one engine per (alpha, K))\n",
+    title = (f"## Synthetic-acceptance sweep ({s['backend']}, echo proposer, one engine per K)\n\n"
              f"AR: {s['ar_ms_per_token']:.2f} ms/token, step {_f(s['ar_step_ms'])} ms. Ideal speedup = "
-             "τ / (step cost K / step cost 0).\n",
-             "| alpha | K | τ | expected τ | ms/token | step ms | cost K/0 | achieved | ideal | achieved/ideal "
-             "| cold capture s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for x in s["rows"]:
-        lines.append(f"| {x['alpha']} | {x['k']} | {x['tau']:.2f} | {x['expected_tau']:.2f} | "
-                     f"{x['ms_per_token']:.2f} | {_f(x['step_ms'])} | {_f(x['step_cost_ratio'])} | "
-                     f"{x['achieved_speedup']:.2f}x | {_f(x['ideal_speedup'])}x | {_f(x['achieved_over_ideal'])} | "
-                     f"{_f(x['capture_s_cold'])} |")
-    return lines + [""]
+             "τ / (step cost K / step cost 0).\n")
+    header = ["alpha", "K", "τ", "expected τ", "ms/token", "step ms", "cost K/0", "achieved", "ideal",
+              "achieved/ideal", "cold capture s"]
+    rows = [[str(x["alpha"]), str(x["k"]), f"{x['tau']:.2f}", f"{x['expected_tau']:.2f}", f"{x['ms_per_token']:.2f}",
+             _f(x["step_ms"]), _f(x["step_cost_ratio"]), f"{x['achieved_speedup']:.2f}x",
+             f"{_f(x['ideal_speedup'])}x", _f(x["achieved_over_ideal"]), _f(x["capture_s_cold"])] for x in s["rows"]]
+    return _md_table(title, header, rows)
 
 
 def _md_context(r: dict) -> list[str]:
     c = r.get("context")
     if not c:
         return []
-    lines = [f"## Context sweep ({c['backend']}, one engine, max_model_len {c['max_model_len']}: "
-             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n",
-             "| prompt tokens | ms/token | step ms | prefill s |", "|---|---|---|---|"]
-    lines += [f"| {x['context']} | {x['ms_per_token']:.2f} | {_f(x['step_ms'])} | {x['prefill_s']:.3f} |"
-              for x in c["rows"]]
-    return lines + [""]
+    title = (f"## Context sweep ({c['backend']}, one engine, max_model_len {c['max_model_len']}: "
+             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n")
+    rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"]
+            for x in c["rows"]]
+    return _md_table(title, ["prompt tokens", "ms/token", "step ms", "prefill s"], rows)
 
 
 def _md_batch(r: dict) -> list[str]:
     b = r.get("batch")
     if not b:
         return []
-    lines = [f"## Batch sweep ({b['backend']})\n", "| batch | tokens/s | ms/token per row | step ms |",
-             "|---|---|---|---|"]
-    lines += [f"| {x['batch']} | {x['tokens_per_s']:.1f} | {x['ms_per_token']:.2f} | {_f(x['step_ms'])} |"
-              for x in b["rows"]]
-    return lines + [""]
+    rows = [[str(x["batch"]), f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.2f}", _f(x["step_ms"])]
+            for x in b["rows"]]
+    return _md_table(f"## Batch sweep ({b['backend']})\n", ["batch", "tokens/s", "ms/token per row", "step ms"], rows)
 
 
 def _md_profile(r: dict) -> list[str]:
     p = r.get("profile")
     if not p:
         return []
-    lines = [f"## Eager AR decode step: top ops by self CPU time ({p['steps']} steps profiled, "
-             f"{p['self_cpu_ms_per_step']:.2f} ms self CPU / step, {p['wall_ms_per_step_profiled']:.2f} ms wall)\n",
-             "| op | calls/step | ms/step | % |", "|---|---|---|---|"]
-    lines += [f"| `{x['op']}` | {x['calls_per_step']:.0f} | {x['ms_per_step']:.3f} | {x['pct']:.1f}% |"
-              for x in p["ops"]]
-    return lines + [""]
+    title = (f"## Eager AR decode step: top ops by self CPU time ({p['steps']} steps profiled, "
+             f"{p['self_cpu_ms_per_step']:.2f} ms self CPU / step, {p['wall_ms_per_step_profiled']:.2f} ms wall)\n")
+    rows = [[f"`{x['op']}`", f"{x['calls_per_step']:.0f}", f"{x['ms_per_step']:.3f}", f"{x['pct']:.1f}%"]
+            for x in p["ops"]]
+    return _md_table(title, ["op", "calls/step", "ms/step", "%"], rows)
 
 
 def _md_machine(r: dict) -> list[str]:
