@@ -194,11 +194,10 @@ class Engine:
                           KVRead(t if t is not None else self.t_max, aligned=True), mode)
 
     def _inputs(self, slots: list[int], b: int, k: int, drafts=None) -> StepInputs:
-        """Graph inputs for the running ``slots``: row i is slot i, the other rows pad (scratch slot)."""
-        live = set(slots)
-        if live and max(live) >= b:
-            raise ValueError(f"slots {sorted(live)} do not fit a batch bucket of {b} rows (row i is slot i)")
-        pad = [i if i in live else self.num_slots for i in range(b)]
+        """Graph inputs for the running ``slots`` 0..n-1 (row i is slot i); rows n..b-1 pad (scratch slot)."""
+        if list(slots) != list(range(len(slots))) or len(slots) > b:
+            raise ValueError(f"slots must be 0..n-1 with n <= {b} (attention reads slot i in row i), got {slots}")
+        pad = list(slots) + [self.num_slots] * (b - len(slots))
         budget = self.dyn.budget_tensor(self.device) if self.dyn else None
         cond = None
         if self.synthetic_rates is not None and k > 0:
@@ -382,25 +381,26 @@ class Engine:
             return self._dyn_k
         return self.spec.k_for_batch_size(active) if self.spec else 0
 
-    def _observe_confidence(self, live: list[int], conf: torch.Tensor, drafts: list[int], k: int) -> None:
+    def _observe_confidence(self, rows: int, conf: torch.Tensor, drafts: list[int], k: int) -> None:
         """Confidence-based verify length on the host: update the budget, then the next K bucket.
 
         NOTE: graphs have static K, so the bucket is the width rows may verify: the
         largest verify length used this step, one more when a row hit the cap, and
         never below the per-request budget. Rows verify their allocated prefix inside it.
         """
-        self.dyn.observe(self._stats["steps"] - 1, conf[live])  # the live rows' [n, K]
-        used = max((drafts[i] for i in live), default=0)
+        self.dyn.observe(self._stats["steps"] - 1, conf[:rows])
+        used = max(drafts[:rows], default=0)
         self._dyn_k = min(self.dyn.d, max(self.dyn.budget_k, used + (used == k)))
 
     @torch.no_grad()
     def _step(self) -> None:
-        running, live = list(self.running.values()), sorted(self.running)  # live = 0..n-1
-        b, k = self.plan.batch_bucket(len(live)), self._choose_k(len(running))
+        active = len(self.running)
+        running = [self.running[slot] for slot in range(active)]  # they fill slots 0..n-1: row i is slot i
+        b, k = self.plan.batch_bucket(active), self._choose_k(active)
         t = self.plan.context_bucket(max(r.total_len for r in running) + k + 1)
-        rows = [self.running.get(slot) for slot in range(b)]  # row i is slot i; None pads
+        rows = running + [None] * (b - active)  # None: a padding row
         drafts = self.proposer.host_drafts(rows, b, k) if self.proposer and self.proposer.runs_on_host else None
-        inputs = self._inputs(live, b, k, drafts)
+        inputs = self._inputs(list(range(active)), b, k, drafts)
         graph = self._pick_graph(b, k, t, sampling.mode_for(r.params for r in running))
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
@@ -408,7 +408,7 @@ class Engine:
         graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
         self._record(rows, tokens, n, drafts, k, b)
         if self.dyn is not None and k > 0:
-            self._observe_confidence(live, conf, drafts, k)
+            self._observe_confidence(active, conf, drafts, k)
 
     def _record(self, rows: list[Optional[Request]], tokens, n, drafts, k: int, b: int) -> None:
         self._stats["steps"] += 1

@@ -136,6 +136,7 @@ def init_state(cfg, params, num_slots, max_len):
 
 def propose(cfg: NgramConfig, params, state, ctx, k: int):
     """Drafts [B, K] from each row's history (prompt, output and the pending token)."""
-    history = ctx.history[ctx.slots]  # [B, T_hist]
+    # NOTE: only the bucket's context is searched: every row's tokens lie below it.
+    history = ctx.history[:, : ctx.read.length][ctx.slots]  # [B, T]
     drafts, _ = ngram_propose(history, ctx.lens + 1, k, cfg.n_min, cfg.n_max, cfg.max_model_len)
     return Proposal(drafts), state
