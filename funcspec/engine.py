@@ -398,24 +398,21 @@ class Engine:
         running = [self.running[slot] for slot in range(active)]  # they fill slots 0..n-1: row i is slot i
         b, k = self.plan.batch_bucket(active), self._choose_k(active)
         t = self.plan.context_bucket(max(r.total_len for r in running) + k + 1)
-        rows = running + [None] * (b - active)  # None: a padding row
-        drafts = self.proposer.host_drafts(rows, b, k) if self.proposer and self.proposer.runs_on_host else None
+        drafts = self.proposer.host_drafts(running, b, k) if self.proposer and self.proposer.runs_on_host else None
         inputs = self._inputs(list(range(active)), b, k, drafts)
         graph = self._pick_graph(b, k, t, sampling.mode_for(r.params for r in running))
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
         tokens, n, drafts, conf = readback(out)  # SYNC: the step's one device-to-host copy
         graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
-        self._record(rows, tokens, n, drafts, k, b)
+        self._record(running, tokens, n, drafts, k, b)
         if self.dyn is not None and k > 0:
             self._observe_confidence(active, conf, drafts, k)
 
-    def _record(self, rows: list[Optional[Request]], tokens, n, drafts, k: int, b: int) -> None:
+    def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int) -> None:
         self._stats["steps"] += 1
         self._buckets_used[f"B{b}_K{k}"] += 1
         for i, req in enumerate(rows):
-            if req is None:  # a padding row
-                continue
             req.steps += 1
             self._stats["row_steps"] += 1
             self._stats["emitted"] += n[i]

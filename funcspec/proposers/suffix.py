@@ -358,12 +358,10 @@ class HostDrafter:
             self.seen[rid] = len(req.output_ids)
 
     def drafts(self, rows, b: int, k: int) -> torch.Tensor:
-        """[B, K] int64 drafts for the rows (``None`` for a padding row), ``PLACEHOLDER``-padded."""
+        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded."""
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
         depth = self.cfg.max_tree_depth
         for i, req in enumerate(rows):
-            if req is None:  # a padding row
-                continue
             self._sync(req)
             context = (req.prompt_ids + req.output_ids)[-depth:]
             room = min(k, self.engine.max_model_len - req.total_len)
