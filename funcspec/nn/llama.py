@@ -156,31 +156,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 SKINNY_ROWS = 64
 """fp32 CPU products of at most this many rows take the paths of :func:`project`."""
 
+STACKED_ROWS = 9
+"""Compiled CPU products of at most this many rows (B·(K+1): batch 8 AR, K = 8 at batch 1)
+are row-wise reductions. Inductor stopped fusing them into one pass at 12 fp32 rows."""
+
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``x @ W.T (+ b)`` for x [..., in] and W [out, in]: every linear layer and LM head.
 
     NOTE: decode multiplies a few rows (B·(K+1)) by big weights, and on CPU the
     BLAS defaults are not bandwidth-bound there (2-core AMD EPYC, AVX2):
-    - one row, compiled: a row-wise reduction ``(W·x).sum(-1)``, accumulated in
-      fp32, which inductor fuses into one vectorised, threaded pass over W.
-      llama-600m AR on inductor went from 33.5 to 18.1 ms/token in fp32 and
-      from 18.9 to 14.6 in bf16. Eager would materialise W·x, so eager keeps
-      ``F.linear``;
-    - 2-64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was 1.3-2.3x slower
-      there (a 32000x1024 head at 5 rows: 31.6 ms against 13.7 ms), so verifying
-      K+1 tokens costs less. bf16 keeps ``F.linear``: no variant helped it.
+    - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
+      ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
+      into one vectorised, threaded pass over W that keeps r accumulators, so W
+      is read once whatever r is. llama-600m AR on inductor went from 33.5 to
+      18.1 ms/token in fp32 and from 18.9 to 14.6 in bf16. At 8 rows, the 56
+      linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the
+      best BLAS call in fp32, and 48 ms against 74 ms in bf16 (this CPU has no
+      bf16 GEMM); at 9 rows, 40 against 54 ms in fp32. One broadcast product
+      ``(W[None]·x[:, None]).sum(-1)`` was 2x slower: inductor loops over the
+      rows outside W. Eager would
+      materialise W·x, so eager keeps the BLAS paths;
+    - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
+      1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against
+      13.7 ms). Else ``F.linear``.
     The row count is static, so every choice is made at trace time.
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or (rows > 1 and x.dtype != torch.float32):
+    if x.device.type != "cpu" or rows > SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    if rows == 1:
-        if not torch.compiler.is_compiling():
-            return F.linear(x, weight, bias)
-        y = (weight.float() * x.float().reshape(1, -1)).sum(-1).to(x.dtype)  # [out]
+    x2 = x.reshape(rows, -1)  # [rows, in]
+    if rows <= STACKED_ROWS and torch.compiler.is_compiling():
+        w = weight.float()
+        y = torch.stack([(w * x2[r].float()).sum(-1) for r in range(rows)]).to(x.dtype)  # [rows, out]
+    elif x.dtype == torch.float32 and rows > 1:
+        y = torch.mm(weight, x2.t()).t()  # [rows, out]
     else:
-        y = torch.mm(weight, x.reshape(rows, -1).t()).t()  # [rows, out]
+        return F.linear(x, weight, bias)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
