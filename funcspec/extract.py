@@ -30,6 +30,15 @@ class HiddenStateDump:
     layers: tuple[int, ...]
     directory: Path
 
+    def __call__(self, reqs, tokens: torch.Tensor, lens: list[int], hiddens: tuple) -> None:
+        """Prefill hook: save each request's prompt hidden states [n, H] per layer, and say where.
+
+        tokens [P, T] (padded prompts), hiddens [P, T, H] per layer of ``self.layers``.
+        """
+        for i, r in enumerate(reqs):
+            path = self.save(r.request_id, tokens[i, :lens[i]], tuple(h[i, :lens[i]] for h in hiddens))
+            r.extra["kv_transfer_params"] = {"hidden_states_path": path}
+
     def save(self, request_id: str, token_ids: torch.Tensor, hiddens: tuple) -> str:
         """Write one request's file; ``hiddens`` are [n, H] per layer. Returns the path."""
         path = self.directory / f"{request_id}.safetensors"

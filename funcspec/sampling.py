@@ -44,6 +44,7 @@ GREEDY = Mode(greedy=True, filters=False)
 RANDOM = Mode(greedy=False, filters=False)
 FILTERED = Mode(greedy=False, filters=True)
 """The general mode: serves any mix of rows."""
+MODES = {m.name: m for m in (GREEDY, RANDOM, FILTERED)}
 
 
 def mode_for(params) -> Mode:

@@ -7,7 +7,6 @@ import torch
 
 from funcspec import Engine, SamplingParams
 from funcspec.capture import BucketPlan, capture, fresh_code_copy
-from funcspec.step import spec_step
 from funcspec.tree import tree_signature
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -64,9 +63,9 @@ def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     k_real = eng.state.kv.k[:, :4].clone()
     lens, hist = eng.state.kv.lens.clone(), eng.state.history[:4].clone()
-    fn = functools.partial(spec_step, eng._step_config(0))
+    bucket = eng.bucket(4, 0)  # live=0: four padding rows
     before = tree_signature(eng.state)
-    _, new = fn(eng.params, eng.state, eng._inputs([], 4, 0))  # four padding rows
+    _, new = bucket.fn(*bucket.args)
     assert tree_signature(new) == before
     assert torch.equal(new.kv.k[:, :4], k_real) and torch.equal(new.history[:4], hist)
     assert torch.equal(new.kv.lens, lens) and int(new.kv.lens[4]) == 0

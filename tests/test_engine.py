@@ -133,7 +133,7 @@ def test_bad_prompts_leave_engine_clean(tiny_llama):
         eng.generate([[1, 2], []], sp)
     with pytest.raises(ValueError, match="max_model_len=16"):
         eng.generate([[1, 2], list(range(3, 40))], sp)
-    assert not eng.running and eng.free_slots == [0, 1]  # nothing half-admitted
+    assert not eng.running and eng.scheduler.free_slots == [0, 1] and not eng.scheduler.waiting  # nothing half-admitted
     assert eng.generate([[1, 2]], sp)[0].outputs[0].token_ids
 
 
@@ -169,12 +169,12 @@ def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "cpu", cpu)
     monkeypatch.setattr(torch.Tensor, "item", item)
     steps0 = eng.stats["steps"]
-    eng._admit([eng._make_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20,
-                                                                   ignore_eos=True))])
+    eng.add_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    eng.step()  # admission (prefill) and a first step
     calls["cpu"] = calls["item"] = 0
     for _ in range(4):
-        eng._step()
-    assert eng.stats["steps"] - steps0 == 4
+        assert eng.step() == []
+    assert eng.stats["steps"] - steps0 == 5
     assert calls == {"cpu": 4, "item": 0}
 
 

@@ -213,14 +213,14 @@ def test_running_requests_stay_in_the_first_slots(tiny_llama, tiny_draft, monkey
     """Retirements move the last request into the freed slot; outputs are unchanged by the moves."""
     spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2}
     eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
-    seen, step = [], eng._step
+    seen, step = [], eng.runner.step
 
-    def checked_step():
+    def checked_step(live, *args):
         seen.append(sorted(eng.running))
-        assert seen[-1] == list(range(len(seen[-1])))
-        step()
+        assert seen[-1] == list(range(live))
+        return step(live, *args)
 
-    monkeypatch.setattr(eng, "_step", checked_step)
+    monkeypatch.setattr(eng.runner, "step", checked_step)
     prompts = [[5 + i, 6, 7 + i, 9] for i in range(7)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20 - 2 * i, ignore_eos=True)
               for i in range(7)]

@@ -188,8 +188,8 @@ def test_exported_file_drives_the_engine(tiny_llama, tmp_path, monkeypatch):
     eng = llm.engine
     assert eng.plan.batch_buckets == (1, 2, 4) and eng.num_slots == 4
     seen = []  # (active rows, K the engine chose) per step
-    choose = eng._choose_k
-    monkeypatch.setattr(eng, "_choose_k", lambda n: seen.append((n, choose(n))) or seen[-1][1])
+    run = eng.runner.step
+    monkeypatch.setattr(eng.runner, "step", lambda live, b, k, *a: seen.append((live, k)) or run(live, b, k, *a))
     prompts = _prompts(4)
     # Finishing at different lengths walks the active batch down 4 -> 3 -> 2 -> 1.
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 10, 14, 40)]

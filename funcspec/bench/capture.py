@@ -61,9 +61,10 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, 
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)
     vocab = eng.model.cfg.vocab_size
-    reqs = [eng._make_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                              SamplingParams(temperature=0.0, max_tokens=1000)) for _ in range(max(batches))]
-    eng._admit(reqs)
+    for _ in range(max(batches)):
+        eng.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=1000))
+    eng.step()  # admits (prefills) every request, then decodes one token
     return eng
 
 
@@ -91,7 +92,6 @@ def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "induc
 
 def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head) -> dict:
     from funcspec.capture import capture
-    from funcspec.step import spec_step
 
     eng = _engine(model, batches, ks, method, device, prompt_len, head)
     saved = eng.state.kv.lens.clone()
@@ -102,11 +102,10 @@ def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, ou
     rows = []
     for b in batches:
         for k in ks:
-            fn = functools.partial(spec_step, eng._step_config(k))
-            inputs = eng._inputs(list(range(b)), b, k)
-            args = (eng.params, eng.state, inputs)
+            live = eng.bucket(b, k, live=b)  # b running rows
+            fn, args = live.fn, live.args
             eager_ms = _time_calls(fn, args, reset, reps)
-            example = (eng.params, eng.state, eng._inputs([], b, k))
+            example = eng.bucket(b, k).args  # scratch rows only: capture touches no request
             cap = capture(fn, example, backend, name=f"bench_b{b}_k{k}")
             row = {"B": b, "K": k, "tokens": b * (k + 1), "capture_s_cold": cap.stats.capture_seconds}
             replay_ms = _time_calls(cap, args, reset, reps)

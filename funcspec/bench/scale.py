@@ -373,8 +373,8 @@ def batch_rows(ctx: dict, backend: str, batches: list[int]) -> dict:
 def profile_step(ctx: dict, steps: int, top: int = 12) -> dict:
     """Top ``top`` ops by self CPU time of ``steps`` eager AR decode steps (batch 1), per step.
 
-    NOTE: drives the engine's private ``_make_request`` / ``_admit`` / ``_step``
-    (as ``bench capture`` does) so the profile holds decode steps only, no prefill.
+    NOTE: drives the engine's ``add_request`` / ``step`` loop, and admits the
+    request before profiling, so the profile holds decode steps only, no prefill.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -383,11 +383,12 @@ def profile_step(ctx: dict, steps: int, top: int = 12) -> dict:
     eng = _engine(ctx["model"], ctx["dtype"], "eager", 1, ctx["max_len"])
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     eng.generate([ctx["prompt"]], sp)  # warm-up
-    eng._admit([eng._make_request(ctx["prompt"], sp)])
+    eng.add_request(ctx["prompt"], sp)
+    eng.step()  # admission (prefill) and the first decode step
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            eng._step()
+            eng.step()
     wall = (time.perf_counter() - t0) / steps
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in ops) or 1.0  # us

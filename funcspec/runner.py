@@ -1,0 +1,234 @@
+"""Running, on the device: the state, the params, one captured graph per bucket, prefill and a step.
+
+The runner knows nothing of requests' lifetimes (``scheduler.py`` does). It is
+told which rows run and with which bucket, and it owns everything that lives on
+the device: the :class:`~funcspec.step.EngineState` pytree, the params and the
+captured graphs. :meth:`Runner.bucket` is the public handle on one bucket's
+pure step function, for people who capture or export it themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from funcspec import rng, sampling
+from funcspec.capture import capture
+from funcspec.nn import forward, init_kv_cache
+from funcspec.nn.llama import KVRead
+from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
+from funcspec.tree import replace
+from funcspec.types import PLACEHOLDER, Sampling
+from funcspec.verifiers import synthetic
+
+MIN_PREFILL_BUCKET = 16
+BucketKey = tuple[int, int, int, str]  # (B, K, T, mode name)
+
+
+def graph_name(key: BucketKey) -> str:
+    """``B{b}_K{k}_T{t}_{mode}``: the stats name of the captured step of bucket ``key``."""
+    b, k, t, mode = key
+    return f"B{b}_K{k}_T{t}_{mode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One (B, K, T, mode) bucket: its pure step function and arguments to call it with.
+
+    ``fn(params, state, inputs) -> (StepOutput, new_state)`` is exactly what the
+    engine captures: pass it with ``args`` to :func:`funcspec.capture.capture`,
+    ``torch.compile``, ``torch.export`` or ``torch._dynamo.explain``. ``fn``
+    donates the state (the KV cache and history are updated in place).
+
+    Attributes:
+        key: ``(B, K, T, mode name)``.
+        fn: the step of this bucket, a pure function of its three arguments.
+        args: ``(params, state, inputs)``; rows below ``live`` are the running
+            requests, the others point at the scratch slot and change nothing.
+        live: how many rows of ``args`` are running requests.
+    """
+
+    key: BucketKey
+    fn: Callable
+    args: tuple
+    live: int = 0
+
+    @property
+    def name(self) -> str:
+        return graph_name(self.key)
+
+
+def readback(out) -> tuple[list, list, list, Optional[torch.Tensor]]:
+    """Copy a StepOutput to the host in ONE transfer: tokens, num_emitted, num_drafts, confidence.
+
+    NOTE: everything is packed into one float64 tensor (token ids are exact
+    below 2^53), so a step costs exactly one device-to-host sync.
+    """
+    parts = [out.tokens.double(), out.num_emitted.double().unsqueeze(1), out.num_drafts.double().unsqueeze(1)]
+    if out.confidence is not None:
+        parts.append(out.confidence.double())
+    host = torch.cat(parts, 1).cpu()
+    k1 = out.tokens.shape[1]
+    ints = host[:, : k1 + 2].long()
+    conf = host[:, k1 + 2:].float() if out.confidence is not None else None
+    return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf
+
+
+def _next_pow2(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class Runner:
+    """The device side of an engine.
+
+    Args:
+        model: the loaded target (:class:`~funcspec.checkpoints.Model`).
+        proposer: the built proposer handle, or ``None`` (autoregressive).
+        verify: ``verify(k) -> VerifyConfig`` for bucket K, or ``None``.
+        plan: the engine's :class:`~funcspec.capture.BucketPlan`.
+        backend: resolved capture backend.
+        num_slots, t_max: KV slots and positions per slot.
+        dyn: the confidence scheduler (dynamic verify length), or ``None``.
+        synthetic_rates: per-position rates of the synthetic verifier, or ``None``.
+        prefill_hooks: callables ``hook(reqs, tokens [P, T], lens, hiddens)``
+            with a ``layers`` attribute: they see each prefill's hidden states
+            of those layers (``extract_hidden_states`` is one).
+    """
+
+    def __init__(self, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
+                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = ()):
+        self.model, self.proposer, self.verify, self.plan, self.backend = model, proposer, verify, plan, backend
+        self.num_slots, self.t_max, self.device, self.dyn = num_slots, t_max, torch.device(device), dyn
+        self.synthetic_rates = synthetic_rates
+        self.prefill_hooks = tuple(prefill_hooks)
+        self.params = {"target": model.params, "draft": proposer.params if proposer else None}
+        self.state = self._init_state(dtype)
+        self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> captured step
+
+    def _init_state(self, dtype) -> EngineState:
+        s, dev = self.num_slots, self.device
+        return EngineState(
+            kv=init_kv_cache(self.model.cfg, s, self.t_max, dtype, dev),
+            history=torch.zeros(s + 1, self.t_max + 1, dtype=torch.int64, device=dev),
+            keys=torch.zeros(s + 1, dtype=torch.int64, device=dev),
+            sampling=Sampling.full(s + 1, 1.0, 0, 1.0, dev),
+            proposer=self.proposer.init_state(self.num_slots, self.t_max) if self.proposer else None,
+        )
+
+    # ---------------------------------------------------------------- buckets
+    def step_config(self, k: int, t: int, mode: sampling.Mode) -> StepConfig:
+        """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
+        p = self.proposer
+        verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
+        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None, verify,
+                          p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
+                          KVRead(t, aligned=True), mode)
+
+    def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
+        """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot)."""
+        if not 0 <= live <= b:
+            raise ValueError(f"live rows must be in [0, {b}], got {live}")
+        slots = list(range(live)) + [self.num_slots] * (b - live)
+        budget = self.dyn.budget_tensor(self.device) if self.dyn else None
+        cond = None
+        if self.synthetic_rates is not None and k > 0:
+            cond = synthetic.conditional_tensor(self.synthetic_rates[:k], self.device)  # [K]
+        if drafts is None and self.proposer is not None and self.proposer.runs_on_host:
+            drafts = torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
+        return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), drafts, budget, cond)
+
+    def bucket(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED,
+               live: int = 0) -> Bucket:
+        """Bucket (b, k, t, mode) with arguments whose first ``live`` rows are the running requests."""
+        t = self.t_max if t is None else t
+        fn = functools.partial(spec_step, self.step_config(k, t, mode))
+        return Bucket((b, k, t, mode.name), fn, (self.params, self.state, self.inputs(live, b, k)), live)
+
+    @torch.no_grad()
+    def graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
+        """The captured step of bucket (b, k, t, mode), captured on first use (under no_grad, which
+        Dynamo guards on)."""
+        bucket = self.bucket(b, k, t, mode)  # NOTE: every example row is the scratch slot
+        if bucket.key not in self.graphs:
+            self.graphs[bucket.key] = capture(bucket.fn, bucket.args, self.backend,
+                                              name=f"spec_step_b{b}_k{k}_t{bucket.key[2]}_{mode.name}")
+        return self.graphs[bucket.key]
+
+    def pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
+        """The exact bucket's graph; with ``eager_capture``, the general mode's graph that is already there."""
+        if self.plan.eager_capture and (b, k, t, mode.name) not in self.graphs:
+            mode = sampling.FILTERED
+        return self.graph(b, k, t, mode)
+
+    def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
+        """See :meth:`funcspec.Engine.set_synthetic_acceptance_rates`."""
+        if self.synthetic_rates is None:
+            raise ValueError("synthetic_acceptance_rates: this engine's rejection_sample_method is not 'synthetic'")
+        self.synthetic_rates = synthetic.check_rates(rates, len(self.synthetic_rates))
+
+    # ---------------------------------------------------------------- running
+    @torch.no_grad()
+    def step(self, live: int, b: int, k: int, t: int, mode: sampling.Mode, drafts=None):
+        """One decode step of rows 0..live-1 in bucket (b, k, t, mode); returns :func:`readback`'s lists."""
+        graph = self.pick_graph(b, k, t, mode)
+        inputs = self.inputs(live, b, k, drafts)
+        t0 = time.perf_counter()
+        out, self.state = graph(self.params, self.state, inputs)
+        result = readback(out)  # SYNC: the step's one device-to-host copy
+        graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
+        return result
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Move a request's state from slot ``src`` to ``dst`` (the scheduler's compaction)."""
+        move_slot(self.state, src, dst)
+
+    @torch.no_grad()
+    def prefill(self, reqs, seeds: Sequence[int]) -> list[int]:
+        """Write each request's slot (key, sampling, prompt), prefill them together, return first tokens.
+
+        NOTE: prefill runs eagerly, padded to a power-of-two length, like
+        vLLM's FULL_DECODE_ONLY graph mode: its shapes vary with prompt
+        lengths, and the decode graphs are what repeats.
+        """
+        st, dev = self.state, self.device
+        lens = [len(r.prompt_ids) for r in reqs]
+        t = min(_next_pow2(max(lens), MIN_PREFILL_BUCKET), self.t_max)
+        tokens = torch.zeros(len(reqs), t, dtype=torch.int64, device=dev)
+        for i, (req, seed) in enumerate(zip(reqs, seeds)):
+            p, slot, n = req.params, req.slot, lens[i]
+            prompt = torch.tensor(req.prompt_ids, dtype=torch.int64, device=dev)
+            st.keys[slot] = rng.key(seed, dev)
+            st.sampling.temperature[slot], st.sampling.top_k[slot], st.sampling.top_p[slot] = \
+                p.temperature, p.top_k, p.top_p
+            st.history[slot, :n] = prompt
+            tokens[i, :n] = prompt
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        own = self.proposer.hidden_layers if self.proposer else ()
+        layers = tuple(dict.fromkeys(own + tuple(x for h in self.prefill_hooks for x in h.layers)))
+        logits, hiddens, _ = forward(self.model.cfg, self.model.params, st.kv, tokens, slots, torch.zeros_like(slots),
+                                     layers, KVRead(t))  # the prompts' positions are all below t
+        by_layer = dict(zip(layers, hiddens))
+        for hook in self.prefill_hooks:
+            hook(reqs, tokens, lens, tuple(by_layer[x] for x in hook.layers))
+        if self.proposer is not None:
+            for i, r in enumerate(reqs):
+                pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,
+                                               lens[i], tuple(by_layer[x][i:i + 1] for x in own))
+                self.state = replace(self.state, proposer=pstate)
+        last = torch.tensor(lens, device=dev) - 1  # [P]
+        s = self.state.sampling
+        first = sampling.sample(row_keys(self.state, slots, last), logits[torch.arange(len(reqs)), last],
+                                s.temperature[slots], s.top_k[slots], s.top_p[slots],
+                                sampling.mode_for(r.params for r in reqs))
+        firsts = first.tolist()  # SYNC: prefill hands the first tokens to the host
+        for r, n, f in zip(reqs, lens, firsts):
+            self.state.kv.lens[r.slot] = n
+            self.state.history[r.slot, n] = f
+        return firsts

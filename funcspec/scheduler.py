@@ -1,0 +1,247 @@
+"""Scheduling, on the host only: requests, slots, admission, stop rules and detokenization.
+
+Nothing here touches a tensor. The scheduler decides *which* request sits in
+*which* KV slot and *when* a request is done; the runner (``runner.py``) owns
+the device state that those decisions address. Running requests always fill
+slots ``0..n-1``: a retirement moves the last running request into the freed
+slot, and returns that move for the runner to apply to the state, so a batch
+of ``n`` rows is a view of the first ``n`` slots and row ``i`` is slot ``i``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Optional
+
+from funcspec.config import SamplingParams
+
+
+class Detokenizer:
+    """The text of one request's output, grown by O(1) work per token.
+
+    NOTE: re-decoding the whole output after every token (to look for stop
+    strings) costs O(n²) per request. A fast tokenizer streams through
+    ``tokenizers``' ``DecodeStream``, which buffers ids until they form whole
+    UTF-8 characters, as vLLM's incremental detokenizer does. A slow tokenizer
+    (no Rust backend) re-decodes a short window of ids instead.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.backend, self.stream = backend, DecodeStream(skip_special_tokens=True)
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # slow path: the decoded window is ids[prefix:]
+        self.chunks: list[str] = []
+
+    def step(self, token_id: int) -> str:
+        """Append one id; return the new text it completes ("" while a character is split)."""
+        self.ids.append(token_id)
+        if self.stream is not None:
+            chunk = self.stream.step(self.backend, token_id) or ""
+        else:
+            chunk = self._window_step()
+        self.chunks.append(chunk)
+        return chunk
+
+    def _window_step(self) -> str:
+        """vLLM's offsets: decode ids[prefix:] and ids[prefix:read]; the difference is the new text.
+
+        The window starts one emitted chunk back (so a merge across the boundary
+        decodes as in the full text) and grows while a character is split.
+        """
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # a split character (or nothing visible yet): wait for more ids
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+class StopStrings:
+    """Find the first stop string in a growing text, looking only at what each chunk can complete."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.keep = max(len(s) for s in stops) - 1  # a stop string can start this far back
+        self.tail = ""  # the last `keep` characters seen
+        self.offset = 0  # position of `tail` in the whole text
+
+    def feed(self, chunk: str) -> Optional[tuple[int, str]]:
+        """(position in the whole text, stop string) of the earliest stop string that ends inside
+        ``chunk``, or ``None``. As in vLLM, a stop string that ended in earlier text is not found again."""
+        window = self.tail + chunk
+        hits = [(i, s) for s in self.stops if (i := window.find(s, max(len(self.tail) - len(s) + 1, 0))) >= 0]
+        hit = (self.offset + min(hits)[0], min(hits)[1]) if hits else None
+        cut = max(len(window) - self.keep, 0)
+        self.tail, self.offset = window[cut:], self.offset + cut
+        return hit
+
+
+@dataclasses.dataclass
+class Request:
+    """Host-side bookkeeping of one request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    text: Optional[str] = None
+    steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)
+    detok: Optional[Detokenizer] = None
+    stops: Optional[StopStrings] = None
+
+    @property
+    def total_len(self) -> int:
+        """Prompt plus generated tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    """Waiting and running requests over ``num_slots`` KV slots.
+
+    Args:
+        num_slots: KV slots (the engine's ``max_batch_size``).
+        max_model_len: prompt + output limit.
+        model: the target checkpoint: its vocabulary size, tokenizer and EOS ids.
+        max_new_tokens: a cap on every request's output, whatever its
+            ``max_tokens`` (``extract_hidden_states`` emits one token).
+    """
+
+    def __init__(self, num_slots: int, max_model_len: int, model, max_new_tokens: Optional[int] = None):
+        self.num_slots, self.max_model_len, self.model, self.max_new_tokens = \
+            num_slots, max_model_len, model, max_new_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}  # slot -> request; slots 0..n-1
+        self.free_slots = list(range(num_slots))
+        self.counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # ------------------------------------------------------------ admission
+    def make_request(self, prompt, params: SamplingParams) -> Request:
+        """A validated request for ``prompt`` (text, token ids or a vLLM prompt dict); nothing is queued."""
+        text, ids = _prompt_parts(prompt)
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; this checkpoint has none")
+            ids = self.tokenizer(text)["input_ids"]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                "(it needs room for at least one output token)"
+            )
+        self.counter += 1
+        req = Request(str(self.counter - 1), text, ids, params)
+        if params.stop:
+            req.detok, req.stops = Detokenizer(self.tokenizer), StopStrings(params.stop)
+        return req
+
+    def add(self, reqs: list[Request]) -> None:
+        """Queue validated requests, first come first served."""
+        self.waiting.extend(reqs)
+
+    def admit(self) -> list[Request]:
+        """Move as many waiting requests as there are free slots into the lowest slots."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot, req.t_start = self.free_slots.pop(0), time.perf_counter()
+            self.running[req.slot] = req
+            admitted.append(req)
+        return admitted
+
+    def rows(self) -> list[Request]:
+        """The running requests in row order: row i is slot i."""
+        return [self.running[slot] for slot in range(len(self.running))]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------- stop rules
+    def append(self, req: Request, new: list[int]) -> None:
+        """Append emitted tokens one by one, stopping at the first stop rule that fires."""
+        p = req.params
+        eos = () if p.ignore_eos else self.model.eos_token_ids
+        cap = p.max_tokens if self.max_new_tokens is None else min(p.max_tokens or self.max_new_tokens,
+                                                                    self.max_new_tokens)
+        for t in new:
+            req.output_ids.append(t)
+            n_out = len(req.output_ids)
+            hit = self._stop_string(req, t) if req.stops is not None else None
+            if n_out > p.min_tokens and (t in eos or t in (p.stop_token_ids or ())):
+                req.finish_reason, req.stop_reason = "stop", (None if t in eos else t)
+            elif hit is not None and n_out > p.min_tokens:
+                req.text, req.stop_reason = req.detok.text[:hit[0]], hit[1]
+                req.finish_reason = "stop"
+            elif cap is not None and n_out >= cap:
+                req.finish_reason = "length"
+            elif req.total_len >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finish_reason:
+                return
+
+    @staticmethod
+    def _stop_string(req: Request, token: int) -> Optional[tuple[int, str]]:
+        """Feed one token's text to the request's stop-string matcher (every token, min_tokens or not)."""
+        return req.stops.feed(req.detok.step(token))
+
+    def retire(self, req: Request) -> Optional[tuple[int, int]]:
+        """Free ``req``'s slot; returns the (src, dst) slot move that keeps slots 0..n-1 filled, if any."""
+        del self.running[req.slot]
+        free, move = req.slot, None
+        last = max(self.running, default=-1)
+        if last > free:
+            moved = self.running.pop(last)
+            moved.slot, self.running[free] = free, moved
+            move, free = (last, free), last
+        self.free_slots.append(free)
+        self.free_slots.sort()
+        req.t_end = time.perf_counter()
+        return move
+
+    def final_text(self, req: Request) -> str:
+        """The output text: cut at the stop string that fired, else the whole decode."""
+        if req.text is not None:
+            return req.text
+        return self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _prompt_parts(prompt) -> tuple[Optional[str], Optional[list[int]]]:
+    """(text, token ids) of a prompt; either may be ``None``."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, [int(t) for t in prompt]

@@ -1,0 +1,108 @@
+"""The engine's public surface: add_request/step, Engine.bucket, incremental detokenization."""
+
+import random
+
+import pytest
+import torch
+
+from funcspec import Engine, SamplingParams
+from funcspec.scheduler import Detokenizer, StopStrings
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_add_request_and_step_match_generate(tiny_llama, tiny_draft):
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2}
+    prompts = [[5, 6, 7], [9, 8, 7, 6], [3, 4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 12, 9)]
+    want = [o.outputs[0].token_ids for o in
+            Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64).generate(prompts, params)]
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    assert ids == ["0", "1", "2"] and eng.has_unfinished_requests()
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id not in done and out.outputs[0].finish_reason == "length"
+            done[out.request_id] = out.outputs[0].token_ids
+    assert [done[i] for i in ids] == want
+    assert eng.step() == []  # nothing left: a no-op
+
+
+def test_bucket_is_the_step_the_engine_runs(tiny_llama):
+    """Calling bucket.fn on live rows yields the tokens that Engine.step would have emitted."""
+    prompt = [5, 6, 7, 8]
+    ref = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    want = ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    eng.add_request(prompt, GREEDY)
+    eng.step()  # prefill + one decode step: two tokens
+    got = list(eng.running[0].output_ids)
+    for _ in range(5):
+        bucket = eng.bucket(1, 0, live=1)
+        assert bucket.key == (1, 0, eng.t_max, "filtered") and bucket.name == f"B1_K0_T{eng.t_max}_filtered"
+        out, new_state = bucket.fn(*bucket.args)
+        assert new_state.kv.lens[0] == len(prompt) + len(got)
+        got.append(int(out.tokens[0, 0]))
+        eng.runner.state = new_state
+    assert got == want[:len(got)]
+
+
+def test_bucket_refuses_bad_arguments(tiny_llama):
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match=r"k must be one of this engine's K values \(0,\)"):
+        eng.bucket(1, 3)
+    with pytest.raises(ValueError, match=r"live rows must be in \[0, 2\]"):
+        eng.bucket(2, 0, live=3)
+    with pytest.raises(KeyError):
+        eng.bucket(1, 0, mode="beam")
+
+
+def test_incremental_text_equals_a_full_decode(default_model):
+    """The streamed text of any id sequence is the tokenizer's decode of all of it, fast and slow paths."""
+    tok = Engine(default_model, max_batch_size=1, max_model_len=32).model.tokenizer
+    rng = random.Random(0)
+    for trial in range(20):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        for slow in (False, True):
+            d = Detokenizer(tok)
+            if slow:
+                d.stream = None
+            for t in ids:
+                d.step(t)
+            assert d.text == tok.decode(ids, skip_special_tokens=True), (trial, slow)
+
+
+def test_stop_strings_decode_each_token_once(default_model, monkeypatch):
+    """Stop strings are found without re-decoding the output: the tokenizer decodes once, at the end."""
+    eng = Engine(default_model, max_batch_size=1, max_model_len=128)
+    tok = eng.model.tokenizer
+    calls = {"decode": 0}
+    real = type(tok).decode
+
+    def counting(self, *a, **k):
+        calls["decode"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(tok), "decode", counting)
+    out = eng.generate("def main():", SamplingParams(temperature=0.0, max_tokens=60, stop=["\x00never"],
+                                                     ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 60 and out.finish_reason == "length"
+    assert calls["decode"] == 1  # the final text
+
+
+def test_stop_string_split_across_chunks():
+    s = StopStrings(("abc", "zz"))
+    assert s.feed("xxa") is None and s.feed("b") is None
+    assert s.feed("cab") == (2, "abc")
+    s = StopStrings(("zz",))
+    assert [s.feed(c) for c in ("z", "z", "z")] == [None, (0, "zz"), (1, "zz")]
+    s = StopStrings(("abc", "b"))
+    assert s.feed("ab") == (1, "b")  # the earliest start wins
+
+
+def test_a_stop_string_completed_before_min_tokens_is_not_found_again():
+    """As in vLLM: only text that a token adds can complete a stop string."""
+    s = StopStrings(("ab",))
+    assert s.feed("ab") == (0, "ab")
+    assert s.feed("x") is None and s.feed("y") is None
