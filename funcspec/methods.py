@@ -77,6 +77,7 @@ class Method:
 
 
 def _proposer(name: str) -> str:
+    """The module path of the proposer file named after the method."""
     return f"funcspec.proposers.{name}"
 
 

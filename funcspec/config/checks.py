@@ -2,7 +2,10 @@
 
 Each check returns the value (normalised where noted) or raises ``ValueError``
 whose message starts with the field's dotted path (DESIGN §8.8), for example
-``speculative_config.num_speculative_tokens must be >= 1 ...``.
+``speculative_config.num_speculative_tokens must be >= 1 ...``. Synthetic
+acceptance rates are checked by the synthetic verifier's own rule
+(:func:`synthetic_rates` only adds the field path), so config, verifier and
+engine accept the same rates.
 """
 
 from __future__ import annotations
