@@ -67,13 +67,15 @@ class LLM:
             warnings.warn(f"LLM: arguments with no effect in funcspec were ignored: {sorted(kwargs)}", stacklevel=2)
         import torch
 
+        from funcspec import methods
         from funcspec.config import SpecConfig
 
         spec = SpecConfig.from_vllm(speculative_config, additional_config) if speculative_config else None
         if spec is not None and spec.ignored_keys:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
-        max_k = spec.num_speculative_tokens if spec and spec.method != "extract_hidden_states" else 0
+        # A method that does not speculate (extract_hidden_states) decodes autoregressively: K = 0.
+        max_k = spec.num_speculative_tokens if spec and methods.lookup(spec.method).speculates else 0
         k_of = spec.k_for_batch_size if spec and spec.num_speculative_tokens_per_batch_size else lambda n: max_k
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
         self.engine = Engine(

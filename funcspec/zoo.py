@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from funcspec import methods
 from funcspec.train.data import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,8 +24,8 @@ MODELS = REPO / "models"
 MANIFEST = MODELS / "zoo.json"
 RANDOM_DEFAULT = MODELS / "_default_random"
 
-HEAD_METHODS = ("draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark")
-"""Methods whose draft comes from a zoo checkpoint (the role of the same name)."""
+HEAD_METHODS = methods.select(zoo=True)
+"""Methods whose draft comes from a zoo checkpoint (the role of the same name): the registry's ``zoo`` rows."""
 
 
 def manifest() -> dict:

@@ -273,6 +273,11 @@ def test_rates_from_length():
     ((0.5, 0.7, 0.1), None, 3, "synthetic_acceptance_rates must be non-increasing"),
     (None, 0.5, 3, r"synthetic_acceptance_length must be in \[1, K\+1\]"),
     (None, 4.5, 3, r"synthetic_acceptance_length must be in \[1, K\+1\]"),
+    # One check for config, VerifyConfig and the engine: no strings, bools or sets.
+    ("0.9", None, 1, "synthetic_acceptance_rates must be a list of numbers"),
+    ((True, 0.5), None, 2, "synthetic_acceptance_rates must be a list of numbers"),
+    ({0.5}, None, 1, "synthetic_acceptance_rates must be a list of numbers"),
+    (None, "2", 3, "synthetic_acceptance_length must be a number"),
 ])
 def test_validate_synthetic_errors(rates, length, k, field):
     with pytest.raises(ValueError, match=field):

@@ -20,18 +20,10 @@ import dataclasses
 import importlib
 from typing import Any
 
-PROPOSERS = {
-    "ngram": "funcspec.proposers.ngram",
-    "suffix": "funcspec.proposers.suffix",
-    "draft_model": "funcspec.proposers.draft_model",
-    "dflash": "funcspec.proposers.dflash",
-    "dspark": "funcspec.proposers.dspark",
-    "medusa": "funcspec.proposers.medusa",
-    "eagle": "funcspec.proposers.eagle",
-    "eagle3": "funcspec.proposers.eagle3",
-    "mtp": "funcspec.proposers.mtp",
-    "echo": "funcspec.proposers.echo",
-}
+from funcspec import methods
+
+PROPOSERS = methods.proposer_modules()
+"""Method name -> proposer module path, from the method registry (``funcspec.methods``)."""
 
 
 def no_prefill(cfg, params, state, tokens, slot, n, hiddens):

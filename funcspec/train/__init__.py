@@ -17,7 +17,10 @@ from pathlib import Path
 
 import torch
 
-ROLES = ("target", "draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark")
+from funcspec import methods
+
+ROLES = ("target",) + methods.select(zoo=True)
+"""The target first (every head is distilled from it), then the registry's ``zoo`` methods."""
 
 
 def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | None = None,

@@ -10,18 +10,26 @@ Accept draft ``i`` iff ``u_i < c_i`` and it is not ``PLACEHOLDER``. The first
 rejection emits the recovered token (on greedy rows: the target argmax); if all
 K are accepted the bonus token is emitted.
 
-The pure-Python helpers :func:`rates_from_length` and :func:`validate_synthetic`
-are shared with ``funcspec.config``.
+The pure-Python helpers :func:`check_rates`, :func:`rates_from_length` and
+:func:`validate_synthetic` are the one validation of synthetic rates: config,
+``VerifyConfig`` and the engine call them (config adds its field path).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 
 import torch
 
 from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
+
+
+def _is_real(value) -> bool:
+    """True for a real number that is not a bool (``True`` is not a rate)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def rates_from_length(length: float, k: int) -> tuple[float, ...]:
@@ -31,6 +39,8 @@ def rates_from_length(length: float, k: int) -> tuple[float, ...]:
     rates are ``[1]*n + [d-n] + [0]*(k-n-1)``, truncated to ``k``: for
     ``length=3.4, k=5`` that is ``(1, 1, 0.4, 0, 0)`` (up to float rounding).
     """
+    if not _is_real(length):
+        raise ValueError(f"synthetic_acceptance_length must be a number, got {length!r}")
     length = float(length)
     if not 1.0 <= length <= k + 1:
         raise ValueError(f"synthetic_acceptance_length must be in [1, K+1] = [1, {k + 1}], got {length}")
@@ -41,10 +51,15 @@ def rates_from_length(length: float, k: int) -> tuple[float, ...]:
 
 
 def check_rates(rates, k: int | None = None, name: str = "synthetic_acceptance_rates") -> tuple[float, ...]:
-    """``rates`` as a tuple of floats, each in [0, 1] and non-increasing (length ``k`` if given).
+    """``rates``, a list of numbers, as floats each in [0, 1] and non-increasing (length ``k`` if given).
 
-    Errors name the field ``name`` (``VerifyConfig`` calls it ``synthetic_rates``).
+    The one check of synthetic rates: ``funcspec.config``, ``VerifyConfig``,
+    ``rejection_sample`` and ``Engine.set_synthetic_acceptance_rates`` all call
+    it. Errors name the field ``name`` (``VerifyConfig`` calls it ``synthetic_rates``).
     """
+    # float() alone would accept strings and bools, and a set has no positions.
+    if isinstance(rates, (str, bytes)) or not isinstance(rates, Sequence) or not all(_is_real(r) for r in rates):
+        raise ValueError(f"{name} must be a list of numbers, got {rates!r}")
     rates = tuple(float(r) for r in rates)
     if k is not None and len(rates) != k:
         raise ValueError(f"{name} must have length K={k}, got {len(rates)}")
@@ -62,9 +77,9 @@ def validate_synthetic(rates, length, k: int) -> tuple[float, ...]:
 
     Raises:
         ValueError: naming ``synthetic_acceptance_rates`` or
-            ``synthetic_acceptance_length`` when both or neither are given, a
-            rate is outside [0, 1], the rates increase, their count is not K,
-            or the length is outside [1, K+1].
+            ``synthetic_acceptance_length`` when both or neither are given,
+            they are not numbers, a rate is outside [0, 1], the rates
+            increase, their count is not K, or the length is outside [1, K+1].
     """
     if (rates is None) == (length is None):
         raise ValueError(

@@ -1,0 +1,98 @@
+"""The small validators every config shares, and the field paths their messages name.
+
+Each check returns the value (normalised where noted) or raises ``ValueError``
+whose message starts with the field's dotted path (DESIGN §8.8), for example
+``speculative_config.num_speculative_tokens must be >= 1 ...``. Synthetic
+acceptance rates are checked by the synthetic verifier's own rule
+(:func:`synthetic_rates` only adds the field path), so config, verifier and
+engine accept the same rates.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from funcspec.verifiers.synthetic import validate_synthetic
+
+# The field paths that error messages name.
+SPEC = "speculative_config."
+EXTRA = "additional_config."
+RS = EXTRA + "rejection_sampler_config."
+DYN = EXTRA + "dynamic_spec_config."
+
+
+def is_int(value: Any) -> bool:
+    """True for a real integer. ``bool`` is excluded: ``True`` is never a count."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for an int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, where: str = "") -> int:
+    """``value`` if it is an integer in ``[lo, hi]``; otherwise a ValueError naming ``name``."""
+    if not is_int(value):
+        raise ValueError(f"{name} must be an integer{where}, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}{where}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}{where}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> float:
+    """``value`` as a float if it is finite and in the range; otherwise a ValueError naming ``name``."""
+    if not is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    too_low = value <= lo if lo_open else value < lo
+    if hi is None and too_low:
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")
+    if hi is not None and (too_low or value > hi):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; otherwise a ValueError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_mapping(name: str, value: Any) -> Mapping:
+    """``value`` if it is a mapping (a dict); otherwise a ValueError naming ``name``."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def no_unknown_keys(prefix: str, d: Mapping, known) -> None:
+    """Refuse keys of ``d`` outside ``known``, suggesting the closest known key."""
+    for key in d:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+            raise ValueError(f"{prefix}{key} is not a known key{hint}")
+
+
+def set_field(obj: Any, name: str, value: Any) -> None:
+    """Store a normalised value on a frozen dataclass during ``__post_init__``."""
+    object.__setattr__(obj, name, value)
+
+
+def synthetic_rates(rates: Any, length: Any, max_k: int) -> tuple[float, ...]:
+    """The synthetic rates [max_k], from exactly one of ``rates`` and ``length``.
+
+    The synthetic verifier's own check decides (one rule for config, verifier
+    and engine); this only puts the ``speculative_config.`` path on its message.
+    """
+    try:
+        return validate_synthetic(rates, length, max_k)
+    except ValueError as err:
+        msg = str(err)
+        raise ValueError(SPEC + msg if msg.startswith("synthetic_") else f"{SPEC[:-1]}: {msg}") from err

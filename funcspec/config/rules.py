@@ -1,0 +1,210 @@
+"""The rules a ``SpecConfig`` obeys, one check per field or combination.
+
+:func:`validate` runs them in ``SpecConfig.__post_init__``, so a config built by
+hand and one parsed from vLLM dicts pass the same checks. What a method allows
+(a draft model, aux layers, a draft window, a batch table) is read from the
+method registry (``funcspec.methods``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+from funcspec import methods
+from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
+from funcspec.config.checks import (DYN, EXTRA, RS, SPEC, check_float, check_int, set_field,
+                                    synthetic_rates)
+
+if TYPE_CHECKING:
+    from funcspec.config.spec import SpecConfig
+
+VLLM_METHODS = methods.supported()
+"""The methods ``SpecConfig`` accepts, under their canonical names: the registry's
+supported rows (vLLM-Ascend's guide, plus funcspec's ``echo``)."""
+
+REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
+
+
+def validate(cfg: "SpecConfig") -> None:
+    """Check every field of ``cfg`` and store the normalised values, in the order errors are reported."""
+    check_method(cfg.method)
+    check_max_k(cfg.method, cfg.num_speculative_tokens)
+    _check_model(cfg.method, cfg.model)
+    _check_ngram_window(cfg)
+    set_field(cfg, "num_speculative_tokens_per_batch_size",
+              _normalise_table(cfg.num_speculative_tokens_per_batch_size, cfg.method))
+    _check_rejection(cfg)
+    _check_suffix(cfg)
+    set_field(cfg, "eagle_aux_hidden_state_layer_ids",
+              _normalise_layers(cfg.eagle_aux_hidden_state_layer_ids, cfg.method))
+    _check_draft_window(cfg.method, cfg.draft_window_size)
+    _check_dynamic_spec(cfg)
+    set_field(cfg, "ignored_keys", tuple(dict.fromkeys(cfg.ignored_keys)))
+
+
+def check_method(method: Any) -> None:
+    """Refuse a method that is not a canonical method name of a supported row."""
+    if method not in VLLM_METHODS:
+        raise ValueError(
+            f"{SPEC}method must be one of {sorted(VLLM_METHODS)} (or a vLLM alias: "
+            f"'[ngram]', 'ngram_gpu', '<model>_mtp'), got {method!r}"
+        )
+
+
+def check_max_k(method: str, max_k: Any) -> None:
+    """``num_speculative_tokens`` >= 1 for every method, and exactly 1 for one that does not speculate."""
+    name = SPEC + "num_speculative_tokens"
+    check_int(name, max_k, lo=1, where=f" for method {method!r}")
+    if not methods.lookup(method).speculates and max_k != 1:
+        raise ValueError(f"{name} must be exactly 1 for method {method!r} (it does not speculate), got {max_k}")
+
+
+def _check_model(method: str, model: Any) -> None:
+    """``model`` is required by draft-model methods and refused by the model-free ones (registry ``model``)."""
+    need = methods.lookup(method).model
+    if model is None:
+        if need == methods.REQUIRED:
+            raise ValueError(f"{SPEC}model is required for method {method!r} (a local checkpoint directory)")
+        return
+    if need == methods.NONE:
+        raise ValueError(f"{SPEC}model is not used by method {method!r}, got {model!r}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"{SPEC}model must be a non-empty path string, got {model!r}")
+
+
+def _check_ngram_window(cfg: "SpecConfig") -> None:
+    """Fill in vLLM's n-gram window defaults, then check 1 <= min <= max. Other methods have no window.
+
+    With neither bound given, the window is 5..5. With one bound given, the
+    other copies it.
+    """
+    lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+    if cfg.method != "ngram":
+        if lo is not None or hi is not None:
+            raise ValueError(f"{SPEC}prompt_lookup_min/prompt_lookup_max are only used by method 'ngram'")
+        return
+    for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if value is not None:
+            check_int(SPEC + name, value, lo=1)
+    if lo is None and hi is None:
+        lo = hi = 5
+    # NOTE: vLLM's docstring says the minimum "defaults to 1", but its code sets the
+    # missing bound to the given one. So {"prompt_lookup_max": 4} means 4..4. Matching the code.
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    set_field(cfg, "prompt_lookup_min", lo)
+    set_field(cfg, "prompt_lookup_max", hi)
+    if lo > hi:
+        raise ValueError(f"{SPEC}prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+
+
+def _normalise_table(table: Any, method: str) -> Optional[tuple[tuple[int, int, int], ...]]:
+    """vLLM's checks on the batch-size table, returned as sorted ``(start, end, K)`` triples.
+
+    The ranges are positive, start <= end, do not overlap, and the first starts
+    at 1. K >= 0; a K above ``num_speculative_tokens`` is clamped at lookup time,
+    not refused. As in vLLM, the entries may come in any order.
+    """
+    name = SPEC + "num_speculative_tokens_per_batch_size"
+    if table is None:
+        return None
+    if not methods.lookup(method).batch_table:
+        raise ValueError(f"{name} is not supported with method {method!r}")
+    if isinstance(table, (str, bytes)) or not isinstance(table, Sequence) or not table:
+        raise ValueError(f"{name} must be a non-empty list of [start_bs, end_bs, K] entries, got {table!r}")
+    rows = tuple(sorted(_table_row(name, entry) for entry in table))
+    prev_end = 0
+    for start, end, _k in rows:
+        if start <= prev_end:
+            raise ValueError(f"{name} batch-size ranges must be non-overlapping, got {[list(r) for r in rows]}")
+        prev_end = end
+    if rows[0][0] != 1:
+        raise ValueError(f"{name} the first batch-size range must start at 1, got {[list(r) for r in rows]}")
+    return rows
+
+
+def _table_row(name: str, entry: Any) -> tuple[int, int, int]:
+    """One ``[start_bs, end_bs, K]`` entry, checked."""
+    if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != 3:
+        # NOTE: newer vLLM also takes 5-item (bs_lo, bs_hi, ctx_lo, ctx_hi, K) entries.
+        # funcspec picks K from the batch size only, so it refuses them rather than ignore ctx.
+        raise ValueError(f"{name} entries must be [start_bs, end_bs, K] (3 integers), got {entry!r}")
+    start, end, k = (check_int(name, v, lo=0) for v in entry)
+    if start < 1 or start > end:
+        raise ValueError(f"{name} entry {list(entry)} needs 1 <= start_bs <= end_bs")
+    return start, end, k
+
+
+def _check_rejection(cfg: "SpecConfig") -> None:
+    """Check the rejection method, its synthetic rates, and combinations with vLLM-Ascend's options."""
+    method, rs = cfg.rejection_sample_method, cfg.rejection_sampler
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"{SPEC}rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}, got {method!r}")
+    if method == "synthetic":
+        set_field(cfg, "synthetic_acceptance_rates",
+                  synthetic_rates(cfg.synthetic_acceptance_rates, None, cfg.num_speculative_tokens))
+    elif cfg.synthetic_acceptance_rates is not None:
+        raise ValueError(f"{SPEC}synthetic_acceptance_rates is only valid with rejection_sample_method='synthetic'")
+    if not isinstance(rs, RejectionSamplerConfig):
+        raise ValueError(f"{RS[:-1]} must be a RejectionSamplerConfig, got {type(rs).__name__}")
+    if method != "standard" and rs.enable_block_verify:
+        raise ValueError(
+            f"{RS}enable_block_verify cannot be combined with {SPEC}rejection_sample_method={method!r}"
+        )
+    # Entropy verification adjusts per-token acceptance. Block verification has no
+    # per-token test to adjust. Under synthetic the rates decide, so entropy is ignored there.
+    if method == "block" and rs.enable_entropy_verify:
+        raise ValueError(f"{RS}enable_entropy_verify cannot be combined with {SPEC}rejection_sample_method='block'")
+
+
+def _check_suffix(cfg: "SpecConfig") -> None:
+    """vLLM's ranges for the suffix decoding settings."""
+    check_int(SPEC + "suffix_decoding_max_tree_depth", cfg.suffix_decoding_max_tree_depth, lo=1)
+    check_int(SPEC + "suffix_decoding_max_cached_requests", cfg.suffix_decoding_max_cached_requests, lo=0)
+    set_field(cfg, "suffix_decoding_max_spec_factor",
+              check_float(SPEC + "suffix_decoding_max_spec_factor", cfg.suffix_decoding_max_spec_factor, lo=0.0))
+    set_field(cfg, "suffix_decoding_min_token_prob",
+              check_float(SPEC + "suffix_decoding_min_token_prob", cfg.suffix_decoding_min_token_prob, lo=0.0, hi=1.0))
+
+
+def _normalise_layers(layers: Any, method: str) -> Optional[tuple[int, ...]]:
+    """The auxiliary hidden-state layer ids as a tuple of distinct ints >= 0, or ``None``."""
+    name = SPEC + "draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids"
+    if layers is None:
+        return None
+    if not methods.lookup(method).aux_layers:
+        raise ValueError(f"{name} is not used by method {method!r}")
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError(f"{name} must be a non-empty list of layer indices, got {layers!r}")
+    for layer in layers:
+        check_int(name, layer, lo=0)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{name} must not repeat a layer, got {list(layers)}")
+    return tuple(layers)
+
+
+def _check_draft_window(method: str, window: Any) -> None:
+    """The draft KV window is a positive int, and only draft models with their own attention use it."""
+    if window is None:
+        return
+    check_int(EXTRA + "draft_window_size", window, lo=1)
+    if not methods.lookup(method).draft_window:
+        raise ValueError(f"{EXTRA}draft_window_size is not used by method {method!r}")
+
+
+def _check_dynamic_spec(cfg: "SpecConfig") -> None:
+    """The confidence-based verify length must match the method and fit within K."""
+    dyn = cfg.dynamic_spec
+    if dyn is None:
+        return
+    if not isinstance(dyn, DynamicSpecConfig):
+        raise ValueError(f"{DYN[:-1]} must be a DynamicSpecConfig, got {type(dyn).__name__}")
+    if dyn.method != cfg.method:
+        raise ValueError(
+            f"{DYN}method must equal {SPEC}method ({cfg.method!r}), got {dyn.method!r}"
+        )
+    if dyn.min_verify_tokens > cfg.num_speculative_tokens:
+        raise ValueError(
+            f"{DYN}method_params.min_verify_tokens must be <= {SPEC}num_speculative_tokens "
+            f"({cfg.num_speculative_tokens}), got {dyn.min_verify_tokens}"
+        )

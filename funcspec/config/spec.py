@@ -1,0 +1,154 @@
+"""``SpecConfig``: the parsed and validated speculative settings one engine runs with.
+
+The dataclass and its lookups live here; the field checks are in ``rules`` and
+the translation of vLLM's dicts is in ``vllm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Optional
+
+from funcspec.config import rules, vllm
+from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
+from funcspec.config.checks import SPEC, check_int
+
+BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
+NPU_MAX_QUERY_TOKENS = 16
+"""``npu_fused_infer_attention_score`` takes at most this many query tokens per decode round."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """A parsed and validated vLLM ``speculative_config``, plus vLLM-Ascend's ``additional_config`` keys.
+
+    Build it from vLLM dicts with :meth:`from_vllm`. Direct construction runs the
+    same checks and fills in the n-gram window defaults. It does not resolve
+    aliases or the other vLLM fallbacks, and it does not look at the filesystem.
+
+    Attributes:
+        method: the canonical vLLM method name (see ``funcspec.methods``).
+        num_speculative_tokens: the most drafts per step (``max_k`` inside
+            funcspec), >= 1 (exactly 1 for extract_hidden_states).
+        model: the local draft checkpoint directory, or ``None`` for the
+            model-free methods (ngram, suffix, echo, extract_hidden_states) and
+            for mtp without one (it then reuses the target's own MTP layers).
+        prompt_lookup_min, prompt_lookup_max: the n-gram window (ngram only,
+            else ``None``). vLLM's defaults: 5..5, or the given bound for both.
+        num_speculative_tokens_per_batch_size: sorted ``(start_bs, end_bs, K)``
+            triples, or ``None``. See :meth:`k_for_batch_size`.
+        rejection_sample_method: "standard", "block" or "synthetic".
+        synthetic_acceptance_rates: the per-position unconditional rates for
+            "synthetic" (a given ``synthetic_acceptance_length`` is resolved to
+            rates); ``None`` otherwise.
+        suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
+        suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob: suffix
+            decoding settings, with vLLM's defaults.
+        eagle_aux_hidden_state_layer_ids: the target layers whose hidden states
+            the method reads, from ``draft_model_config.hf_config``, or ``None``
+            (the proposer's default).
+        rejection_sampler: vLLM-Ascend's block and entropy verify settings.
+        draft_window_size: the draft KV sliding window W, or ``None`` (off).
+        dynamic_spec: the confidence-based verify length, or ``None``.
+        ignored_keys: the given keys, as dotted paths, that vLLM accepts but
+            that have no effect in funcspec. The caller warns about them once.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: Optional[str] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    num_speculative_tokens_per_batch_size: Optional[tuple[tuple[int, int, int], ...]] = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: Optional[tuple[float, ...]] = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    eagle_aux_hidden_state_layer_ids: Optional[tuple[int, ...]] = None
+    rejection_sampler: RejectionSamplerConfig = RejectionSamplerConfig()
+    draft_window_size: Optional[int] = None
+    dynamic_spec: Optional[DynamicSpecConfig] = None
+    ignored_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        rules.validate(self)
+
+    @classmethod
+    def from_vllm(
+        cls,
+        speculative_config: Optional[Mapping | str],
+        additional_config: Optional[Mapping | str] = None,
+        *,
+        check_paths: bool = True,
+    ) -> Optional["SpecConfig"]:
+        """Parse vLLM's ``speculative_config`` (and vLLM-Ascend's ``additional_config``).
+
+        Each argument may be a dict or the JSON string given to ``--speculative-config``
+        or ``--additional-config``. Returns ``None`` when ``speculative_config`` is
+        ``None``; ``additional_config`` is still validated then. With ``check_paths``
+        (the default) ``model`` must be an existing local path. A draft
+        ``config.json`` with ``n_predict`` fills in a missing ``num_speculative_tokens``,
+        as in vLLM.
+        """
+        fields = vllm.spec_fields(speculative_config, additional_config, check_paths)
+        return None if fields is None else cls(**fields)
+
+    def k_for_batch_size(self, bs: int) -> int:
+        """K for a step with ``bs`` active requests, from ``num_speculative_tokens_per_batch_size``.
+
+        This is vLLM's lookup. A batch size inside a range uses that range's K.
+        A gap, or a batch size past the last range, inherits the K of the range
+        before it. K is clamped to ``num_speculative_tokens``. K = 0 means no
+        drafting. ``bs`` 0 gives 0. Without a table, K is ``num_speculative_tokens``.
+        """
+        check_int("bs", bs, lo=0)
+        table = self.num_speculative_tokens_per_batch_size
+        if table is None:
+            return self.num_speculative_tokens
+        k = 0
+        for start, _end, range_k in table:
+            if bs < start:
+                break
+            k = range_k
+        return min(k, self.num_speculative_tokens)
+
+    @property
+    def verifier_method(self) -> str:
+        """The verifier rule: "synthetic", "block", "magicmtp", "entropy" or "standard".
+
+        Greedy rows (temperature 0) are handled inside every rule, so greedy is
+        not a config choice. MagicMTP combined with entropy verification is
+        "magicmtp" with :attr:`verify_entropy` set.
+        """
+        if self.rejection_sample_method != "standard":
+            return self.rejection_sample_method
+        if self.rejection_sampler.enable_block_verify:
+            return "magicmtp"
+        if self.rejection_sampler.enable_entropy_verify:
+            return "entropy"
+        return "standard"
+
+    @property
+    def verify_entropy(self) -> bool:
+        """Whether the entropy-adjusted threshold applies (rules "entropy" and "magicmtp" only)."""
+        return self.rejection_sampler.enable_entropy_verify and self.verifier_method in ("entropy", "magicmtp")
+
+    def validate_for_backend(self, backend: str) -> None:
+        """Refuse settings that ``backend`` cannot capture.
+
+        On "aclgraph", ``npu_fused_infer_attention_score`` takes at most 16 query
+        tokens per decode round, so ``num_speculative_tokens + 1 <= 16``. Resolve
+        "auto" to a concrete backend before calling this.
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "aclgraph" and self.num_speculative_tokens + 1 > NPU_MAX_QUERY_TOKENS:
+            raise ValueError(
+                f"{SPEC}num_speculative_tokens must be <= {NPU_MAX_QUERY_TOKENS - 1} on backend "
+                f"'aclgraph': npu_fused_infer_attention_score takes at most {NPU_MAX_QUERY_TOKENS} "
+                f"query tokens per decode round (num_speculative_tokens + 1 <= {NPU_MAX_QUERY_TOKENS}), "
+                f"got {self.num_speculative_tokens}"
+            )

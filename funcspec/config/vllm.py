@@ -1,0 +1,289 @@
+"""vLLM's ``speculative_config`` and vLLM-Ascend's ``additional_config`` dicts, translated into ``SpecConfig`` fields.
+
+The dicts are taken unchanged, with local paths in place of hub names. This
+module owns what is vLLM-shaped: the known, used and ignored keys, the method
+aliases, and vLLM's fallbacks (method from the model name, K from
+``n_predict`` or the suffix tree depth). The semantics follow vLLM's
+``SpeculativeConfig`` and vLLM-Ascend's ``AscendConfig``; each place where
+funcspec differs is marked ``NOTE:``. Inside funcspec, ``num_speculative_tokens``
+is called ``max_k``: the largest K of any step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from funcspec import methods
+from funcspec.config import rules
+from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
+from funcspec.config.checks import (EXTRA, RS, SPEC, check_int, check_mapping, is_int, no_unknown_keys,
+                                    synthetic_rates)
+
+# vLLM's deprecated per-model MTP method names. vLLM rewrites each to "mtp" with a warning.
+_MTP_MODEL_TYPES = (
+    "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
+    "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
+    "exaone4_5_mtp", "qwen3_next_mtp", "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp",
+    "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "bailing_hybrid_mtp", "kimi_k3_mtp",
+    "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
+    "inkling_mtp", "glm5_next_mtp",
+)
+
+METHOD_ALIASES: Mapping[str, str] = {
+    "[ngram]": "ngram",  # vLLM's legacy spelling
+    # NOTE: vLLM's "ngram_gpu" is the same n-gram rule run as device tensor ops.
+    # funcspec's ngram proposer always runs that way, so the two are one method here.
+    "ngram_gpu": "ngram",
+    **{name: "mtp" for name in _MTP_MODEL_TYPES},
+}
+"""Method names vLLM accepts and rewrites to a canonical name (a row of ``funcspec.methods``)."""
+
+
+_SUFFIX_KEYS = (
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+)
+_USED_SPEC_KEYS = frozenset(
+    {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+     "num_speculative_tokens_per_batch_size", "rejection_sample_method",
+     "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_model_config",
+     *_SUFFIX_KEYS}
+)
+# Keys of vLLM's SpeculativeConfig that change nothing in funcspec. They are accepted
+# and reported in SpecConfig.ignored_keys. _check_ignored_values refuses the values
+# that would change the result. NOTE: "enforce_eager" is vLLM's eager switch for the
+# draft alone; funcspec's draft runs inside the target's step graph, whose backend
+# LLM(enforce_eager=...) picks.
+_IGNORED_SPEC_KEYS = frozenset(
+    {"enforce_eager", "draft_tensor_parallel_size", "disable_padded_drafter_batch", "quantization",
+     "moe_backend", "attention_backend", "kv_cache_dtype", "max_model_len", "revision",
+     "code_revision", "index_share_for_mtp_iteration", "disable_eagle_block_drop",
+     "use_local_argmax_reduction", "use_heterogeneous_vocab", "parallel_drafting",
+     "draft_load_config", "enable_adaptive_verification", "draft_sample_method",
+     "dspark_draft_topk"}
+)
+_KNOWN_SPEC_KEYS = _USED_SPEC_KEYS | _IGNORED_SPEC_KEYS | {"tensor_parallel_size"}
+_USED_ADDITIONAL_KEYS = ("rejection_sampler_config", "dynamic_spec_config", "draft_window_size")
+
+
+def spec_fields(speculative_config: Optional[Mapping | str], additional_config: Optional[Mapping | str],
+                check_paths: bool) -> Optional[dict[str, Any]]:
+    """The ``SpecConfig`` fields for vLLM's dicts (or JSON strings), or ``None`` without a speculative_config.
+
+    ``additional_config`` is validated even then. vLLM's aliases and fallbacks
+    are resolved here; ``SpecConfig.__post_init__`` then checks the fields.
+    """
+    spec = _parse_json(SPEC[:-1], speculative_config)
+    extra = _parse_json(EXTRA[:-1], additional_config) or {}
+    rejection = RejectionSamplerConfig.from_dict(extra.get("rejection_sampler_config"))
+    dynamic = DynamicSpecConfig.from_dict(extra.get("dynamic_spec_config"))
+    if spec is None:
+        return None
+    no_unknown_keys(SPEC, spec, _KNOWN_SPEC_KEYS)
+    method = _resolve_method(spec)
+    _check_ignored_values(spec, method)
+    model = _resolve_model(spec, method, check_paths)
+    max_k = _resolve_max_k(spec, method, model, check_paths)
+    return dict(
+        method=method,
+        num_speculative_tokens=max_k,
+        model=model,
+        **_ngram_window(spec, method),
+        num_speculative_tokens_per_batch_size=spec.get("num_speculative_tokens_per_batch_size"),
+        rejection_sample_method=spec.get("rejection_sample_method", "standard"),
+        synthetic_acceptance_rates=_resolve_synthetic(spec, max_k),
+        **_suffix_fields(spec, method),
+        eagle_aux_hidden_state_layer_ids=_aux_layers(spec, method),
+        rejection_sampler=rejection,
+        draft_window_size=_draft_window(extra, method),
+        dynamic_spec=dynamic,
+        ignored_keys=_ignored_keys(spec, extra, method, rejection),
+    )
+
+
+def _parse_json(name: str, value: Any) -> Optional[Mapping]:
+    """A dict, or the JSON string given on the command line, as a mapping (``None`` passes through)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name} is not valid JSON: {err}") from err
+    return check_mapping(name, value)
+
+
+def _resolve_method(spec: Mapping) -> str:
+    """The canonical method: vLLM's aliases applied, or inferred from ``model`` as vLLM does."""
+    method = spec.get("method")
+    if method is None:
+        method = _infer_method(spec.get("model"))
+    if not isinstance(method, str):
+        raise ValueError(f"{SPEC}method must be a string, got {method!r}")
+    method = METHOD_ALIASES.get(method, method)
+    if not methods.lookup(method).supported:
+        raise ValueError(f"{SPEC}method {method!r} is a vLLM method that funcspec does not implement")
+    return method
+
+
+def _infer_method(model: Any) -> str:
+    """vLLM's method detection from the draft model's name, used when ``method`` is missing."""
+    if model is None:
+        raise ValueError(f"{SPEC}method is required (or give {SPEC}model)")
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    name = os.fspath(model).lower() if isinstance(model, (str, os.PathLike)) else ""
+    for needle, method in (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark")):
+        if needle in name:
+            return method
+    # NOTE: vLLM also reads the draft's hf_config model_type (medusa, *_mtp). funcspec
+    # does not parse checkpoints here; give "method" for those.
+    return "draft_model"
+
+
+def _check_ignored_values(spec: Mapping, method: str) -> None:
+    """Refuse the values of no-effect keys that would change the result, as vLLM does."""
+    if "tensor_parallel_size" in spec:
+        raise ValueError(
+            f"{SPEC}tensor_parallel_size is not a valid key; vLLM takes draft_tensor_parallel_size"
+        )
+    if spec.get("draft_tensor_parallel_size") not in (None, 1):
+        raise ValueError(
+            f"{SPEC}draft_tensor_parallel_size must be 1 or None (funcspec runs on one device), "
+            f"got {spec['draft_tensor_parallel_size']!r}"
+        )
+    if spec.get("use_heterogeneous_vocab"):
+        raise ValueError(f"{SPEC}use_heterogeneous_vocab=True is not supported by funcspec")
+    if spec.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+        raise ValueError(
+            f"{SPEC}draft_sample_method must be 'greedy' or 'probabilistic', got {spec['draft_sample_method']!r}"
+        )
+    only = {"enable_adaptive_verification": "dspark", "dspark_draft_topk": "dspark",
+            "index_share_for_mtp_iteration": "mtp"}
+    for key, needed in only.items():
+        if spec.get(key) not in (None, False) and method != needed:
+            raise ValueError(f"{SPEC}{key} is only supported with method {needed!r}, got method {method!r}")
+
+
+def _resolve_model(spec: Mapping, method: str, check_paths: bool) -> Optional[str]:
+    """The draft path: ``None`` for model-free methods, otherwise checked to exist (with ``check_paths``)."""
+    model = spec.get("model")
+    if model is None or methods.lookup(method).model == methods.NONE:
+        return None
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if check_paths and isinstance(model, str) and model and not os.path.exists(model):
+        raise ValueError(
+            f"{SPEC}model {model!r} does not exist: funcspec loads local checkpoints only, never "
+            f"hub names (pass check_paths=False to skip this check)"
+        )
+    return model
+
+
+def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths: bool) -> int:
+    """``num_speculative_tokens``, or vLLM's fallbacks for it.
+
+    Suffix falls back to ``suffix_decoding_max_tree_depth``. A draft's
+    ``config.json`` falls back to ``n_predict``. Otherwise the key is required.
+    """
+    max_k = spec.get("num_speculative_tokens")
+    if max_k is None and method == "suffix":
+        depth = spec.get("suffix_decoding_max_tree_depth", 24)
+        max_k = check_int(SPEC + "suffix_decoding_max_tree_depth", depth, lo=1)
+    if max_k is None and check_paths and model:
+        max_k = _n_predict(model)
+    if max_k is None:
+        raise ValueError(f"{SPEC}num_speculative_tokens is required for method {method!r}")
+    # Checked here (and again in __post_init__) because the synthetic rates depend on it.
+    rules.check_max_k(method, max_k)
+    return max_k
+
+
+def _n_predict(model: str) -> Optional[int]:
+    """``n_predict`` from the draft's ``config.json``, if it has one."""
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            n = json.load(f).get("n_predict")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if is_int(n) else None
+
+
+def _ngram_window(spec: Mapping, method: str) -> dict[str, Any]:
+    """The given n-gram bounds for ngram (``__post_init__`` fills in defaults). Other methods drop them."""
+    if method != "ngram":
+        return {}
+    return {key: spec.get(key) for key in ("prompt_lookup_min", "prompt_lookup_max")}
+
+
+def _suffix_fields(spec: Mapping, method: str) -> dict[str, Any]:
+    """The given suffix decoding settings. They are dropped (and reported) for other methods."""
+    return {key: spec[key] for key in _SUFFIX_KEYS if key in spec} if method == "suffix" else {}
+
+
+def _resolve_synthetic(spec: Mapping, max_k: int) -> Optional[tuple[float, ...]]:
+    """The synthetic rates (a length resolved to rates), or ``None`` when not synthetic."""
+    rates, length = spec.get("synthetic_acceptance_rates"), spec.get("synthetic_acceptance_length")
+    if spec.get("rejection_sample_method", "standard") == "synthetic":
+        return synthetic_rates(rates, length, max_k)
+    if rates is not None or length is not None:
+        raise ValueError(
+            f"{SPEC}synthetic_acceptance_rates / {SPEC}synthetic_acceptance_length are only valid "
+            f"with rejection_sample_method='synthetic'"
+        )
+    return None
+
+
+def _hf_config(spec: Mapping) -> Mapping:
+    """``draft_model_config["hf_config"]`` as a mapping (empty when absent)."""
+    dmc = check_mapping(SPEC + "draft_model_config", spec.get("draft_model_config") or {})
+    return check_mapping(SPEC + "draft_model_config.hf_config", dmc.get("hf_config") or {})
+
+
+def _aux_layers(spec: Mapping, method: str) -> Optional[Any]:
+    """The auxiliary layer ids for methods that read them (checked in ``__post_init__``)."""
+    if not methods.lookup(method).aux_layers:
+        return None
+    return _hf_config(spec).get("eagle_aux_hidden_state_layer_ids")
+
+
+def _draft_window(extra: Mapping, method: str) -> Optional[int]:
+    """``draft_window_size`` for methods with draft attention. It is dropped (and reported) for the rest.
+
+    vLLM-Ascend forces the window off for mtp, because MTP reuses the target's own layers.
+    """
+    window = extra.get("draft_window_size")
+    if window is not None:
+        check_int(EXTRA + "draft_window_size", window, lo=1)
+    return window if methods.lookup(method).draft_window else None
+
+
+def _ignored_keys(spec: Mapping, extra: Mapping, method: str, rs: RejectionSamplerConfig) -> tuple[str, ...]:
+    """Dotted paths of the given keys that have no effect for this method in funcspec."""
+    ignored = [SPEC + k for k in spec if k in _IGNORED_SPEC_KEYS]
+    unused = {
+        "model": methods.lookup(method).model == methods.NONE,
+        "prompt_lookup_min": method != "ngram",
+        "prompt_lookup_max": method != "ngram",
+        **{k: method != "suffix" for k in _SUFFIX_KEYS},
+    }
+    ignored += [SPEC + k for k, is_unused in unused.items() if is_unused and spec.get(k) is not None]
+    ignored += _ignored_draft_config(spec, method)
+    ignored += [EXTRA + k for k in extra if k not in _USED_ADDITIONAL_KEYS]
+    if extra.get("draft_window_size") is not None and not methods.lookup(method).draft_window:
+        ignored.append(EXTRA + "draft_window_size")
+    if rs.enable_entropy_verify and spec.get("rejection_sample_method") == "synthetic":
+        ignored.append(RS + "enable_entropy_verify")
+    return tuple(ignored)
+
+
+def _ignored_draft_config(spec: Mapping, method: str) -> list[str]:
+    """Everything in ``draft_model_config`` except the auxiliary layer ids (when the method reads them)."""
+    prefix = SPEC + "draft_model_config."
+    dmc = check_mapping(prefix[:-1], spec.get("draft_model_config") or {})
+    ignored = [prefix + k for k in dmc if k != "hf_config"]
+    used = {"eagle_aux_hidden_state_layer_ids"} if methods.lookup(method).aux_layers else set()
+    return ignored + [prefix + "hf_config." + k for k in _hf_config(spec) if k not in used]
