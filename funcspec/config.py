@@ -22,6 +22,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from funcspec.capture.backends import BACKENDS  # the capture layer owns backend names
+
 # The field paths that error messages name.
 _S = "speculative_config."
 _A = "additional_config."
@@ -71,7 +73,6 @@ _NO_BATCH_TABLE = frozenset({"suffix", "dspark", "extract_hidden_states"})
 
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 DYNAMIC_SPEC_METHODS = ("dspark", "dflash")
-BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
 NPU_MAX_QUERY_TOKENS = 16
 """``npu_fused_infer_attention_score`` takes at most this many query tokens per decode round."""
 
