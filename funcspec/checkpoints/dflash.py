@@ -8,13 +8,10 @@ the math.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
-import torch
-
-from funcspec import rng
 from funcspec.checkpoints.files import check_keys, drop_ignored, nest, read_config, read_safetensors
+from funcspec.checkpoints.init import random_tensors
 from funcspec.checkpoints.llama import model_config
 from funcspec.nn.dflash import DFlashConfig
 from funcspec.nn.llama import ModelConfig, lm_head
@@ -155,15 +152,5 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, method: str = "dflash", 
                   markov_rank=markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
                   confidence_head_with_markov=confidence_head_with_markov)
     cfg = parse_config(hf, t, method)
-    key = rng.key(seed)
-    flat = {}
-    for i, (name, shape) in enumerate(sorted(head_shapes(cfg, t.hidden_size).items())):
-        if name.endswith("norm.weight"):
-            flat[name] = torch.ones(shape)
-        elif name.endswith("bias"):
-            flat[name] = torch.zeros(shape)
-        else:
-            # NOTE: uniform(-a, a) with a = scale/sqrt(fan_in), drawn from funcspec.rng (no torch RNG in nn/).
-            u = rng.uniform(rng.fold_in(key, i), shape)
-            flat[name] = (2 * u - 1) * (scale / math.sqrt(shape[-1]))
-    return hf, nest(flat)
+    # NOTE: biases 0, matrices U(±scale/√fan_in); the params hold no embedding or LM head.
+    return hf, nest(random_tensors(head_shapes(cfg, t.hidden_size), seed, scale=scale, zero_biases=True))
