@@ -22,11 +22,12 @@ new budget never recompiles); :class:`ConfidenceScheduler` is the host half.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from funcspec.config import DynamicSpecConfig
+if TYPE_CHECKING:  # an annotation only: config parses user input, above the step
+    from funcspec.config import DynamicSpecConfig
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:

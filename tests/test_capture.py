@@ -157,3 +157,18 @@ def test_cudagraph_refuses_without_cuda(tiny_llama):
 def test_unknown_backend(tiny_llama):
     with pytest.raises(ValueError, match="backend must be one of"):
         Engine(tiny_llama, backend="tpu")
+
+
+def test_auto_is_a_rule_on_the_device(monkeypatch):
+    """auto reads no benchmark files, so an installed package picks as a checkout does."""
+    from pathlib import Path
+
+    from funcspec.capture.backends import auto_backend, resolve_backend
+
+    def no_files(*args, **kwargs):
+        raise AssertionError("resolving auto read a file")
+
+    monkeypatch.setattr(Path, "glob", no_files)
+    monkeypatch.setattr(Path, "read_text", no_files)
+    assert resolve_backend("auto", "cpu") == "inductor"  # every committed CPU capture run measured it faster
+    assert auto_backend("cuda:0") == "cudagraph" and auto_backend(torch.device("meta")) == "inductor"

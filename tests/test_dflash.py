@@ -8,6 +8,7 @@ import torch
 
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling
+from funcspec.checkpoints import dflash as ckpt
 from funcspec.checkpoints import load_model, save_params
 from funcspec.nn import dflash as net
 from funcspec.nn import forward, init_kv_cache
@@ -37,7 +38,7 @@ def _spec(method, path, k):
 
 
 def _save_head(path, target, method, **kw):
-    hf, params = net.init_params(target.cfg, seed=1, method=method, target_layer_ids=(0, 1), markov_rank=16, **kw)
+    hf, params = ckpt.init_params(target.cfg, seed=1, method=method, target_layer_ids=(0, 1), markov_rank=16, **kw)
     save_params(path, params, hf)
     return str(path)
 
@@ -101,7 +102,7 @@ def _bigram(path):
 def _markov_oracle(path, tgt, table, noise):
     """A DSpark head with U = 0 (final norm zeroed) and Markov bias W2[:, x] = table[x] + noise."""
     v = tgt.cfg.vocab_size
-    hf, params = net.init_params(tgt.cfg, seed=2, method="dspark", target_layer_ids=(0, 1), markov_rank=v)
+    hf, params = ckpt.init_params(tgt.cfg, seed=2, method="dspark", target_layer_ids=(0, 1), markov_rank=v)
     g = torch.Generator().manual_seed(0)
     params["norm"]["weight"] = torch.zeros_like(params["norm"]["weight"])
     params["markov_head"]["markov_w1"]["weight"] = torch.eye(v)
@@ -162,9 +163,9 @@ def _last_logits(tgt, prompt):
 
 
 def test_markov_head_and_confidence_match_a_loop_reference(target):
-    hf, params = net.init_params(target.cfg, seed=4, method="dspark", target_layer_ids=(0, 1), markov_rank=8,
+    hf, params = ckpt.init_params(target.cfg, seed=4, method="dspark", target_layer_ids=(0, 1), markov_rank=8,
                                  scale=4.0)
-    cfg = net.parse_config(hf, target.cfg, "dspark")
+    cfg = ckpt.parse_config(hf, target.cfg, "dspark")
     g = torch.Generator().manual_seed(1)
     b, k, v = 3, 5, target.cfg.vocab_size
     base = torch.randn(b, k, v, generator=g)
@@ -300,21 +301,21 @@ def test_draft_window(target, heads):
 
 def test_load_round_trip(target, heads):
     for method in ("dflash", "dspark"):
-        hf, params = net.init_params(target.cfg, seed=1, method=method, target_layer_ids=(0, 1), markov_rank=16)
-        cfg, loaded = net.load_params(heads[method], target, method)
-        assert cfg == net.parse_config(hf, target.cfg, method)
+        hf, params = ckpt.init_params(target.cfg, seed=1, method=method, target_layer_ids=(0, 1), markov_rank=16)
+        cfg, loaded = ckpt.load_params(heads[method], target, method)
+        assert cfg == ckpt.parse_config(hf, target.cfg, method)
         assert cfg.target_layer_ids == (0, 1) and cfg.mask_token_id == target.cfg.vocab_size - 1
         assert torch.equal(loaded["fc"]["weight"], params["fc"]["weight"])
         assert loaded["embed_tokens"]["weight"] is target.params["model"]["embed_tokens"]["weight"]
         assert dflash_proposer.hidden_layers(dflash_proposer.DFlashProposerConfig(cfg, 3)) == (1, 2)
-    dspark_cfg, _ = net.load_params(heads["dspark"], target, "dspark")
+    dspark_cfg, _ = ckpt.load_params(heads["dspark"], target, "dspark")
     assert (dspark_cfg.markov_rank, dspark_cfg.confidence, dspark_cfg.block_size) == (16, "hidden_markov", 7)
     with pytest.raises(ValueError, match="DSpark checkpoint; use method 'dspark'"):
-        net.load_params(heads["dspark"], target, "dflash")
+        ckpt.load_params(heads["dspark"], target, "dflash")
 
 
 def _broken(tmp_path, target, edit):
-    hf, params = net.init_params(target.cfg, seed=1, method="dspark", target_layer_ids=(0, 1), markov_rank=16)
+    hf, params = ckpt.init_params(target.cfg, seed=1, method="dspark", target_layer_ids=(0, 1), markov_rank=16)
     edit(hf, params)
     save_params(tmp_path, params, hf)
     return tmp_path
@@ -323,7 +324,7 @@ def _broken(tmp_path, target, edit):
 def test_load_errors_name_the_problem(target, tmp_path_factory):
     def bad(edit, match, method="dspark"):
         with pytest.raises(ValueError, match=match):
-            net.load_params(_broken(tmp_path_factory.mktemp("bad"), target, edit), target, method)
+            ckpt.load_params(_broken(tmp_path_factory.mktemp("bad"), target, edit), target, method)
 
     bad(lambda hf, p: p["layers"][0]["self_attn"].pop("k_norm"), r"missing keys \['layers.0.self_attn.k_norm.weight'\]")
     bad(lambda hf, p: p["markov_head"].pop("markov_w2"), r"missing keys \['markov_head.markov_w2.weight'\]")

@@ -6,7 +6,7 @@ import pytest
 
 from funcspec import Engine, SamplingParams
 from funcspec.checkpoints import init_draft_head, load_model
-from funcspec.nn import eagle
+from funcspec.checkpoints import eagle
 from conftest import make_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

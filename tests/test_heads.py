@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, load_model
 from funcspec.checkpoints import flatten, read_safetensors, save_params
-from funcspec.nn import eagle, medusa, mtp
+from funcspec.checkpoints import eagle, medusa, mtp
+from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.step import StepContext, VerifyResult
 from funcspec.tree import tree_map, tree_signature
@@ -103,8 +104,8 @@ def reference_drafts(eng, seq: list[int], k: int) -> list[int]:
                         handle.hidden_layers)
     feats = torch.cat(hid, -1)  # [1, n, F]
     cfg = handle.cfg
-    if isinstance(cfg.head, medusa.MedusaConfig):
-        return [int(medusa.head_logits(cfg.head, params, feats[:, -1], i).argmax()) for i in range(k)]
+    if isinstance(cfg.head, medusa_net.MedusaConfig):
+        return [int(medusa_net.head_logits(cfg.head, params, feats[:, -1], i).argmax()) for i in range(k)]
     kv = init_kv_cache(cfg.model, 1, n + k)
     g, kv = cfg.forward(cfg.head, params, kv, x[:, 1:], cfg.features(cfg.head, params, feats), slot, zero)
     g, drafts = g[:, -1], []

@@ -15,7 +15,7 @@ import funcspec
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
-from funcspec.nn.llama import KVRead, attend, init_kv_cache, read_cache
+from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, read_cache
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
 
@@ -68,7 +68,7 @@ def test_attend_equals_the_masked_reference_with_window(heads, kv_heads):
 
 
 def test_aligned_read_is_a_view_of_the_slots_and_gather_reads_any_slot():
-    cfg = funcspec.checkpoints.ModelConfig("llama", 16, 8, 16, 2, 2, 1, 4)
+    cfg = ModelConfig("llama", 16, 8, 16, 2, 2, 1, 4)
     kv = init_kv_cache(cfg, num_slots=4, max_len=12)
     kv.k.copy_(torch.randn_like(kv.k))
     slots = torch.tensor([0, 1, 4])  # rows 0 and 1 are slots 0 and 1; row 2 pads (scratch slot 4)

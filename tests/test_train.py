@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from funcspec.checkpoints import dflash as dflash_ckpt, eagle as eagle_ckpt, mtp as mtp_ckpt
 from funcspec.checkpoints import init_draft_head, load_model
 from funcspec.nn import dflash, eagle, llama, mtp
 from funcspec.train import data, drafters
@@ -73,11 +74,11 @@ def target4(tmp_path_factory):
 def test_ttt_unroll_equals_sequential_drafting(method, target4, tmp_path):
     if method == "eagle3":
         init_draft_head("eagle3", target4, tmp_path, seed=3, aux_layers=[1, 2, 3])
-        cfg, params = eagle.load_params(tmp_path, target4, version=3)
+        cfg, params = eagle_ckpt.load_params(tmp_path, target4, version=3)
         net, layers = eagle, cfg.aux_layers
     else:
         init_draft_head("mtp", target4, tmp_path, seed=3)
-        cfg, params = mtp.load_params(tmp_path, target4)
+        cfg, params = mtp_ckpt.load_params(tmp_path, target4)
         net, layers = mtp, (target4.cfg.num_layers,)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 96, (2, 24), generator=g)
@@ -108,7 +109,7 @@ def test_ttt_unroll_equals_sequential_drafting(method, target4, tmp_path):
 def test_block_rows_equal_a_block_drafted_after_its_context(method, target4, tmp_path):
     init_draft_head(method, target4, tmp_path, seed=4, target_layer_ids=[1, 3], block_size=5, mask_token_id=95,
                     markov_rank=8)
-    cfg, params = dflash.load_params(tmp_path, target4, method)
+    cfg, params = dflash_ckpt.load_params(tmp_path, target4, method)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 95, (2, 20), generator=g)
     _, hid = drafters.target_pass(target4, x, tuple(i + 1 for i in cfg.target_layer_ids))

@@ -31,7 +31,11 @@ def device_name(device: str) -> str:
 
 
 def best_cpu_backend() -> str:
-    """inductor or eager, whichever the newest committed CPU capture benchmark found faster."""
+    """inductor or eager, whichever the newest committed CPU capture benchmark found faster.
+
+    A report for people and tests: ``backend="auto"`` does not read it (see
+    :data:`funcspec.capture.backends.AUTO_BACKENDS`), so it works installed.
+    """
     files = sorted((RESULTS / "cpu").glob("capture-*.json"))
     if not files:
         return "inductor"

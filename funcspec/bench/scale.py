@@ -134,10 +134,9 @@ def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: i
 
 def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
     """(parameters, bytes) a decode step streams: every funcspec param once (a tied lm_head is the embedding)."""
-    from funcspec.checkpoints import expected_shapes, read_config
-    from funcspec.nn.llama import ModelConfig
+    from funcspec.checkpoints import expected_shapes, model_config, read_config
 
-    cfg = ModelConfig.from_hf(read_config(path)[1])
+    cfg = model_config(read_config(path)[1])
     n = sum(math.prod(s) for s in expected_shapes(cfg).values())
     return n, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()
 
@@ -433,13 +432,12 @@ def write_gguf(ckpt: Path, dtype: str) -> Path:
     """The checkpoint as ``model-<dtype>.gguf`` beside it (llama arch, placeholder SPM vocab), built once."""
     import gguf
 
-    from funcspec.checkpoints import read_config, read_safetensors
-    from funcspec.nn.llama import ModelConfig
+    from funcspec.checkpoints import model_config, read_config, read_safetensors
 
     path = ckpt / f"model-{dtype}.gguf"
     if path.exists():
         return path
-    cfg = ModelConfig.from_hf(read_config(ckpt)[1])
+    cfg = model_config(read_config(ckpt)[1])
     w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
     w.add_name(ckpt.name)
     w.add_context_length(cfg.max_position_embeddings)

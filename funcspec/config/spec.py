@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Optional
 
+from funcspec.capture.backends import BACKENDS  # the capture layer owns backend names
 from funcspec.config import rules, vllm
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.checks import SPEC, check_int
 
-BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
 NPU_MAX_QUERY_TOKENS = 16
 """``npu_fused_infer_attention_score`` takes at most this many query tokens per decode round."""
 

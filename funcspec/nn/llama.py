@@ -14,23 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from funcspec.tree import pytree_dataclass
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static decoder configuration parsed from an HF ``config.json``."""
+    """Static decoder configuration (``arch``: llama | qwen2 | qwen3).
+
+    Parsed from an HF ``config.json`` by :func:`funcspec.checkpoints.llama.model_config`.
+    """
 
     arch: str
     vocab_size: int
@@ -50,49 +47,6 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-
-    @staticmethod
-    def from_hf(hf: dict[str, Any]) -> "ModelConfig":
-        """Parse an HF config dict; unsupported architectures raise ``ValueError``."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type")
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None and model_type in ARCHITECTURES.values():
-            arch = model_type
-        if arch is None:
-            raise ValueError(
-                f"config.json: unsupported architecture (architectures={archs}, "
-                f"model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}"
-            )
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported")
-        scaling = () if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
-        heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        return ModelConfig(
-            arch=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
-        )
 
 
 @pytree_dataclass

@@ -16,7 +16,8 @@ NOTE: funcspec's block is a Llama block of the target's family (no MLA, no
 MoE) under DeepSeek's key names. h_t for the first step is the target's final
 normed hidden state (what vLLM's DeepSeek model returns to its MTP drafter).
 Further MTP modules (``num_nextn_predict_layers`` > 1) are not read: the
-first one is applied autoregressively for every draft step.
+first one is applied autoregressively for every draft step. Reading and writing
+the layout: :mod:`funcspec.checkpoints.mtp`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import dataclasses
 
 import torch
 
-from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
-from funcspec.nn.eagle import hf_config_dict, layer_shapes, random_tensors, to_target
 from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, project, rms_norm, rope_tables
 
 
@@ -71,50 +70,3 @@ def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 from module outputs g [B, H]."""
     return torch.argmax(draft_logits(cfg, params, g), dim=-1)
-
-
-def head_shapes(cfg: MTPConfig) -> dict:
-    """Every key of the MTP module (without the optional embedding) and its shape."""
-    m, pre = cfg.model, f"model.layers.{cfg.layer}."
-    h = m.hidden_size
-    shapes = layer_shapes(m, pre)
-    shapes.update({pre + "enorm.weight": (h,), pre + "hnorm.weight": (h,), pre + "eh_proj.weight": (h, 2 * h),
-                   pre + "shared_head.norm.weight": (h,), pre + "shared_head.head.weight": (m.vocab_size, h)})
-    return shapes
-
-
-def init_params(target_cfg: ModelConfig, seed: int = 0):
-    """A random MTP module for ``target_cfg`` as a stand-alone checkpoint: ``(hf_config, params)``.
-
-    The config is the target's plus ``num_nextn_predict_layers: 1``, as DeepSeek-V3 ships it.
-    """
-    cfg = MTPConfig(dataclasses.replace(target_cfg, num_layers=1), target_cfg.num_layers)
-    return hf_config_dict(target_cfg, num_nextn_predict_layers=1), nest(random_tensors(head_shapes(cfg), seed))
-
-
-def load_params(path, target):
-    """The MTP module ``model.layers.{L}.*`` of checkpoint ``path`` (the target's own or a separate one).
-
-    Returns ``(cfg, params)``; params share the target's embedding unless the
-    module ships one. Raises ``ValueError`` naming missing or mis-shaped keys.
-    """
-    path, hf = read_config(path)
-    base = ModelConfig.from_hf(hf)
-    if (base.num_layers, base.hidden_size) != (target.cfg.num_layers, target.cfg.hidden_size):
-        raise ValueError(f"{path}: MTP config num_hidden_layers/hidden_size ({base.num_layers}, {base.hidden_size})"
-                         f" must equal the target's ({target.cfg.num_layers}, {target.cfg.hidden_size})")
-    if hf.get("num_nextn_predict_layers", 1) < 1:
-        raise ValueError(f"{path}: num_nextn_predict_layers is 0: this checkpoint has no MTP module")
-    cfg = MTPConfig(dataclasses.replace(base, num_layers=1), base.num_layers)
-    shapes = head_shapes(cfg)
-    embed_key = f"model.layers.{cfg.layer}.embed_tokens.weight"
-    tensors = read_safetensors(path, set(shapes) | {embed_key})
-    if not tensors:
-        raise ValueError(f"{path}: no MTP module (keys model.layers.{cfg.layer}.*) in this checkpoint")
-    if embed_key in tensors:
-        shapes[embed_key] = (base.vocab_size, base.hidden_size)
-    check_keys(tensors, shapes, str(path))
-    target_embed = target.params["model"]["embed_tokens"]["weight"]
-    params = nest(to_target(tensors, target_embed))
-    _module(cfg, params).setdefault("embed_tokens", {"weight": target_embed})
-    return cfg, params

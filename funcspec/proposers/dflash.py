@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from funcspec.checkpoints import dflash as ckpt
 from funcspec.nn import dflash
 from funcspec.tree import pytree_dataclass, replace
 from funcspec.types import Proposal
@@ -55,7 +56,7 @@ def build_for(spec, target, engine, method: str):
     """Load ``speculative_config["model"]`` as a ``method`` drafter for ``target``."""
     if not spec.model:
         raise ValueError(f"speculative_config.model: method {method!r} needs a draft checkpoint path")
-    net, params = dflash.load_params(spec.model, target, method, spec.eagle_aux_hidden_state_layer_ids)
+    net, params = ckpt.load_params(spec.model, target, method, spec.eagle_aux_hidden_state_layer_ids)
     return DFlashProposerConfig(net, spec.num_speculative_tokens, spec.draft_window_size), params
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from funcspec.checkpoints import eagle as ckpt
 from funcspec.nn import eagle as net
 from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache
 from funcspec.tree import pytree_dataclass, tree_leaves
@@ -98,7 +99,7 @@ def build(spec, target, engine):
     """Load the EAGLE-1 head ``speculative_config["model"]`` against ``target``."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'eagle' needs a head checkpoint path")
-    head, params = net.load_params(spec.model, target, version=1)
+    head, params = ckpt.load_params(spec.model, target, version=1)
     return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params
 
 

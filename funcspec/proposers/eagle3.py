@@ -9,6 +9,7 @@ output. Drafts are mapped to target ids with ``d2t``. The draft KV window
 
 from __future__ import annotations
 
+from funcspec.checkpoints import eagle as ckpt
 from funcspec.nn import eagle as net
 from funcspec.proposers.eagle import ChainConfig, chain_config, commit, hidden_layers, init_state, prefill, propose
 
@@ -25,5 +26,5 @@ def build(spec, target, engine):
     """
     if not spec.model:
         raise ValueError("speculative_config.model: method 'eagle3' needs a head checkpoint path")
-    head, params = net.load_params(spec.model, target, version=3, aux_layers=spec.eagle_aux_hidden_state_layer_ids)
+    head, params = ckpt.load_params(spec.model, target, version=3, aux_layers=spec.eagle_aux_hidden_state_layer_ids)
     return chain_config(head, net, spec, target, head.aux_layers), params

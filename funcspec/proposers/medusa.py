@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from funcspec.checkpoints import medusa as ckpt
 from funcspec.nn import medusa as net
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
@@ -39,7 +40,7 @@ def build(spec, target, engine):
     """Load ``speculative_config["model"]``; K may not exceed ``medusa_num_heads``."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'medusa' needs a Medusa head checkpoint path")
-    head, params = net.load_params(spec.model, target)
+    head, params = ckpt.load_params(spec.model, target)
     if spec.num_speculative_tokens > head.num_heads:
         raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) must be <= "
                          f"the checkpoint's medusa_num_heads ({head.num_heads})")

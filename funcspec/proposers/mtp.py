@@ -10,6 +10,7 @@ The draft KV window does not apply (vLLM-Ascend turns it off for MTP).
 
 from __future__ import annotations
 
+from funcspec.checkpoints import mtp as ckpt
 from funcspec.nn import mtp as net
 from funcspec.proposers.eagle import ChainConfig, chain_config, commit, hidden_layers, init_state, prefill, propose
 
@@ -20,5 +21,5 @@ runs_on_host = False
 
 def build(spec, target, engine):
     """Load the MTP module from ``speculative_config["model"]`` or the target's own checkpoint."""
-    head, params = net.load_params(spec.model or target.path, target)
+    head, params = ckpt.load_params(spec.model or target.path, target)
     return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params

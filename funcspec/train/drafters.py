@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from funcspec.checkpoints import dflash as dflash_ckpt, eagle as eagle_ckpt, medusa as medusa_ckpt, mtp as mtp_ckpt
 from funcspec.checkpoints import flatten, init_draft_head, load_model, read_safetensors
 from funcspec.nn import dflash, eagle, llama, medusa, mtp
 from funcspec.train import data
@@ -137,7 +138,7 @@ def draft_model_setup(target, out: Path, seed: int, stream):
 def medusa_setup(target, out: Path, seed: int, stream):
     """4 Medusa heads of 1 ResBlock; head k on h_t learns the target's p at t+k+1."""
     init_draft_head("medusa", target, out, seed, num_heads=TTT_STEPS, num_layers=1)
-    cfg, params = medusa.load_params(out, target)
+    cfg, params = medusa_ckpt.load_params(out, target)
     names = list(read_safetensors(out))
     with torch.no_grad():  # Medusa starts every head's Linear from the target's LM head
         for k in range(cfg.num_heads):
@@ -160,11 +161,11 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
     """mtp / eagle3: step 0 over the sequence, then TTT_STEPS-1 unrolled steps from sampled origins."""
     if role == "eagle3":
         init_draft_head("eagle3", target, out, seed, draft_vocab_size=EAGLE3_VOCAB, aux_layers=EAGLE3_AUX)
-        cfg, params = eagle.load_params(out, target, version=3)
+        cfg, params = eagle_ckpt.load_params(out, target, version=3)
         net, layers = eagle, cfg.aux_layers
     else:
         init_draft_head("mtp", target, out, seed)
-        cfg, params = mtp.load_params(out, target)
+        cfg, params = mtp_ckpt.load_params(out, target)
         net, layers = mtp, (target.cfg.num_layers,)
         with torch.no_grad():  # the module's head starts as the target's
             mtp._module(cfg, params)["shared_head"]["head"]["weight"].copy_(llama.lm_head(target.cfg, target.params))
@@ -237,7 +238,7 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
     rows_per_block = DFLASH_BLOCK if role == "dflash" else DSPARK_BLOCK
     init_draft_head(role, target, out, seed, target_layer_ids=DFLASH_LAYERS, block_size=rows_per_block,
                     mask_token_id=target.tokenizer.mask_token_id, markov_rank=MARKOV_RANK)
-    cfg, params = dflash.load_params(out, target, role)
+    cfg, params = dflash_ckpt.load_params(out, target, role)
     names = list(read_safetensors(out))
     layers = tuple(i + 1 for i in cfg.target_layer_ids)
     shift = 1 if role == "dflash" else 0  # dflash drafts from the mask rows, dspark from every row

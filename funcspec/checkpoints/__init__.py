@@ -1,0 +1,44 @@
+"""HF-format checkpoints: ``config.json`` + safetensors (+ tokenizer files), read and written.
+
+The checkpoints layer owns every format concern, so :mod:`funcspec.nn` is math
+only: ``files`` (safetensors, config.json, params nested on HF names), ``llama``
+(the target decoder: config parsing, key layout, :func:`load_model`), one module
+per draft-head family (``eagle``, ``mtp``, ``medusa``, ``dflash``: config,
+key layout, ``load_params``, ``init_params``), ``init`` (the one random
+initialiser) and ``heads`` (:func:`init_draft_head`).
+
+This package re-exports the names that callers use most.
+"""
+
+from funcspec.checkpoints.files import (
+    check_keys,
+    flatten,
+    load_tokenizer,
+    nest,
+    read_config,
+    read_safetensors,
+    save_params,
+    to_target,
+)
+from funcspec.checkpoints.heads import init_draft_head
+from funcspec.checkpoints.init import random_tensors
+from funcspec.checkpoints.llama import Model, expected_shapes, hf_config_dict, layer_shapes, load_model, model_config
+
+__all__ = [
+    "Model",
+    "check_keys",
+    "expected_shapes",
+    "flatten",
+    "hf_config_dict",
+    "init_draft_head",
+    "layer_shapes",
+    "load_model",
+    "load_tokenizer",
+    "model_config",
+    "nest",
+    "random_tensors",
+    "read_config",
+    "read_safetensors",
+    "save_params",
+    "to_target",
+]

@@ -1,0 +1,181 @@
+"""The target decoder's HF format: Llama / Qwen2 / Qwen3 ``config.json`` and key layout.
+
+``load_model(path)`` returns a :class:`Model`: the static config, the params
+pytree (the HF state dict nested on its dots) and the tokenizer, if any.
+The math over those params is :mod:`funcspec.nn.llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from funcspec.checkpoints.files import check_keys, drop_ignored, load_tokenizer, nest, read_config, read_safetensors
+from funcspec.nn.llama import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+"""HF ``architectures`` names and the decoder family (``ModelConfig.arch``) each one is."""
+
+
+def model_config(hf: dict[str, Any]) -> ModelConfig:
+    """Parse an HF config dict; unsupported architectures raise ``ValueError``."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None and model_type in ARCHITECTURES.values():
+        arch = model_type
+    if arch is None:
+        raise ValueError(
+            f"config.json: unsupported architecture (architectures={archs}, "
+            f"model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}"
+        )
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported")
+    scaling = () if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=arch == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def hf_config_dict(m: ModelConfig, **extra) -> dict:
+    """An HF ``config.json`` dict that :func:`model_config` parses back to ``m``."""
+    arch = {v: k for k, v in ARCHITECTURES.items()}[m.arch]
+    hf = dict(architectures=[arch], model_type=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+              intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+              num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+              rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, hidden_act="silu",
+              tie_word_embeddings=m.tie_word_embeddings, attention_bias=m.attention_bias, mlp_bias=m.mlp_bias,
+              max_position_embeddings=m.max_position_embeddings)
+    if m.rope_scaling:
+        hf["rope_scaling"] = dict(m.rope_scaling)
+    hf.update(extra)
+    return hf
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name of a decoder with ``cfg`` and its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        proj = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}
+        for name, out in proj.items():
+            shapes[p + f"self_attn.{name}.weight"] = (out, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.attention_bias and cfg.arch == "llama":
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        for name, shape in (("gate_proj", (cfg.intermediate_size, h)), ("up_proj", (cfg.intermediate_size, h)),
+                            ("down_proj", (h, cfg.intermediate_size))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if cfg.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = shape[:1]
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def layer_shapes(m: ModelConfig, prefix: str, in_features: int | None = None, input_norm: bool = True) -> dict:
+    """Shapes of one decoder block of ``m`` under ``prefix`` (q/k/v read ``in_features``): heads reuse the block."""
+    one = dataclasses.replace(m, num_layers=1, tie_word_embeddings=True)
+    shapes = {prefix + k[len("model.layers.0."):]: s for k, s in expected_shapes(one).items()
+              if k.startswith("model.layers.0.")}
+    if in_features is not None:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            key = f"{prefix}self_attn.{name}.weight"
+            shapes[key] = (shapes[key][0], in_features)
+    if not input_norm:
+        del shapes[prefix + "input_layernorm.weight"]
+    return shapes
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded checkpoint.
+
+    Attributes:
+        cfg: static decoder config.
+        params: nested params pytree under HF names.
+        tokenizer: a transformers tokenizer, or ``None`` if the checkpoint has none.
+        path: the checkpoint directory.
+        hf_config: the raw ``config.json`` dict.
+    """
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any
+    path: str
+    hf_config: dict
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the config, the generation config and the tokenizer."""
+        ids = set(self.cfg.eos_token_ids)
+        gen = Path(self.path) / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
+    """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory.
+
+    Raises ``FileNotFoundError`` for a missing directory or file and
+    ``ValueError`` for an unsupported architecture, a corrupt safetensors
+    file, or missing / unexpected / mis-shaped keys.
+    """
+    path, hf = read_config(path)
+    cfg = model_config(hf)
+    shapes = expected_shapes(cfg)
+    tensors = drop_ignored(read_safetensors(path))
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exporters save the tied copy
+    # NOTE: DeepSeek-style checkpoints append MTP layers after the last decoder
+    # layer; they belong to the mtp proposer, not the target.
+    extra = [k for k in tensors if k.startswith(f"model.layers.{cfg.num_layers}.")]
+    for k in extra:
+        tensors.pop(k)
+    check_keys(tensors, shapes, str(path))
+    params = nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+    return Model(cfg, params, load_tokenizer(path), str(path), hf)

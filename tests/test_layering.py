@@ -1,0 +1,224 @@
+"""Imports flow one way (funcspec/ARCHITECTURE.md, "Layers"): no cycles, no import of a higher layer.
+
+The test parses every module of the package with ``ast`` (nothing is
+imported, so it runs in milliseconds) and collects every ``import``
+statement, at module level and inside functions alike: a function-level
+import is still a dependency, only a later one.
+
+What counts as an edge:
+  - ``import funcspec.a.b`` and ``from funcspec.a import b``: the module
+    ``funcspec.a.b`` if it is one, else the package ``funcspec.a`` (its
+    ``__init__.py``, a re-export facade that belongs to the package's layer).
+  - Relative imports are resolved against the importing module.
+
+What does not (each is said here so that the test's blind spots are known):
+  - imports under ``if TYPE_CHECKING:``, which never run;
+  - ``importlib.import_module(name)`` with a computed name (proposers' registry);
+  - the implicit import of parent packages that Python performs for
+    ``import funcspec.a.b``: every module would otherwise depend on
+    ``funcspec/__init__.py``, the public facade at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "funcspec"
+
+# Lowest first. A module may import its own layer and any layer below it.
+# Keys are the first name under funcspec (``nn`` for funcspec.nn.eagle);
+# "__init__" is funcspec/__init__.py, the public facade (load_model, Engine, LLM).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("base", {"tree", "rng", "types", "outputs", "methods"}),  # pytrees, keys, sentinels, outputs, registry
+    ("nn", {"nn"}),  # math only
+    ("checkpoints", {"checkpoints"}),  # HF formats: config, safetensors, random init
+    ("step parts", {"proposers", "verifiers", "sampling", "dynamic"}),  # pure functions over explicit state
+    ("step", {"step"}),
+    ("capture", {"capture"}),
+    ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture
+    # host loop: scheduler (requests, slots) and runner (device state, graphs), wired by engine;
+    # extract: the hidden-state prefill hook the engine installs
+    ("engine", {"engine", "scheduler", "runner", "extract"}),
+    ("llm", {"llm", "__init__"}),
+    ("tools", {"bench", "tune", "train", "zoo", "cli"}),  # public API users
+]
+
+# Known violations in files owned by other work, as (importer module, imported unit) -> why.
+# The imported unit is the first name under funcspec, so a split of config.py into a
+# package keeps matching. Every entry must still be a violation (see
+# test_allow_list_is_not_stale): fix the import, then delete its line here.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+# nn heads share math through nn.llama only; format helpers live in funcspec.checkpoints.
+NN_SHARED = {"funcspec.nn", "funcspec.nn.llama"}
+
+
+def module_names(root: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package: dotted name -> file (a package is its ``__init__.py``)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Import statements anywhere in ``tree`` except under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)  # the else branch does run
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(name: str, modules: dict) -> str | None:
+    """The longest prefix of ``name`` that is a funcspec module, or None outside funcspec."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in modules:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set[str]:
+    """The funcspec modules that module ``name`` imports (see the module docstring for what counts)."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: strip the module (unless a package) and level - 1 packages
+                anchor = name.split(".")[: len(name.split(".")) - (node.level - (1 if is_pkg else 0))]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        out.update(t for t in (_resolve(t, modules) for t in targets) if t is not None and t != name)
+    return out
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the funcspec modules it imports."""
+    modules = module_names(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def unit(module: str) -> str:
+    """``funcspec.nn.eagle`` -> ``nn``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_index() -> dict[str, int]:
+    return {u: i for i, (_, units) in enumerate(LAYERS) for u in units}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importer, imported unit) -> the imported modules, for every import of a higher layer."""
+    rank, out = layer_index(), {}
+    for src, dsts in graph.items():
+        for dst in dsts:
+            if rank[unit(dst)] > rank[unit(src)]:
+                out.setdefault((src, unit(dst)), []).append(dst)
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (iterative DFS, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, iters = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while path:
+            nxt = next(iters[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                iters.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                iters.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph()
+
+
+def test_every_module_has_a_layer(graph):
+    rank = layer_index()
+    missing = sorted(m for m in graph if unit(m) not in rank)
+    assert not missing, f"place these modules in LAYERS (tests/test_layering.py): {missing}"
+
+
+def test_no_import_cycles(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    bad = {k: v for k, v in layer_violations(graph).items() if k not in ALLOWED}
+    lines = [f"{src} imports {sorted(dsts)} (layer {u!r} is above {unit(src)!r})" for (src, u), dsts in sorted(bad.items())]
+    assert not bad, "imports against the layers (ARCHITECTURE.md):\n" + "\n".join(lines)
+
+
+def test_allow_list_is_not_stale(graph):
+    stale = sorted(set(ALLOWED) - set(layer_violations(graph)))
+    assert not stale, f"these imports were fixed; delete them from ALLOWED: {stale}"
+
+
+def test_nn_is_math_only(graph):
+    """nn imports only nn, tree, rng and types; a head shares math through nn.llama, not another head."""
+    for src in (m for m in graph if unit(m) == "nn"):
+        assert all(unit(d) in ("nn", "tree", "rng", "types") for d in graph[src]), (src, sorted(graph[src]))
+        heads = {d for d in graph[src] if unit(d) == "nn"} - NN_SHARED
+        assert src in NN_SHARED or not heads, f"{src} imports another head: {sorted(heads)}"
+
+
+def test_capture_decides_auto_without_bench(graph):
+    """auto is a rule on the device, not a lookup of benchmark files (bench sits above capture)."""
+    capture = [m for m in graph if unit(m) == "capture"]
+    assert capture and not any(unit(d) in ("bench", "config") for m in capture for d in graph[m])
+
+
+def test_the_checks_catch_a_bad_import(tmp_path):
+    """A copy of the package with one bad import fails the layer and cycle checks; the clean copy passes."""
+    import shutil
+
+    root = tmp_path / "funcspec"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    clean = import_graph(root)
+    assert find_cycle(clean) is None and set(layer_violations(clean)) <= set(ALLOWED)
+
+    eagle = root / "nn" / "eagle.py"
+    eagle.write_text(eagle.read_text() + "\n\ndef _bad():\n    from funcspec.checkpoints import eagle  # noqa\n")
+    bad = import_graph(root)
+    assert ("funcspec.nn.eagle", "checkpoints") in layer_violations(bad)
+    assert find_cycle(bad) == ["funcspec.checkpoints.eagle", "funcspec.nn.eagle", "funcspec.checkpoints.eagle"]
+
+    step = root / "step.py"
+    step.write_text("if TYPE_CHECKING:\n    import funcspec.engine\n" + step.read_text())
+    assert "funcspec.engine" not in import_graph(root)["funcspec.step"]  # TYPE_CHECKING imports never run
