@@ -259,7 +259,7 @@ class Engine:
         """
         self.dyn.observe(self._stats["steps"] - 1, conf[:rows])
         used = max(drafts[:rows], default=0)
-        self._dyn_k = min(self.dyn.d, max(self.dyn.budget_k, used + (used == k)))
+        self._dyn_k = min(self.dyn.max_k, max(self.dyn.budget_k, used + (used == k)))
 
     def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int) -> list[Request]:
         """Count the step, append each row's tokens, retire the finished rows; returns them."""

@@ -49,7 +49,7 @@ class Method:
         zoo: the zoo trains a checkpoint for it (``funcspec train <name>``
             writes ``models/<name>``).
         head: the draft-head family whose random init ``init_draft_head``
-            writes (``funcspec.nn.<head>``), or ``None``.
+            writes (``funcspec.checkpoints.<head>``), or ``None``.
         head_args: keyword arguments to that family's ``init_params`` that pick
             this method's layout, as ``(key, value)`` pairs (a dict is not hashable).
 

@@ -6,6 +6,19 @@ Dimension letters used in shape comments across funcspec:
     V  vocabulary size                      T  tokens per row in one forward
     H  hidden size (or heads, in attention) D  head dimension
     L  layers                               S  real KV slots (slot S is scratch)
+
+Glossary: one name per quantity.
+
+    num_speculative_tokens  vLLM's name for max_k, used only where vLLM's dicts are read
+    max_k       the largest K an engine (or a proposer) ever drafts
+    k, K        drafts per row in one step: the bucket's K; a step verifies K + 1 tokens
+    t_max       KV positions per slot: max_model_len + max_k + 1
+    context bucket (T in a bucket key ``(B, K, T, mode)``; ``KVRead.length``)
+                the KV positions a step's attention reads, at least the longest row + K + 1
+    slot        one request's row of the engine state (KV, history, key); slot S is scratch
+    row         one row of a bucket's batch; running requests fill slots 0..n-1, so row i is slot i
+    mode        greedy | random | filtered (``sampling.Mode``): what a bucket's sampling computes
+    τ           mean acceptance length: tokens emitted per row-step (drafts accepted + 1)
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from funcspec.checkpoints import dflash, eagle, medusa, mtp
+from funcspec import methods
 from funcspec.checkpoints.files import save_params
 from funcspec.checkpoints.llama import Model, load_model
-
-# method -> (format module, its init_params keywords)
-HEAD_FORMATS = {"medusa": (medusa, {}), "eagle": (eagle, {"version": 1}), "eagle3": (eagle, {"version": 3}),
-                "mtp": (mtp, {}), "dflash": (dflash, {"method": "dflash"}), "dspark": (dflash, {"method": "dspark"})}
 
 
 def init_draft_head(method: str, target_model, path, seed: int = 0, **sizes) -> Path:
@@ -21,10 +18,12 @@ def init_draft_head(method: str, target_model, path, seed: int = 0, **sizes) -> 
     ``init_params`` (e.g. ``num_heads`` for medusa, ``num_layers``). Returns
     ``path``, which ``speculative_config["model"]`` can point at.
     """
-    if method not in HEAD_FORMATS:
-        raise ValueError(f"method must be one of {sorted(HEAD_FORMATS)}, got {method!r}")
+    heads = sorted(m.name for m in methods.METHODS.values() if m.head)
+    if method not in heads:
+        raise ValueError(f"method must be one of {heads}, got {method!r}")
+    row = methods.METHODS[method]
     target = target_model if isinstance(target_model, Model) else load_model(target_model)
-    module, kwargs = HEAD_FORMATS[method]
-    hf_config, params = module.init_params(target.cfg, seed, **kwargs, **sizes)
+    module = importlib.import_module(f"funcspec.checkpoints.{row.head}")  # the family's format module
+    hf_config, params = module.init_params(target.cfg, seed, **dict(row.head_args), **sizes)
     save_params(path, params, hf_config)
     return Path(path)
