@@ -32,7 +32,7 @@ from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
 from funcspec.tree import replace
 from funcspec.types import PLACEHOLDER, Sampling
-from funcspec.verifiers import synthetic
+from funcspec.verifiers import synthetic, verify_config
 
 MIN_PREFILL_BUCKET = 16
 
@@ -147,9 +147,10 @@ class Engine:
         self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
                                           context_buckets)
         self.num_slots = max_batch_size
-        from funcspec.proposers import build_proposer
+        from funcspec.proposers import BuildContext, build_proposer
 
-        self.proposer = build_proposer(self.spec, self.model, self) if self.spec else None
+        ctx = BuildContext(self.max_model_len, self.device)
+        self.proposer = build_proposer(self.spec, self.model, ctx) if self.spec else None
         self.params = {"target": self.model.params, "draft": self.proposer.params if self.proposer else None}
         self.dyn = None
         if self.spec is not None and self.spec.dynamic_spec is not None:
@@ -188,8 +189,8 @@ class Engine:
     def _step_config(self, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED) -> StepConfig:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, rows are slots."""
         p = self.proposer
-        verify = dataclasses.replace(p.verify_config(k), filters=mode.filters) if p else None
-        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None, verify,
+        verify = dataclasses.replace(verify_config(self.spec, k), filters=mode.filters) if p else None
+        return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
                           KVRead(t if t is not None else self.t_max, aligned=True), mode)
 

@@ -51,7 +51,7 @@ class DFlashState:
     staged_pos: torch.Tensor
 
 
-def build_for(spec, target, engine, method: str):
+def build_for(spec, target, method: str):
     """Load ``speculative_config["model"]`` as a ``method`` drafter for ``target``."""
     if not spec.model:
         raise ValueError(f"speculative_config.model: method {method!r} needs a draft checkpoint path")
@@ -59,9 +59,9 @@ def build_for(spec, target, engine, method: str):
     return DFlashProposerConfig(net, spec.num_speculative_tokens, spec.draft_window_size), params
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load ``speculative_config["model"]`` as a DFlash drafter."""
-    return build_for(spec, target, engine, "dflash")
+    return build_for(spec, target, "dflash")
 
 
 def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:

@@ -94,7 +94,7 @@ def chain_config(head, module, spec, target, hidden_layers) -> ChainConfig:
                        len(hidden_layers) * target.cfg.hidden_size, spec.draft_window_size)
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the EAGLE-1 head ``speculative_config["model"]`` against ``target``."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'eagle' needs a head checkpoint path")

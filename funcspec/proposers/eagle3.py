@@ -17,7 +17,7 @@ __all__ = ["ChainConfig", "build", "commit", "hidden_layers", "init_state", "pre
 runs_on_host = False
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the EAGLE-3 head ``speculative_config["model"]``.
 
     Its auxiliary layers come from ``speculative_config.draft_model_config.hf_config``

@@ -18,7 +18,7 @@ __all__ = ["ChainConfig", "build", "commit", "hidden_layers", "init_state", "pre
 runs_on_host = False
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the MTP module from ``speculative_config["model"]`` or the target's own checkpoint."""
     head, params = net.load_params(spec.model or target.path, target)
     return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params
