@@ -18,7 +18,8 @@ draft input of the graph from the running requests ``rows``.
 :class:`BoundProposer` binds a module to its cfg: the engine calls it eagerly
 (``init_state``, ``prefill``) and the bucket's ``StepConfig`` holds the same
 object for the graph (``propose``, ``commit``). :class:`ProposerHandle` adds the
-params and the host drafter.
+params and the host drafter. ``chain.py`` is not a method: it is the feature-chain
+runtime that ``eagle``, ``eagle3`` and ``mtp`` share.
 """
 
 from __future__ import annotations
