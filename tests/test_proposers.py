@@ -11,6 +11,7 @@ import torch
 
 from funcspec import verifiers
 from funcspec.config import SpecConfig
+from funcspec.nn.llama import window_start
 from funcspec.proposers import (PROPOSERS, BoundProposer, BuildContext, HostDrafter, Proposer, build_proposer,
                                 contract_errors)
 from funcspec.types import PLACEHOLDER
@@ -70,3 +71,11 @@ def test_verify_config_depends_on_the_spec_only():
     cfg = verifiers.verify_config(spec, 2)
     assert cfg.method == "synthetic" and cfg.synthetic_rates == (0.9, 0.5)
     assert verifiers.verify_config(SpecConfig("ngram", 3), 3) == verifiers.VerifyConfig("standard")
+
+
+def test_window_start_reads_the_last_w_committed_positions():
+    """max(lens - W, 0): exact (no block alignment) and without a look-ahead by K (see nn.llama.window_start)."""
+    lens = torch.tensor([0, 5, 8, 45])
+    assert window_start(lens, None) is None
+    assert window_start(lens, 8).tolist() == [0, 0, 0, 37]
+    assert window_start(lens, 1).tolist() == [0, 4, 7, 44]  # W = 1 still sees the last committed token

@@ -40,12 +40,10 @@ import torch
 
 from funcspec import rng
 from funcspec.checkpoints import check_keys, nest, read_config, read_safetensors
+# NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, lm_head, mlp, project,
-                               read_cache, rms_norm, rope_tables, write_kv)
+                               read_cache, rms_norm, rope_tables, window_start, write_kv)  # noqa: F401
 from funcspec.tree import pytree_dataclass
-
-WINDOW_ALIGN = 16
-"""Draft-window starts are multiples of this many positions (see :func:`window_start`)."""
 
 # Newer z-lab options (Gemma-style targets) and their no-op values; any other value is refused.
 _UNSUPPORTED = {"input_embedding_scale": (None, 1, 1.0), "output_multiplier": (None, 1, 1.0),
@@ -99,15 +97,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
-
-
-def window_start(seq: torch.Tensor, window: int, lookahead: int = 0, align: int = WINDOW_ALIGN) -> torch.Tensor:
-    """vLLM-Ascend's draft KV window: ``floor(max(seq + f - W, 0) / align) · align`` [B].
-
-    NOTE: vLLM-Ascend aligns to its paged-KV block; funcspec has no pages, so it
-    aligns to ``WINDOW_ALIGN``. Aligning down only widens the window.
-    """
-    return torch.div((seq + lookahead - window).clamp(min=0), align, rounding_mode="floor") * align
 
 
 # ----------------------------------------------------------------------------- forward

@@ -24,7 +24,7 @@ kept at a static [B, K_max+1] shape.
 Each method's module loads its head and builds a :class:`ChainConfig` with
 :func:`chain_config`; the protocol functions below are then the method's own.
 Draft KV window (``additional_config.draft_window_size`` W): every draft query
-reads positions >= floor(max(n + K - W, 0) / WINDOW_BLOCK) · WINDOW_BLOCK.
+reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0).
 """
 
 from __future__ import annotations
@@ -34,14 +34,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache
+from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache, window_start
 from funcspec.tree import pytree_dataclass, tree_leaves
 from funcspec.types import Proposal
-
-WINDOW_BLOCK = 1
-"""Granularity of the draft window start. NOTE: vLLM-Ascend moves it in whole KV
-blocks (its paged-cache block size); funcspec's cache is contiguous per slot,
-so the window is exact (block 1)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +120,6 @@ def prefill(cfg: ChainConfig, params, state: ChainState, tokens, slot: int, n: i
     return ChainState(kv, state.feats, state.count)
 
 
-def window_start(cfg: ChainConfig, lens: torch.Tensor, k: int) -> Optional[torch.Tensor]:
-    """First readable draft KV position per row [B], or ``None`` without a window (f = K)."""
-    if cfg.window is None:
-        return None
-    return torch.div((lens + k - cfg.window).clamp(min=0), WINDOW_BLOCK, rounding_mode="floor") * WINDOW_BLOCK
-
-
 def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     """Catch up on the last verified block, then K greedy draft steps; returns tokens [B, K].
 
@@ -145,7 +133,7 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     pos = start.unsqueeze(1) + torch.arange(cfg.k_max + 1, device=slots.device)  # [B, K_max+1]
     tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, K_max+1] x_{t+1}
     h = cfg.features(cfg.head, params, state.feats[slots])  # [B, K_max+1, H]
-    window = window_start(cfg, lens, k)
+    window = window_start(lens, cfg.window)  # [B] or None
     g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, K_max+1, H]
     g = g[rows, (lens - 1 - start).clamp(0, cfg.k_max)]  # [B, H] at position lens-1
     drafts = []

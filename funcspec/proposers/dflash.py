@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from funcspec.nn import dflash
+from funcspec.nn.llama import window_start
 from funcspec.tree import pytree_dataclass, replace
 from funcspec.types import Proposal
 
@@ -112,7 +113,7 @@ def draft_block(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, rows
         return pending, None, replace(state, kv=kv)
     masks = torch.full((slots.shape[0], rows - 1), cfg.net.mask_token_id, dtype=torch.int64, device=slots.device)
     block = torch.cat([pending.unsqueeze(1), masks], 1)  # [B, rows]
-    first = None if cfg.window is None else dflash.window_start(ctx.lens, cfg.window)
+    first = window_start(ctx.lens, cfg.window)  # [B] or None: the context the block reads
     h, kv = dflash.block_forward(cfg.net, params, kv, block, slots, ctx.lens, first, ctx.read)
     return pending, h, replace(state, kv=kv)
 
