@@ -15,9 +15,9 @@ engine. Host proposers (``runs_on_host = True``) also provide
 ``HostDrafter(cfg, ctx)`` whose ``drafts(rows, b, k)`` fills the ``[B, K]``
 draft input of the graph from the running requests ``rows``.
 
-:class:`BoundProposer` binds a module to its cfg: the engine calls it eagerly
-(``init_state``, ``prefill``) and the bucket's ``StepConfig`` holds the same
-object for the graph (``propose``, ``commit``). :class:`ProposerHandle` adds the
+:class:`BoundProposer` binds a module to its cfg once, for both paths: the engine
+calls it eagerly (``init_state``, ``prefill``) and the bucket's ``StepConfig``
+holds it, a static value, for the graph (``propose``, ``commit``). :class:`ProposerHandle` adds the
 params and the host drafter. ``chain.py`` is not a method: it is the feature-chain
 runtime that ``eagle``, ``eagle3`` and ``mtp`` share.
 """

@@ -54,14 +54,9 @@ def propose(cfg, params, state, ctx, k: int):
 
 
 class HostDrafter:
-    """Runs the suffix cache between graphs, as vLLM's suffix proposer does.
-
-    Each request's tree gets its prompt at its first step and its new output
-    tokens every step; finished responses stay in the global tree.
-    """
+    """Runs the suffix cache between graphs; it sees the running requests only as ``drafts``' rows."""
 
     def __init__(self, cfg: SuffixConfig, ctx):
-        # NOTE: only static facts; the running requests arrive as ``drafts``' rows.
         self.cfg, self.max_model_len, self.device = cfg, ctx.max_model_len, ctx.device
         self.cache = SuffixDecodingCache(cfg.max_tree_depth, cfg.max_cached_requests)
         self.seen: dict[str, int] = {}
