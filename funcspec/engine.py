@@ -19,6 +19,7 @@ and keeps the counters.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Optional, Sequence
 
@@ -32,6 +33,7 @@ from funcspec.config import SamplingParams, SpecConfig
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler
+from funcspec.verifiers import verify_config
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
 
@@ -101,9 +103,9 @@ class Engine:
         self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
                                           context_buckets)
         self.num_slots = max_batch_size
-        from funcspec.proposers import build_proposer
+        from funcspec.proposers import BuildContext, build_proposer
 
-        self.proposer = build_proposer(spec, self.model, self) if spec else None
+        self.proposer = build_proposer(spec, self.model, BuildContext(max_model_len, self.device)) if spec else None
         self.dyn = None
         if spec is not None and spec.dynamic_spec is not None:
             from funcspec.dynamic import ConfidenceScheduler
@@ -111,7 +113,8 @@ class Engine:
             self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
         self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
-        self.runner = Runner(self.model, self.proposer, self.proposer.verify_config if self.proposer else None,
+        verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
+        self.runner = Runner(self.model, self.proposer, verify,
                              self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
                              spec.synthetic_acceptance_rates if spec else None, hooks)
         self._stats = collections.Counter()

@@ -127,7 +127,7 @@ class Runner:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
         verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
-        return StepConfig(self.model.cfg, k, p.module if p else None, p.cfg if p else None, verify,
+        return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
                           KVRead(t, aligned=True), mode)
 

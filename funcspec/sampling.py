@@ -57,7 +57,7 @@ def mode_for(params) -> Mode:
     return RANDOM
 
 
-def _per_row(x, ref: torch.Tensor, dtype) -> torch.Tensor:
+def _broadcast_rows(x, ref: torch.Tensor, dtype) -> torch.Tensor:
     """Broadcast a float/int or [B] tensor to ``[B, 1, ..., 1]`` matching ``ref``'s rank."""
     x = torch.as_tensor(x, dtype=dtype, device=ref.device)
     if x.dim() == 0:
@@ -73,9 +73,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
     least one token).
     """
     vocab = logits.shape[-1]
-    k = _per_row(top_k, logits, torch.int64)
+    k = _broadcast_rows(top_k, logits, torch.int64)
     k = torch.where(k <= 0, vocab, k.clamp(max=vocab))
-    p = _per_row(top_p, logits, torch.float32)
+    p = _broadcast_rows(top_p, logits, torch.float32)
     sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)  # [B, ..., V]
     kth = torch.gather(sorted_logits, -1, (k - 1).expand(*logits.shape[:-1], 1))
     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -98,7 +98,7 @@ def target_probs(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, filters:
     (static) skips top-k/top-p: only valid when every row has them off.
     """
     logits = logits.float()
-    t = _per_row(temperature, logits, torch.float32)
+    t = _broadcast_rows(temperature, logits, torch.float32)
     greedy = t <= 0
     scaled = logits / torch.where(greedy, 1.0, t)
     probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p) if filters else scaled, dim=-1)

@@ -126,8 +126,7 @@ class StepConfig:
 
     model: ModelConfig
     k: int
-    proposer: Any = None  # a proposer module (see funcspec.proposers), None for K = 0
-    proposer_cfg: Any = None
+    proposer: Any = None  # funcspec.proposers.BoundProposer (module + static cfg), None without speculation
     verify: Any = None  # funcspec.verifiers.VerifyConfig
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
@@ -211,7 +210,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         # (a draft KV) keep up with every committed token.
         draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
         ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts, sc.read, sc.mode)
-        proposal, pstate = sc.proposer.propose(sc.proposer_cfg, params["draft"], pstate, ctx, sc.k)
+        proposal, pstate = sc.proposer.propose(params["draft"], pstate, ctx, sc.k)
         if sc.dynamic_min_k is not None and sc.k > 0:
             proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))
         # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
@@ -229,7 +228,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         n = torch.ones_like(slots, dtype=torch.int32)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
-        pstate = sc.proposer.commit(sc.proposer_cfg, pstate, VerifyResult(slots, lens, out, n, hiddens))
+        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens))
         num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
     else:
         num_drafts = torch.zeros_like(slots)

@@ -1,5 +1,8 @@
 """Autoregressive generation through the public API: HF parity, seeds, batching, stop rules, bad input."""
 
+import collections
+import sys
+
 import pytest
 import torch
 
@@ -150,32 +153,36 @@ def test_llm_facade(tiny_llama):
         funcspec.LLM(model=tiny_llama, not_an_arg=1)
 
 
-def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch):
-    """The host reads each step's results with one .cpu() call (the # SYNC line), nothing else."""
-    eng = Engine(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                 "prompt_lookup_max": 2}, max_batch_size=4, max_model_len=64)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, method):
+    """Each step reads its results with one .cpu() copy in ``readback`` (the # SYNC line), and nothing else
+    reads tensor data on the host: no .item(), .tolist(), int(), float() or bool() of a tensor outside it
+    (in the graph, the host drafter or the host loop)."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec["prompt_lookup_max"] = 2
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=64)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # warm up
-    calls = {"cpu": 0, "item": 0}
-    real_cpu, real_item = torch.Tensor.cpu, torch.Tensor.item
+    calls = collections.Counter()  # (what, calling function) -> count
 
-    def cpu(self, *a, **k):
-        calls["cpu"] += 1
-        return real_cpu(self, *a, **k)
+    def counted(what, real):
+        def wrapper(self, *a, **k):
+            calls[what, sys._getframe(1).f_code.co_name] += 1
+            return real(self, *a, **k)
+        return wrapper
 
-    def item(self, *a, **k):
-        calls["item"] += 1
-        return real_item(self, *a, **k)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
-    monkeypatch.setattr(torch.Tensor, "item", item)
+    for what in ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, what, counted(what, getattr(torch.Tensor, what)))
     steps0 = eng.stats["steps"]
     eng.add_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     eng.step()  # admission (prefill) and a first step
-    calls["cpu"] = calls["item"] = 0
+    calls.clear()
     for _ in range(4):
         assert eng.step() == []
     assert eng.stats["steps"] - steps0 == 5
-    assert calls == {"cpu": 4, "item": 0}
+    assert calls["cpu", "readback"] == 4
+    # NOTE: readback's .tolist() calls read the host copy it just made; anything else is a sync.
+    assert {key: n for key, n in calls.items() if key[1] != "readback"} == {}
 
 
 def test_cli_generate_prints_text_and_speed(default_model, capsys):

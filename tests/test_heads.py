@@ -229,6 +229,19 @@ def test_draft_window_changes_drafts_never_the_output(zoo):
     assert out == small_out == zoo.ar[:2] and small != full
 
 
+def test_draft_window_does_not_depend_on_k(zoo):
+    """The window starts at lens - W whatever the bucket's K (nn.llama.window_start), so a chain head's
+    drafts at K = 2 are its first two at K = 3: a row's drafts do not follow the batch-size K table."""
+    eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config={"draft_window_size": 3})
+    eng.generate(PROMPTS[:2], greedy(9))
+    h, params = eng.proposer, eng.params["draft"]
+    drafts = {}
+    for k in (2, 3):
+        state = tree_map(torch.clone, eng.state)
+        drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1]), k)[0].tokens
+    assert torch.equal(drafts[3][:, :2], drafts[2])
+
+
 # ----------------------------------------------------------------------------- capture
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from funcspec.proposers.suffix import SuffixDecodingCache
+from funcspec.suffix_tree import SuffixDecodingCache
 
 # Recorded from arctic-inference 0.3.0; kept in the repository so a bare clone runs it.
 GOLDEN = Path(__file__).resolve().parent / "data" / "suffix_golden.json"

@@ -38,12 +38,10 @@ from typing import Callable, Optional
 
 import torch
 
+# NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, mlp, project, read_cache,
-                               rms_norm, rope_tables, write_kv)
+                               rms_norm, rope_tables, window_start, write_kv)  # noqa: F401
 from funcspec.tree import pytree_dataclass
-
-WINDOW_ALIGN = 16
-"""Draft-window starts are multiples of this many positions (see :func:`window_start`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +83,6 @@ def init_context_kv(cfg: DFlashConfig, num_slots: int, max_len: int, dtype, devi
     m = cfg.model
     shape = (m.num_layers, num_slots + 1, m.num_kv_heads, max_len, m.head_dim)
     return ContextKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-
-def window_start(seq: torch.Tensor, window: int, lookahead: int = 0, align: int = WINDOW_ALIGN) -> torch.Tensor:
-    """vLLM-Ascend's draft KV window: ``floor(max(seq + f - W, 0) / align) · align`` [B].
-
-    NOTE: vLLM-Ascend aligns to its paged-KV block; funcspec has no pages, so it
-    aligns to ``WINDOW_ALIGN``. Aligning down only widens the window.
-    """
-    return torch.div((seq + lookahead - window).clamp(min=0), align, rounding_mode="floor") * align
 
 
 # ----------------------------------------------------------------------------- forward

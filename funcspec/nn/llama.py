@@ -189,6 +189,22 @@ FULL_READ = KVRead()
 """Gather every row's whole slot: the reference read, used by prefill."""
 
 
+def window_start(lens: torch.Tensor, window: Optional[int]) -> Optional[torch.Tensor]:
+    """First cache position [B] a draft query may read under the draft KV window W, or ``None`` without one.
+
+    The one draft-window rule of every head: ``max(lens - W, 0)``. A draft reads the
+    W most recent committed positions ``[lens - W, lens)`` plus whatever it writes
+    itself this step (its block, or its chain), so the first draft always sees W
+    tokens. NOTE: no look-ahead by K: the start depends on the row's committed
+    length only, so a row's drafts do not depend on the bucket's K (which follows
+    the batch size); and no alignment: vLLM-Ascend rounds down to its paged-KV
+    block, but this cache is contiguous per slot, so the window is exact.
+    """
+    if window is None:
+        return None
+    return (lens - window).clamp(min=0)
+
+
 def read_cache(cache: torch.Tensor, layer: int, slots: torch.Tensor, read: KVRead) -> torch.Tensor:
     """Keys or values [B, H_kv, T_read, D] of each row's slot, from cache [L, S+1, H_kv, T_max, D]."""
     t = cache.shape[3] if read.length is None else read.length

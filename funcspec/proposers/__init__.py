@@ -1,24 +1,37 @@
-"""Proposers: one file per method, all behind one protocol (DESIGN §4).
+"""Proposers: one module per method, all behind one contract (DESIGN §4).
 
-Each proposer module defines::
+Each proposer module implements :class:`~funcspec.proposers.base.Proposer`::
 
     runs_on_host: bool
-    build(spec, target, engine) -> (cfg, params)        # static cfg, params pytree
+    build(spec, target, ctx: BuildContext) -> (cfg, params)   # static cfg, params pytree
+    hidden_layers(cfg) -> tuple[int, ...]                      # target hidden states it reads
     init_state(cfg, params, num_slots, max_len) -> State
+    prefill(cfg, params, state, tokens, slot, n, hiddens) -> State   # eager, once per request
     propose(cfg, params, state, ctx, k) -> (Proposal, State)   # in the bucket graph
     commit(cfg, state, result) -> State                         # in the bucket graph
-    prefill(cfg, params, state, tokens, slot, n, hiddens) -> State   # eager, once per request
-    hidden_layers(cfg) -> tuple[int, ...]                # target hidden states it reads
 
-Host proposers (``runs_on_host = True``) also provide ``HostDrafter(cfg, engine)``
-whose ``drafts(rows, b, k)`` fills the ``[B, K]`` draft input of the graph.
+``build`` sees a small :class:`~funcspec.proposers.base.BuildContext`, never the
+engine. Host proposers (``runs_on_host = True``) also provide
+``HostDrafter(cfg, ctx)`` whose ``drafts(rows, b, k)`` fills the ``[B, K]``
+draft input of the graph from the running requests ``rows``.
+
+:class:`BoundProposer` binds a module to its cfg once, for both paths: the engine
+calls it eagerly (``init_state``, ``prefill``) and the bucket's ``StepConfig``
+holds it, a static value, for the graph (``propose``, ``commit``). :class:`ProposerHandle` adds the
+params and the host drafter. ``chain.py`` is not a method: it is the feature-chain
+runtime that ``eagle``, ``eagle3`` and ``mtp`` share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from typing import Any, Optional
+
+from funcspec.proposers.base import BuildContext, HostDrafter, Proposer, contract_errors
+
+__all__ = ["PROPOSERS", "BoundProposer", "BuildContext", "HostDrafter", "Proposer", "ProposerHandle",
+           "build_proposer", "contract_errors", "keep_state", "no_prefill"]
 
 from funcspec import methods
 
@@ -36,15 +49,16 @@ def keep_state(cfg, state, result):
     return state
 
 
-@dataclasses.dataclass
-class ProposerHandle:
-    """A built proposer as the engine uses it: module, static cfg, params, host drafter."""
+@dataclasses.dataclass(frozen=True)
+class BoundProposer:
+    """A proposer module bound to its static cfg: one object for the eager calls and the graph.
 
-    module: Any
+    Frozen and hashable by ``(module, cfg)``, so a bucket's ``StepConfig`` holds it
+    as a static value; params and state are always passed in, never held.
+    """
+
+    module: Proposer
     cfg: Any
-    params: Any
-    spec: Any
-    host: Any = None
 
     @property
     def runs_on_host(self) -> bool:
@@ -56,30 +70,57 @@ class ProposerHandle:
         """The target hidden-state indices the proposer reads."""
         return self.module.hidden_layers(self.cfg)
 
+    def init_state(self, params, num_slots: int, max_len: int):
+        """The zeroed state pytree for ``num_slots`` slots of ``max_len`` positions (eager)."""
+        return self.module.init_state(self.cfg, params, num_slots, max_len)
+
+    def prefill(self, params, state, tokens, slot: int, n: int, hiddens):
+        """Fold a prefilled prompt into the state (eager, outside the bucket graphs)."""
+        return self.module.prefill(self.cfg, params, state, tokens, slot, n, hiddens)
+
+    def propose(self, params, state, ctx, k: int):
+        """K drafts [B, K] and the new state (in the bucket graph)."""
+        return self.module.propose(self.cfg, params, state, ctx, k)
+
+    def commit(self, state, result):
+        """The state after verification (in the bucket graph)."""
+        return self.module.commit(self.cfg, state, result)
+
+
+@dataclasses.dataclass
+class ProposerHandle:
+    """A built proposer as the engine holds it: module and cfg, params, and the host drafter (or ``None``)."""
+
+    module: Proposer
+    cfg: Any
+    params: Any
+    host: Optional[HostDrafter] = None
+
+    @property
+    def bound(self) -> BoundProposer:
+        """The static ``(module, cfg)`` that a bucket's ``StepConfig`` holds."""
+        return BoundProposer(self.module, self.cfg)
+
+    @property
+    def runs_on_host(self) -> bool:
+        """Whether drafts come from a host-side drafter (suffix trees) instead of the graph."""
+        return self.module.runs_on_host
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target hidden-state indices the proposer reads."""
+        return self.bound.hidden_layers
+
     def init_state(self, num_slots: int, max_len: int):
         """The proposer's zeroed state pytree for ``num_slots`` slots of ``max_len`` positions."""
-        return self.module.init_state(self.cfg, self.params, num_slots, max_len)
+        return self.bound.init_state(self.params, num_slots, max_len)
 
     def prefill(self, params, state, tokens, slot, n, hiddens):
         """Fold a prefilled prompt into the proposer's state (eager, outside the bucket graphs)."""
-        return self.module.prefill(self.cfg, params, state, tokens, slot, n, hiddens)
-
-    def verify_config(self, k: int):
-        """The verifier rule for this engine's config (static per bucket)."""
-        from funcspec.verifiers import VerifyConfig
-
-        rs = self.spec.rejection_sampler
-        return VerifyConfig(
-            method=self.spec.verifier_method,
-            posterior_threshold=rs.posterior_threshold,
-            posterior_alpha=rs.posterior_alpha,
-            entropy=self.spec.verify_entropy,
-            synthetic_rates=None if self.spec.synthetic_acceptance_rates is None
-            else tuple(self.spec.synthetic_acceptance_rates)[:k],
-        )
+        return self.bound.prefill(params, state, tokens, slot, n, hiddens)
 
     def host_drafts(self, rows, b: int, k: int):
-        """Host drafts [B, K] for the running rows, or ``None`` for in-graph proposers."""
+        """Host drafts [B, K] for the running rows (host proposers only)."""
         return self.host.drafts(rows, b, k)
 
     def on_finish(self, req) -> None:
@@ -88,11 +129,11 @@ class ProposerHandle:
             self.host.finish(req)
 
 
-def build_proposer(spec, target, engine) -> ProposerHandle:
+def build_proposer(spec, target, ctx: BuildContext) -> ProposerHandle:
     """Load the proposer for ``spec.method`` against the ``target`` model."""
     if spec.method not in PROPOSERS:
         raise ValueError(f"speculative_config.method {spec.method!r} is not built yet")
     module = importlib.import_module(PROPOSERS[spec.method])
-    cfg, params = module.build(spec, target, engine)
-    host = module.HostDrafter(cfg, engine) if module.runs_on_host else None
-    return ProposerHandle(module, cfg, params, spec, host)
+    cfg, params = module.build(spec, target, ctx)
+    host = module.HostDrafter(cfg, ctx) if module.runs_on_host else None
+    return ProposerHandle(module, cfg, params, host)

@@ -22,6 +22,7 @@ import torch
 
 from funcspec.checkpoints import dflash as ckpt
 from funcspec.nn import dflash
+from funcspec.nn.llama import window_start
 from funcspec.tree import pytree_dataclass, replace
 from funcspec.types import Proposal
 
@@ -52,7 +53,7 @@ class DFlashState:
     staged_pos: torch.Tensor
 
 
-def build_for(spec, target, engine, method: str):
+def build_for(spec, target, method: str):
     """Load ``speculative_config["model"]`` as a ``method`` drafter for ``target``."""
     if not spec.model:
         raise ValueError(f"speculative_config.model: method {method!r} needs a draft checkpoint path")
@@ -60,9 +61,9 @@ def build_for(spec, target, engine, method: str):
     return DFlashProposerConfig(net, spec.num_speculative_tokens, spec.draft_window_size), params
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load ``speculative_config["model"]`` as a DFlash drafter."""
-    return build_for(spec, target, engine, "dflash")
+    return build_for(spec, target, "dflash")
 
 
 def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:
@@ -113,7 +114,7 @@ def draft_block(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, rows
         return pending, None, replace(state, kv=kv)
     masks = torch.full((slots.shape[0], rows - 1), cfg.net.mask_token_id, dtype=torch.int64, device=slots.device)
     block = torch.cat([pending.unsqueeze(1), masks], 1)  # [B, rows]
-    first = None if cfg.window is None else dflash.window_start(ctx.lens, cfg.window)
+    first = window_start(ctx.lens, cfg.window)  # [B] or None: the context the block reads
     h, kv = dflash.block_forward(cfg.net, params, kv, block, slots, ctx.lens, first, ctx.read)
     return pending, h, replace(state, kv=kv)
 

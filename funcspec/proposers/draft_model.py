@@ -38,12 +38,11 @@ class DraftState:
     kv: KVCache
 
 
-def build(spec, target, engine):
-    """Load ``speculative_config["model"]``; it must share the target's vocabulary."""
+def build(spec, target, ctx):
+    """Load ``speculative_config["model"]`` in the target's dtype; it must share the target's vocabulary."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'draft_model' needs a draft checkpoint path")
-    draft = load_model(spec.model, dtype=engine.model.params["model"]["embed_tokens"]["weight"].dtype,
-                       device=engine.device)
+    draft = load_model(spec.model, dtype=target.params["model"]["embed_tokens"]["weight"].dtype, device=ctx.device)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(
             f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "

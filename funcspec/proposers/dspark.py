@@ -25,9 +25,9 @@ from funcspec.types import Proposal
 runs_on_host = False
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load ``speculative_config["model"]`` as a DSpark drafter (DFlash backbone + Markov and confidence heads)."""
-    return build_for(spec, target, engine, "dspark")
+    return build_for(spec, target, "dspark")
 
 
 def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):

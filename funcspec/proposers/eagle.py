@@ -1,181 +1,25 @@
-"""``eagle``: the EAGLE-1 head, and the feature-chain drafting that EAGLE-3 and MTP share.
+"""``eagle``: the EAGLE-1 head, drafting by the feature chain of :mod:`funcspec.proposers.chain`.
 
-A feature-chain head reads (feature f_t, token x_{t+1}) at position t and
-outputs a feature g_t whose logits guess x_{t+2}; drafting feeds g back as the
-next feature. Positions are the target's. At propose time::
-
-    committed  x_0 .. x_{n-1}   (n = lens: target KV, target features f_0 .. f_{n-1})
-    pending    x_n = history[slot, n]   sampled from f_{n-1}, not yet run by the target
-
-    catch-up   positions n-m .. n-1: (f_t, x_{t+1}) with the target's features
-               -> g_{n-1} -> drafts[:, 0] (a guess of x_{n+1})
-    step i>=1  position n+i-1: (g, drafts[:, i-1]) -> drafts[:, i]
-
-Catch-up: the last verify ran the target over positions ℓ..ℓ+K and committed
-m = num_emitted of them (ℓ + m = n). ``commit`` keeps those K+1 features and m
-per slot; the next ``propose`` runs the head over K_max+1 positions from
-ℓ = n - m, with tokens read from the history. That rewrites the draft KV the
-previous draft steps left there (built from draft features) with real ones.
-Entries at positions >= n are garbage that a later pass rewrites before any
-query reads them: attention is causal on positions. This is vLLM's first
-draft pass (verified tokens shifted left by one, rejected ones as padding),
-kept at a static [B, K_max+1] shape.
-
-Draft KV window (``additional_config.draft_window_size`` W): every draft query
-reads positions >= floor(max(n + K - W, 0) / WINDOW_BLOCK) · WINDOW_BLOCK.
+The head reads the target's final normed hidden state (one layer) and feeds
+its own output back as the next feature; drafts are greedy over the target
+vocabulary. The draft KV window (``draft_window_size``) applies.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Optional
-
-import torch
-
 from funcspec.checkpoints import eagle as ckpt
 from funcspec.nn import eagle as net
-from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache
-from funcspec.tree import pytree_dataclass, tree_leaves
-from funcspec.types import Proposal
+from funcspec.proposers import chain
 
 runs_on_host = False
-
-WINDOW_BLOCK = 1
-"""Granularity of the draft window start. NOTE: vLLM-Ascend moves it in whole KV
-blocks (its paged-cache block size); funcspec's cache is contiguous per slot,
-so the window is exact (block 1)."""
+# NOTE: everything but loading is the shared chain runtime.
+hidden_layers, init_state, prefill = chain.hidden_layers, chain.init_state, chain.prefill
+propose, commit = chain.propose, chain.commit
 
 
-@dataclasses.dataclass(frozen=True)
-class ChainConfig:
-    """Static config of a feature-chain proposer.
-
-    Attributes:
-        head: the head network's static config.
-        features: ``(head, params, feats [.., F]) -> [.., H]``, the target features as head input.
-        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read) -> (g [B, T, H], kv)``.
-        draft: ``(head, params, g [B, H]) -> [B]`` greedy target-vocabulary ids.
-        model: the head's decoder dims (its KV cache's shape).
-        k_max: the largest K of any bucket.
-        hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).
-        feat_dim: F.
-        window: the draft KV window W, or ``None``.
-    """
-
-    head: Any
-    features: Callable
-    forward: Callable
-    draft: Callable
-    model: ModelConfig
-    k_max: int
-    hidden_layers: tuple[int, ...]
-    feat_dim: int
-    window: Optional[int] = None
-
-
-@pytree_dataclass
-class ChainState:
-    """Per-slot state of a feature-chain proposer.
-
-    Attributes:
-        kv: the head's KV cache [L_d, S+1, H_kv, T_max, D] (its ``lens`` is unused).
-        feats: [S+1, K_max+1, F] target features of each slot's last verified block.
-        count: [S+1] int64 how many positions of that block were committed (num_emitted).
-    """
-
-    kv: KVCache
-    feats: torch.Tensor
-    count: torch.Tensor
-
-
-def chain_config(head, module, spec, target, hidden_layers) -> ChainConfig:
-    """A :class:`ChainConfig` for ``head`` (with a ``.model``) whose network functions live in ``module``."""
-    return ChainConfig(head, module.target_features, module.forward, module.draft_tokens, head.model,
-                       spec.num_speculative_tokens, tuple(hidden_layers),
-                       len(hidden_layers) * target.cfg.hidden_size, spec.draft_window_size)
-
-
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the EAGLE-1 head ``speculative_config["model"]`` against ``target``."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'eagle' needs a head checkpoint path")
     head, params = ckpt.load_params(spec.model, target, version=1)
-    return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params
-
-
-def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
-    """The target hidden states the head reads (concatenated as its features)."""
-    return cfg.hidden_layers
-
-
-def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
-    """Zeroed head KV cache, staged features [S+1, K_max+1, F] and staged counts."""
-    ref = next(x for x in tree_leaves(params) if x.is_floating_point())
-    return ChainState(
-        init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),
-        torch.zeros(num_slots + 1, cfg.k_max + 1, cfg.feat_dim, dtype=ref.dtype, device=ref.device),
-        torch.zeros(num_slots + 1, dtype=torch.int64, device=ref.device),
-    )
-
-
-def prefill(cfg: ChainConfig, params, state: ChainState, tokens, slot: int, n: int, hiddens) -> ChainState:
-    """Run the head over the prompt's pairs (f_t, x_{t+1}); keep f_{n-1} for the first catch-up.
-
-    tokens [1, T] (the padded prompt), hiddens: the target's states [1, T, H] of
-    ``hidden_layers``. Pairs from position n-1 on are garbage (x_n is not
-    sampled yet); the first catch-up rewrites n-1. Donates: state.
-    """
-    feats = torch.cat(hiddens, -1)  # [1, T, F]
-    nxt = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)  # [1, T] x_{t+1}
-    slots = torch.tensor([slot], device=tokens.device)
-    h = cfg.features(cfg.head, params, feats)  # [1, T, H]
-    _, kv = cfg.forward(cfg.head, params, state.kv, nxt, h, slots, torch.zeros_like(slots))
-    state.feats[slot, 0] = feats[0, n - 1]
-    state.count[slot] = 1
-    return ChainState(kv, state.feats, state.count)
-
-
-def window_start(cfg: ChainConfig, lens: torch.Tensor, k: int) -> Optional[torch.Tensor]:
-    """First readable draft KV position per row [B], or ``None`` without a window (f = K)."""
-    if cfg.window is None:
-        return None
-    return torch.div((lens + k - cfg.window).clamp(min=0), WINDOW_BLOCK, rounding_mode="floor") * WINDOW_BLOCK
-
-
-def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
-    """Catch up on the last verified block, then K greedy draft steps; returns tokens [B, K].
-
-    Donates: state.kv.
-    """
-    slots, lens = ctx.slots, ctx.lens  # [B], [B]
-    b = slots.shape[0]
-    rows = torch.arange(b, device=slots.device)
-    # NOTE: clamps keep padding rows (scratch slot, lens 0) in bounds; real rows never need them.
-    start = (lens - state.count[slots]).clamp(min=0)  # [B] first position of the last verified block
-    pos = start.unsqueeze(1) + torch.arange(cfg.k_max + 1, device=slots.device)  # [B, K_max+1]
-    tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, K_max+1] x_{t+1}
-    h = cfg.features(cfg.head, params, state.feats[slots])  # [B, K_max+1, H]
-    window = window_start(cfg, lens, k)
-    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, K_max+1, H]
-    g = g[rows, (lens - 1 - start).clamp(0, cfg.k_max)]  # [B, H] at position lens-1
-    drafts = []
-    for i in range(k):
-        drafts.append(cfg.draft(cfg.head, params, g))  # [B]
-        if i + 1 < k:
-            g, kv = cfg.forward(cfg.head, params, kv, drafts[-1].unsqueeze(1), g.unsqueeze(1), slots, lens + i,
-                                window, ctx.read)
-            g = g[:, 0]
-    out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=slots.device)
-    return Proposal(out), ChainState(kv, state.feats, state.count)
-
-
-def commit(cfg: ChainConfig, state: ChainState, result) -> ChainState:
-    """Keep the verified block's target features [B, K+1, F] and num_emitted per slot.
-
-    Donates: state.feats, state.count.
-    """
-    feats = torch.cat(result.hiddens, -1)  # [B, K+1, F]
-    cols = torch.arange(feats.shape[1], device=feats.device)  # [K+1]
-    state.feats.index_put_((result.slots.unsqueeze(1), cols.unsqueeze(0)), feats.to(state.feats.dtype))
-    state.count.index_put_((result.slots,), result.num_emitted.to(torch.int64))
-    return ChainState(state.kv, state.feats, state.count)
+    return chain.chain_config(head, net, spec, target, (target.cfg.num_layers,)), params

@@ -1,24 +1,25 @@
 """``eagle3``: the EAGLE-3 head (fc over auxiliary target layers, reduced draft vocabulary).
 
-Drafting is the feature chain of :mod:`funcspec.proposers.eagle`: the stored
+Drafting is the feature chain of :mod:`funcspec.proposers.chain`: the stored
 target features are the concatenated auxiliary hidden states [.., A·H], which
 the head's ``fc`` maps to H; later steps feed back the midlayer's pre-norm
 output. Drafts are mapped to target ids with ``d2t``. The draft KV window
-(``draft_window_size``) applies with f = K.
+(``draft_window_size``) applies.
 """
 
 from __future__ import annotations
 
 from funcspec.checkpoints import eagle as ckpt
 from funcspec.nn import eagle as net
-from funcspec.proposers.eagle import ChainConfig, chain_config, commit, hidden_layers, init_state, prefill, propose
-
-__all__ = ["ChainConfig", "build", "commit", "hidden_layers", "init_state", "prefill", "propose", "runs_on_host"]
+from funcspec.proposers import chain
 
 runs_on_host = False
+# NOTE: everything but loading is the shared chain runtime.
+hidden_layers, init_state, prefill = chain.hidden_layers, chain.init_state, chain.prefill
+propose, commit = chain.propose, chain.commit
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the EAGLE-3 head ``speculative_config["model"]``.
 
     Its auxiliary layers come from ``speculative_config.draft_model_config.hf_config``
@@ -27,4 +28,4 @@ def build(spec, target, engine):
     if not spec.model:
         raise ValueError("speculative_config.model: method 'eagle3' needs a head checkpoint path")
     head, params = ckpt.load_params(spec.model, target, version=3, aux_layers=spec.eagle_aux_hidden_state_layer_ids)
-    return chain_config(head, net, spec, target, head.aux_layers), params
+    return chain.chain_config(head, net, spec, target, head.aux_layers), params

@@ -18,7 +18,7 @@ prefill = no_prefill
 commit = keep_state
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """No static config and no params."""
     return None, None
 

@@ -36,7 +36,7 @@ class MedusaState:
     feat: torch.Tensor
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load ``speculative_config["model"]``; K may not exceed ``medusa_num_heads``."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'medusa' needs a Medusa head checkpoint path")

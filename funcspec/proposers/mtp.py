@@ -1,6 +1,6 @@
 """``mtp``: DeepSeek-V3-style multi-token prediction, applied autoregressively for K > 1.
 
-Drafting is the feature chain of :mod:`funcspec.proposers.eagle` with the MTP
+Drafting is the feature chain of :mod:`funcspec.proposers.chain` with the MTP
 module as the head: it reads the target's final normed hidden state and feeds
 its own block output back. The module comes from ``speculative_config["model"]``
 if given, else from the target checkpoint itself (``model.layers.{L}.*``,
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from funcspec.checkpoints import mtp as ckpt
 from funcspec.nn import mtp as net
-from funcspec.proposers.eagle import ChainConfig, chain_config, commit, hidden_layers, init_state, prefill, propose
-
-__all__ = ["ChainConfig", "build", "commit", "hidden_layers", "init_state", "prefill", "propose", "runs_on_host"]
+from funcspec.proposers import chain
 
 runs_on_host = False
+# NOTE: everything but loading is the shared chain runtime.
+hidden_layers, init_state, prefill = chain.hidden_layers, chain.init_state, chain.prefill
+propose, commit = chain.propose, chain.commit
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """Load the MTP module from ``speculative_config["model"]`` or the target's own checkpoint."""
     head, params = ckpt.load_params(spec.model or target.path, target)
-    return chain_config(head, net, spec, target, (target.cfg.num_layers,)), params
+    return chain.chain_config(head, net, spec, target, (target.cfg.num_layers,)), params

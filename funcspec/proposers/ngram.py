@@ -119,9 +119,9 @@ class NgramConfig:
     max_model_len: int
 
 
-def build(spec, target, engine):
+def build(spec, target, ctx):
     """The static config; n-gram has no params."""
-    return NgramConfig(spec.prompt_lookup_min, spec.prompt_lookup_max, engine.max_model_len), None
+    return NgramConfig(spec.prompt_lookup_min, spec.prompt_lookup_max, ctx.max_model_len), None
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:

@@ -102,6 +102,23 @@ class VerifyConfig:
             object.__setattr__(self, "synthetic_rates", rates)
 
 
+def verify_config(spec, k: int) -> VerifyConfig:
+    """The verifier rule of a parsed ``SpecConfig`` for a bucket of K drafts (static per bucket).
+
+    It depends on the speculative config only (not on the proposer), so every
+    method's buckets share it; the engine sets ``filters`` per sampling mode.
+    """
+    rs = spec.rejection_sampler
+    rates = spec.synthetic_acceptance_rates
+    return VerifyConfig(
+        method=spec.verifier_method,
+        posterior_threshold=rs.posterior_threshold,
+        posterior_alpha=rs.posterior_alpha,
+        entropy=spec.verify_entropy,
+        synthetic_rates=None if rates is None else tuple(rates)[:k],
+    )
+
+
 def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
            sampling: Sampling, all_greedy: bool = False,
            synthetic_cond: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +145,8 @@ def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:
     return key
 
 
-def _per_row(name: str, value, batch: int, dtype: torch.dtype, device, ok: Callable[[float], bool],
-             want: str) -> torch.Tensor:
+def _checked_row_tensor(name: str, value, batch: int, dtype: torch.dtype, device, ok: Callable[[float], bool],
+                        want: str) -> torch.Tensor:
     """A [B] tensor from a Python number (range-checked) or a [B] / [] tensor."""
     if isinstance(value, torch.Tensor):
         if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != batch):
@@ -188,13 +205,13 @@ def rejection_sample(
     cfg = VerifyConfig(method, posterior_threshold, posterior_alpha, entropy, rates)
     device = target_logits.device
     sampling = Sampling(
-        _per_row("temperature", temperature, batch, torch.float32, device, lambda t: t >= 0, ">= 0"),
-        _per_row("top_k", top_k, batch, torch.int64, device, lambda t: t >= 0 and int(t) == t,
+        _checked_row_tensor("temperature", temperature, batch, torch.float32, device, lambda t: t >= 0, ">= 0"),
+        _checked_row_tensor("top_k", top_k, batch, torch.int64, device, lambda t: t >= 0 and int(t) == t,
                  "an integer >= 0 (0 disables)"),
-        _per_row("top_p", top_p, batch, torch.float32, device, lambda t: 0 < t <= 1, "in (0, 1]"),
+        _checked_row_tensor("top_p", top_p, batch, torch.float32, device, lambda t: 0 < t <= 1, "in (0, 1]"),
     )
     proposal = Proposal(draft_tokens, draft_probs)
     return verify(cfg, _row_keys(key, batch), target_logits, proposal, sampling)
 
 
-__all__ = ["VERIFIERS", "VerifyConfig", "verify", "rejection_sample", "check_method"]
+__all__ = ["VERIFIERS", "VerifyConfig", "verify", "verify_config", "rejection_sample", "check_method"]
