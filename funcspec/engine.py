@@ -161,7 +161,7 @@ class Engine:
         return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
 
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
-        """New per-position rates [K_max] for ``rejection_sample_method="synthetic"``, without recapture.
+        """New per-position rates [max_k] for ``rejection_sample_method="synthetic"``, without recapture.
 
         The rates reach the graphs as a tensor input, so a sweep over acceptance
         rates reuses every captured bucket. Raises ``ValueError`` naming the field.

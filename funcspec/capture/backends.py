@@ -1,7 +1,7 @@
 """Capture backends: one compiled callable per bucket, behind one interface.
 
 ``capture(fn, example_args, backend)`` returns a :class:`Captured` callable
-with the same signature as ``fn`` and a ``stats`` dict. ``fn`` must be pure
+with the same signature as ``fn`` and a ``stats`` attribute (:class:`CaptureStats`). ``fn`` must be pure
 except for donated buffers, which it updates in place and returns.
 """
 

@@ -13,13 +13,13 @@ next feature. Positions are the target's. At propose time::
 
 Catch-up: the last verify ran the target over positions ℓ..ℓ+K and committed
 m = num_emitted of them (ℓ + m = n). ``commit`` keeps those K+1 features and m
-per slot; the next ``propose`` runs the head over K_max+1 positions from
+per slot; the next ``propose`` runs the head over max_k+1 positions from
 ℓ = n - m, with tokens read from the history. That rewrites the draft KV the
 previous draft steps left there (built from draft features) with real ones.
 Entries at positions >= n are garbage that a later pass rewrites before any
 query reads them: attention is causal on positions. This is vLLM's first
 draft pass (verified tokens shifted left by one, rejected ones as padding),
-kept at a static [B, K_max+1] shape.
+kept at a static [B, max_k+1] shape.
 
 Each method's module loads its head and builds a :class:`ChainConfig` with
 :func:`chain_config`; the protocol functions below are then the method's own.
@@ -49,7 +49,7 @@ class ChainConfig:
         forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read) -> (g [B, T, H], kv)``.
         draft: ``(head, params, g [B, H]) -> [B]`` greedy target-vocabulary ids.
         model: the head's decoder dims (its KV cache's shape).
-        k_max: the largest K of any bucket.
+        max_k: the largest K of any bucket.
         hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).
         feat_dim: F.
         window: the draft KV window W, or ``None``.
@@ -60,7 +60,7 @@ class ChainConfig:
     forward: Callable
     draft: Callable
     model: ModelConfig
-    k_max: int
+    max_k: int
     hidden_layers: tuple[int, ...]
     feat_dim: int
     window: Optional[int] = None
@@ -72,7 +72,7 @@ class ChainState:
 
     Attributes:
         kv: the head's KV cache [L_d, S+1, H_kv, T_max, D] (its ``lens`` is unused).
-        feats: [S+1, K_max+1, F] target features of each slot's last verified block.
+        feats: [S+1, max_k+1, F] target features of each slot's last verified block.
         count: [S+1] int64 how many positions of that block were committed (num_emitted).
     """
 
@@ -94,11 +94,11 @@ def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
 
 
 def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
-    """Zeroed head KV cache, staged features [S+1, K_max+1, F] and staged counts."""
+    """Zeroed head KV cache, staged features [S+1, max_k+1, F] and staged counts."""
     ref = next(x for x in tree_leaves(params) if x.is_floating_point())
     return ChainState(
         init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),
-        torch.zeros(num_slots + 1, cfg.k_max + 1, cfg.feat_dim, dtype=ref.dtype, device=ref.device),
+        torch.zeros(num_slots + 1, cfg.max_k + 1, cfg.feat_dim, dtype=ref.dtype, device=ref.device),
         torch.zeros(num_slots + 1, dtype=torch.int64, device=ref.device),
     )
 
@@ -130,12 +130,12 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     rows = torch.arange(b, device=slots.device)
     # NOTE: clamps keep padding rows (scratch slot, lens 0) in bounds; real rows never need them.
     start = (lens - state.count[slots]).clamp(min=0)  # [B] first position of the last verified block
-    pos = start.unsqueeze(1) + torch.arange(cfg.k_max + 1, device=slots.device)  # [B, K_max+1]
-    tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, K_max+1] x_{t+1}
-    h = cfg.features(cfg.head, params, state.feats[slots])  # [B, K_max+1, H]
+    pos = start.unsqueeze(1) + torch.arange(cfg.max_k + 1, device=slots.device)  # [B, max_k+1]
+    tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, max_k+1] x_{t+1}
+    h = cfg.features(cfg.head, params, state.feats[slots])  # [B, max_k+1, H]
     window = window_start(lens, cfg.window)  # [B] or None
-    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, K_max+1, H]
-    g = g[rows, (lens - 1 - start).clamp(0, cfg.k_max)]  # [B, H] at position lens-1
+    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, max_k+1, H]
+    g = g[rows, (lens - 1 - start).clamp(0, cfg.max_k)]  # [B, H] at position lens-1
     drafts = []
     for i in range(k):
         drafts.append(cfg.draft(cfg.head, params, g))  # [B]

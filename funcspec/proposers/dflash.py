@@ -44,7 +44,7 @@ class DFlashState:
 
     Attributes:
         kv: context K/V, each [L_d, S+1, H_kv, T_max, D].
-        staged: [S+1, K_max+1, n·H] raw target features of the last verified block, not yet in ``kv``.
+        staged: [S+1, max_k+1, n·H] raw target features of the last verified block, not yet in ``kv``.
         staged_pos: [S+1] int64 position of ``staged[:, 0]``.
     """
 
@@ -72,7 +72,7 @@ def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:
 
 
 def init_state(cfg: DFlashProposerConfig, params, num_slots: int, max_len: int) -> DFlashState:
-    """Zeroed context K/V, staged target features [S+1, K_max+1, n·H] and their start positions."""
+    """Zeroed context K/V, staged target features [S+1, max_k+1, n·H] and their start positions."""
     w = params["fc"]["weight"]
     return DFlashState(
         dflash.init_context_kv(cfg.net, num_slots, max_len, w.dtype, w.device),
