@@ -99,7 +99,7 @@ def test_gguf_export_permutes_q_and_k_like_llama_cpp():
     from funcspec.checkpoints import model_config
 
     w = torch.arange(8 * 3).reshape(8, 3)  # 2 heads of head_dim 4: rows (0 1 2 3) (4 5 6 7)
-    assert scale._permute(w, 2)[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]  # halves interleaved per head
+    assert scale.gguf_rope_permute(w, 2)[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]  # halves interleaved per head
     cfg = model_config({"architectures": ["LlamaForCausalLM"], **scale.SHAPES["llama-3.2-1b"].config,
                         "num_hidden_layers": 0})
     out = scale.gguf_tensors(cfg, {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.zeros(1)})

@@ -398,7 +398,7 @@ def profile_step(ctx: dict, steps: int, top: int = 12) -> dict:
 
 
 # ----------------------------------------------------------------- llama.cpp
-def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def gguf_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF -> GGUF q/k row order (llama.cpp's rotary pairs), as convert_hf_to_gguf's ``LlamaModel.permute``."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -418,9 +418,9 @@ def gguf_tensors(cfg, tensors: dict) -> dict[str, torch.Tensor]:
         for hf, gg in names.items():
             w = tensors[f"model.layers.{i}.{hf}.weight"]
             if gg == "attn_q":
-                w = _permute(w, cfg.num_heads)
+                w = gguf_rope_permute(w, cfg.num_heads)
             elif gg == "attn_k":
-                w = _permute(w, cfg.num_kv_heads)
+                w = gguf_rope_permute(w, cfg.num_kv_heads)
             out[f"blk.{i}.{gg}.weight"] = w
     if cfg.rope_scaling:  # llama.cpp divides each frequency by its factor: default / scaled
         plain = dataclasses.replace(cfg, rope_scaling=())
@@ -791,14 +791,14 @@ def _md_batch(r: dict) -> list[str]:
 
 
 def _md_profile(r: dict) -> list[str]:
-    p = r.get("profile")
-    if not p:
-        return []
-    title = (f"## Eager AR decode step: top ops by self CPU time ({p['steps']} steps profiled, "
-             f"{p['self_cpu_ms_per_step']:.2f} ms self CPU / step, {p['wall_ms_per_step_profiled']:.2f} ms wall)\n")
+    p = r.get("profile") or {"ops": []}
     rows = [[f"`{x['op']}`", f"{x['calls_per_step']:.0f}", f"{x['ms_per_step']:.3f}", f"{x['pct']:.1f}%"]
             for x in p["ops"]]
-    return _md_table(title, ["op", "calls/step", "ms/step", "%"], rows)
+    if not rows:
+        return []
+    return _md_table(f"## Eager AR decode step: top ops by self CPU time ({p['steps']} steps profiled, "
+                     f"{p['self_cpu_ms_per_step']:.2f} ms self CPU / step, {p['wall_ms_per_step_profiled']:.2f} ms "
+                     "wall)\n", ["op", "calls/step", "ms/step", "%"], rows)
 
 
 def _md_machine(r: dict) -> list[str]:
