@@ -41,7 +41,7 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, attention, linear, mlp, project, rms_norm, rope_tables
+from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, project, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,6 @@ class EagleConfig:
 # ----------------------------------------------------------------------------- network
 
 
-def _block(cfg: ModelConfig, p, kv, layer, residual, attn_in, slots, pos, cos, sin, window, read):
-    """A pre-norm decoder block whose attention input is given: [B, T, H] -> [B, T, H]."""
-    h = residual + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read)
-    return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
-
-
 def target_features(cfg: EagleConfig, params, feats: torch.Tensor) -> torch.Tensor:
     """The head's input feature [.., H] from stored target features [.., F] (EAGLE-3: ``fc``)."""
     return linear(feats, params["fc"]) if cfg.version == 3 else feats
@@ -94,11 +88,12 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None,
         p = params["midlayer"]
         hn = rms_norm(h, p["hidden_norm"]["weight"], m.rms_norm_eps)
         attn_in = torch.cat([rms_norm(emb, p["input_layernorm"]["weight"], m.rms_norm_eps), hn], -1)  # [B, T, 2H]
-        return _block(m, p, kv, 0, hn if cfg.norm_before_residual else h, attn_in, slots, pos, cos, sin, window, read), kv
+        residual = hn if cfg.norm_before_residual else h
+        return decoder_layer(m, p, kv, 0, residual, slots, pos, cos, sin, window, read, attn_in), kv
     x = linear(torch.cat([emb, h], -1), params["fc"])  # [B, T, H]
     for i, p in enumerate(params["layers"]):
         attn_in = x if i == 0 else rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
-        x = _block(m, p, kv, i, x, attn_in, slots, pos, cos, sin, window, read)
+        x = decoder_layer(m, p, kv, i, x, slots, pos, cos, sin, window, read, attn_in)
     return x, kv
 
 

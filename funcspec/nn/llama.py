@@ -264,10 +264,16 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return linear(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
 
 
-def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ):
-    """One pre-norm decoder block over x [B, T, H]."""
-    h = x + attention(cfg, p["self_attn"], kv, layer, rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
-                      slots, pos, cos, sin, window, read)
+def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
+                  attn_in: Optional[torch.Tensor] = None):
+    """One pre-norm decoder block over the residual stream x [B, T, H].
+
+    ``attn_in`` replaces the attention's input ``input_layernorm(x)``: EAGLE
+    heads feed it other features ([B, T, 2H] for EAGLE-3's midlayer).
+    """
+    if attn_in is None:
+        attn_in = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
+    h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read)
     return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
