@@ -45,6 +45,8 @@ def zoo(tmp_path_factory):
         hf, params = mod.init_params(target.cfg, seed=1, **kw)
         save_params(root / name, params, hf)
         paths[name] = str(root / name)
+    make_hf_model(root / "draft_model", seed=1, num_hidden_layers=1)  # a separate small LM
+    paths["draft_model"] = str(root / "draft_model")
     both = root / "target_mtp"
     both.mkdir()
     shutil.copy(root / "target" / "config.json", both)
@@ -215,10 +217,11 @@ def test_state_structure_and_padding_invariance(zoo, method):
 # ----------------------------------------------------------------------------- draft window
 
 
-def test_draft_window_changes_drafts_never_the_output(zoo):
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_draft_window_changes_drafts_never_the_output(zoo, method):
     def run(window):
         extra = None if window is None else {"draft_window_size": window}
-        eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config=extra)
+        eng = spec_engine(zoo, method, max_batch_size=2, additional_config=extra)
         rec = record_drafts(eng)
         out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))]
         return out, rec

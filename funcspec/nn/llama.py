@@ -292,7 +292,8 @@ def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
-            starts: torch.Tensor, hidden_layers: tuple[int, ...] = (), read: KVRead = FULL_READ):
+            starts: torch.Tensor, hidden_layers: tuple[int, ...] = (), read: KVRead = FULL_READ,
+            window: Optional[torch.Tensor] = None):
     """Run the decoder over tokens [B, T] written at positions ``starts[b] + t``.
 
     Args:
@@ -302,6 +303,8 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         hidden_layers: static HF ``hidden_states`` indices to return: ``i < L`` is
             the input of layer ``i`` (0 = embeddings), ``L`` the final normed state.
         read: how attention reads the cache (static; see :class:`KVRead`).
+        window: [B] int64 first readable position per row (a draft model's KV
+            window, :func:`window_start`), or ``None``.
 
     Returns:
         logits [B, T, V] float32, hiddens (tuple of [B, T, H]), kv.
@@ -316,7 +319,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin, read=read)
+        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read)
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
     logits = project(x, lm_head(cfg, params)).float()  # [B, T, V]

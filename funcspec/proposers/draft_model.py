@@ -3,19 +3,25 @@
 The draft keeps its own KV cache (same slots and positions as the target) in
 the state pytree. Drafts are sampled from the draft's distribution q, processed
 with the row's own temperature / top-k / top-p, and q is returned so that
-standard rejection sampling stays lossless; greedy rows get one-hot q, i.e.
-argmax drafts.
+standard rejection sampling stays lossless; a greedy bucket drafts argmax
+tokens and returns no q (deterministic drafts).
+
+Draft KV window (``additional_config.draft_window_size`` W): every draft query
+of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
+the rule every head shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from funcspec import rng, sampling
 from funcspec.checkpoints import load_model
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
+from funcspec.nn.llama import window_start
 from funcspec.proposers import keep_state
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
@@ -29,6 +35,7 @@ class DraftModelConfig:
     """The draft network's static config."""
 
     model: ModelConfig
+    window: Optional[int] = None  # additional_config.draft_window_size W
 
 
 @pytree_dataclass
@@ -48,7 +55,7 @@ def build(spec, target, ctx):
             f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
             f"{target.cfg.vocab_size}"
         )
-    return DraftModelConfig(draft.cfg), draft.params
+    return DraftModelConfig(draft.cfg, spec.draft_window_size), draft.params
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
@@ -82,7 +89,8 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     start = (ctx.lens - 1).clamp(min=0)  # [B]
     cols = start.unsqueeze(1) + torch.arange(2, device=start.device)  # [B, 2]
     x = ctx.history[ctx.slots.unsqueeze(1), cols]  # [B, 2]
-    logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read)
+    window = window_start(ctx.lens, cfg.window)  # [B] or None: one start for every draft of this step
+    logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read, window=window)
     logits = logits[:, -1]  # [B, V]
     s = ctx.sampling
     tokens, probs = [], []
@@ -93,7 +101,7 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
         probs.append(q)
         if i + 1 < k:
             step_logits, _, kv = forward(cfg.model, params, kv, tok.unsqueeze(1), ctx.slots, ctx.lens + 1 + i,
-                                         read=ctx.read)
+                                         read=ctx.read, window=window)
             logits = step_logits[:, 0]
     b, v = ctx.slots.shape[0], cfg.model.vocab_size
     if k == 0:
