@@ -176,6 +176,7 @@ class Engine:
         return req.request_id
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any added request still waits for a slot or runs."""
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:

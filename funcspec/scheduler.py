@@ -65,6 +65,7 @@ class Detokenizer:
 
     @property
     def text(self) -> str:
+        """Everything emitted so far."""
         return "".join(self.chunks)
 
 
@@ -138,6 +139,7 @@ class Scheduler:
 
     @property
     def tokenizer(self):
+        """The target's tokenizer (``None`` if the checkpoint ships none)."""
         return self.model.tokenizer
 
     # ------------------------------------------------------------ admission
@@ -161,6 +163,8 @@ class Scheduler:
         self.counter += 1
         req = Request(str(self.counter - 1), text, ids, params)
         if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop: stop strings need a tokenizer; this checkpoint has none")
             req.detok, req.stops = Detokenizer(self.tokenizer), StopStrings(params.stop)
         return req
 
@@ -183,6 +187,7 @@ class Scheduler:
         return [self.running[slot] for slot in range(len(self.running))]
 
     def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
     # ----------------------------------------------------------- stop rules

@@ -106,3 +106,11 @@ def test_a_stop_string_completed_before_min_tokens_is_not_found_again():
     s = StopStrings(("ab",))
     assert s.feed("ab") == (0, "ab")
     assert s.feed("x") is None and s.feed("y") is None
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=32)
+    assert eng.model.tokenizer is None
+    with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["x"]))
+    assert not eng.has_unfinished_requests()
