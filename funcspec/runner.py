@@ -155,11 +155,13 @@ class Runner:
     def graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
         """The captured step of bucket (b, k, t, mode), captured on first use (under no_grad, which
         Dynamo guards on)."""
-        bucket = self.bucket(b, k, t, mode)  # NOTE: every example row is the scratch slot
-        if bucket.key not in self.graphs:
-            self.graphs[bucket.key] = capture(bucket.fn, bucket.args, self.backend,
-                                              name=f"spec_step_b{b}_k{k}_t{bucket.key[2]}_{mode.name}")
-        return self.graphs[bucket.key]
+        key = (b, k, self.t_max if t is None else t, mode.name)
+        if key not in self.graphs:
+            # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
+            bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
+            self.graphs[key] = capture(bucket.fn, bucket.args, self.backend,
+                                       name=f"spec_step_b{b}_k{k}_t{key[2]}_{mode.name}")
+        return self.graphs[key]
 
     def pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
         """The exact bucket's graph; with ``eager_capture``, the general mode's graph that is already there."""

@@ -200,7 +200,7 @@ class Scheduler:
         for t in new:
             req.output_ids.append(t)
             n_out = len(req.output_ids)
-            hit = self._stop_string(req, t) if req.stops is not None else None
+            hit = req.stops.feed(req.detok.step(t)) if req.stops is not None else None  # fed every token
             if n_out > p.min_tokens and (t in eos or t in (p.stop_token_ids or ())):
                 req.finish_reason, req.stop_reason = "stop", (None if t in eos else t)
             elif hit is not None and n_out > p.min_tokens:
@@ -212,11 +212,6 @@ class Scheduler:
                 req.finish_reason = "length"
             if req.finish_reason:
                 return
-
-    @staticmethod
-    def _stop_string(req: Request, token: int) -> Optional[tuple[int, str]]:
-        """Feed one token's text to the request's stop-string matcher (every token, min_tokens or not)."""
-        return req.stops.feed(req.detok.step(token))
 
     def retire(self, req: Request) -> Optional[tuple[int, int]]:
         """Free ``req``'s slot; returns the (src, dst) slot move that keeps slots 0..n-1 filled, if any."""
