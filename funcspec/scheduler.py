@@ -195,8 +195,7 @@ class Scheduler:
         """Append emitted tokens one by one, stopping at the first stop rule that fires."""
         p = req.params
         eos = () if p.ignore_eos else self.model.eos_token_ids
-        cap = p.max_tokens if self.max_new_tokens is None else min(p.max_tokens or self.max_new_tokens,
-                                                                    self.max_new_tokens)
+        cap = min((c for c in (p.max_tokens, self.max_new_tokens) if c is not None), default=None)
         for t in new:
             req.output_ids.append(t)
             n_out = len(req.output_ids)
