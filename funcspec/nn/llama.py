@@ -291,6 +291,38 @@ def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
+def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ):
+    """:func:`decoder_layer` ``layer`` of a stack whose layers share one shape; compiled once per stack.
+
+    NOTE: under ``torch.compile`` every layer is a call of the one
+    ``nested_compile_region`` :func:`_layer_region`, with its layer's cache
+    passed as the views ``kv.k[layer]``, ``kv.v[layer]``: inductor lowers and
+    compiles one layer and calls it L times, instead of compiling L copies.
+    Cold compile of one step (inductor caches off, 2-core CPU under load): a
+    16-layer toy 32 s against 126 s, llama-600m (8 layers) 25 s against 53 s.
+    The region's
+    ``index_put_`` writes the views in place: no copy of the cache. Eager (and
+    device graphs captured from eager) calls the layer directly.
+    """
+    if not torch.compiler.is_compiling():
+        return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read)
+    statics = (dataclasses.astuple(cfg), dataclasses.astuple(read))
+    return _layer_region(statics, p, kv.k[layer], kv.v[layer], x, slots, pos, cos, sin, window)
+
+
+@torch.compiler.nested_compile_region
+def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window):
+    """One decoder layer over its own caches k, v [S+1, H_kv, T_max, D] (see :func:`stacked_layer`).
+
+    NOTE: the static config comes in as tuples of Python constants: Dynamo
+    reuses a region only when it can fingerprint every argument, and a
+    dataclass argument made it trace a fresh copy per call site (then inline it).
+    """
+    cfg, read = ModelConfig(*statics[0]), KVRead(*statics[1])
+    kv = KVCache(k.unsqueeze(0), v.unsqueeze(0), None)  # this layer's [1, S+1, H_kv, T_max, D]
+    return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read)
+
+
 def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, T, 1, D] for positions pos [B, T]."""
     freqs = pos.unsqueeze(-1).float() * rope_inv_freq(cfg, pos.device)  # [B, T, D/2]
@@ -333,7 +365,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = decoder_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read)
+        x = stacked_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read)
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
     logits = project(x, lm_head(cfg, params)).float()  # [B, T, V]
