@@ -306,8 +306,36 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     """
     if not torch.compiler.is_compiling():
         return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read)
-    statics = (dataclasses.astuple(cfg), dataclasses.astuple(read))
+    statics = (_constants(cfg), _constants(read))
     return _layer_region(statics, p, kv.k[layer], kv.v[layer], x, slots, pos, cos, sin, window)
+
+
+def _constants(config):
+    """A frozen dataclass as nested tuples of its field values (what Dynamo can fingerprint)."""
+    if dataclasses.is_dataclass(config):
+        return tuple(_constants(getattr(config, f.name)) for f in dataclasses.fields(config))
+    return config
+
+
+def _field_classes(cls) -> dict:
+    """{dataclass: per field, the dataclass it holds (its default is one) or ``None``}, for cls and what it nests."""
+    nested = tuple(type(f.default) if dataclasses.is_dataclass(f.default) else None for f in dataclasses.fields(cls))
+    out = {cls: nested}
+    for sub in filter(None, nested):
+        out |= _field_classes(sub)
+    return out
+
+
+def _from_constants(cls, values: tuple):
+    """Inverse of :func:`_constants`.
+
+    NOTE: reads the field classes from a table built at import, because Dynamo
+    cannot run ``dataclasses.fields`` inside a compile region.
+    """
+    return cls(*(v if sub is None else _from_constants(sub, v) for sub, v in zip(_REGION_FIELDS[cls], values)))
+
+
+_REGION_FIELDS = _field_classes(ModelConfig) | _field_classes(KVRead)
 
 
 @torch.compiler.nested_compile_region
@@ -318,7 +346,7 @@ def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window):
     reuses a region only when it can fingerprint every argument, and a
     dataclass argument made it trace a fresh copy per call site (then inline it).
     """
-    cfg, read = ModelConfig(*statics[0]), KVRead(*statics[1])
+    cfg, read = _from_constants(ModelConfig, statics[0]), _from_constants(KVRead, statics[1])
     kv = KVCache(k.unsqueeze(0), v.unsqueeze(0), None)  # this layer's [1, S+1, H_kv, T_max, D]
     return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read)
 
