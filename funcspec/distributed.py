@@ -62,10 +62,10 @@ def rank_device(device, rank: int) -> torch.device:
 
 
 def local_rank() -> int:
-    """This process's rank before the engine joins its group: the group's, torchrun's, or 0 (a spawning rank 0)."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+    """This process's rank on its machine (its device index): torchrun's, the group's, or 0 (a spawning rank 0)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _init_group(device, rank: int, size: int, init_method: Optional[str] = None) -> None:
@@ -74,6 +74,8 @@ def _init_group(device, rank: int, size: int, init_method: Optional[str] = None)
         raise ValueError(f"tensor_parallel_size > 1 needs a cpu, cuda or npu device, got {device!r}")
     if kind == "npu":
         import torch_npu  # noqa: F401  (registers hccl)
+    if kind != "cpu":
+        getattr(torch, kind).set_device(torch.device(device))  # NCCL/HCCL bind a rank to its current device
     dist.init_process_group(BACKENDS[kind], init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
@@ -107,18 +109,18 @@ def setup(size: int, device, engine_cls, engine_args: dict) -> tuple[TPGroup, Op
     if dist.is_initialized():
         return _group(size), None
     if "WORLD_SIZE" in os.environ:  # torchrun: every rank runs the script
-        _init_group(rank_device(device, int(os.environ["RANK"])), int(os.environ["RANK"]),
-                    int(os.environ["WORLD_SIZE"]))
+        _init_group(device, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         return _group(size), None
     followers = Followers.spawn(size, device, engine_cls, engine_args)
     return _group(size), followers
 
 
-def _follow(rank: int, size: int, init_method: str, engine_cls, engine_args: dict, conn) -> None:
+def _follow(rank: int, size: int, init_method: str, threads: int, engine_cls, engine_args: dict, conn) -> None:
     """A spawned follower: build the engine as rank ``rank``, then replay rank 0's calls until told to stop."""
     try:
-        torch.set_num_threads(engine_args.pop("_threads"))
-        _init_group(engine_args["device"], rank, size, init_method)
+        conn.send(("up", None))  # started: rank 0 may now wait in the rendezvous
+        torch.set_num_threads(threads)
+        _init_group(rank_device(engine_args["device"], rank), rank, size, init_method)
         engine = engine_cls(**engine_args)
         conn.send(("ok", None))
         while True:
@@ -136,8 +138,10 @@ def _follow(rank: int, size: int, init_method: str, engine_cls, engine_args: dic
                 continue
             conn.send(("ok", None))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        os._exit(1)  # NOTE: no clean-up: closing our sockets is what unblocks rank 0's collectives
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)  # NOTE: no clean-up: closing our sockets is what unblocks rank 0's collectives
     dist.destroy_process_group()
 
 
@@ -155,16 +159,16 @@ class Followers:
         """Start ranks 1..size-1, then join the group as rank 0 (the rendezvous waits for all of them)."""
         ctx = torch.multiprocessing.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        args = {**engine_args, "_threads": torch.get_num_threads()}
         procs, conns = [], []
         for rank in range(1, size):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_follow, args=(rank, size, init, engine_cls, args, theirs), daemon=True,
+            p = ctx.Process(target=_follow, args=(rank, size, init, torch.get_num_threads(), engine_cls, engine_args, theirs), daemon=True,
                             name=f"funcspec-tp-rank{rank}")
             p.start()
             procs.append(p)
             conns.append(mine)
         followers = cls(procs, conns)
+        followers._acks("up")  # NOTE: a follower that dies starting up must not leave rank 0 in the rendezvous
         try:
             _init_group(device, 0, size, init)
         except BaseException as e:

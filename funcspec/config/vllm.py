@@ -152,8 +152,8 @@ def _check_ignored_values(spec: Mapping, method: str) -> None:
         )
     if spec.get("draft_tensor_parallel_size") not in (None, 1):
         raise ValueError(
-            f"{SPEC}draft_tensor_parallel_size must be 1 or None (funcspec runs on one device), "
-            f"got {spec['draft_tensor_parallel_size']!r}"
+            f"{SPEC}draft_tensor_parallel_size must be 1 or None (the drafter is replicated on every "
+            f"tensor-parallel rank), got {spec['draft_tensor_parallel_size']!r}"
         )
     if spec.get("use_heterogeneous_vocab"):
         raise ValueError(f"{SPEC}use_heterogeneous_vocab=True is not supported by funcspec")
