@@ -199,13 +199,13 @@ class Followers:
 
     def _acks(self, expect: str = "ok", cause: Optional[BaseException] = None) -> None:
         """Wait for every follower's answer to the last call, checking liveness; any other answer stops the group."""
-        for p, c in zip(self.procs, self.conns):
+        for rank, (p, c) in enumerate(zip(self.procs, self.conns), 1):
             while not c.poll(ACK_POLL_S):
                 if not p.is_alive():
                     self.fail(cause)
             status, msg = c.recv()
             if status != expect:
-                self.fail(cause, (status, msg))
+                self.fail(cause, (rank, status, msg))
 
     def _check_alive(self) -> None:
         if self.closed:
@@ -216,10 +216,18 @@ class Followers:
     def fail(self, cause: Optional[BaseException], answer: Optional[tuple] = None):
         """Stop the whole group and raise a ``RuntimeError`` that names each failed rank and says why.
 
-        ``answer`` is a follower's (status, traceback) already read off its pipe.
+        ``answer`` is a follower's (rank, status, traceback) already read off its pipe. Once the
+        group is stopped, ``cause`` (the first failure's error) is raised again as it is.
         """
-        reasons = [f"a rank answered {answer[0]!r}:\n{answer[1]}"] if answer and answer[1] else []
+        if self.closed and cause is not None:
+            raise cause
+        reasons = []
+        if answer is not None:
+            rank, status, msg = answer
+            reasons.append(f"rank {rank} raised:\n{msg}" if status == "error" else f"rank {rank} {status}:\n{msg}")
         for rank, (p, c) in enumerate(zip(self.procs, self.conns), 1):
+            if answer is not None and answer[0] == rank:
+                continue
             p.join(timeout=ACK_POLL_S if cause is not None else 0)
             tb = None
             while c.poll(0):

@@ -132,25 +132,26 @@ class Engine:
         # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
         # refused engine leaves no processes behind; proposers were built from the whole target.
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
-        try:
-            self.model = shard_model(self.model, self.tp)
-            if self.followers is not None:
-                self.followers.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        self.runner = Runner(self.model, self.proposer, verify,
-                             self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
-                             spec.synthetic_acceptance_rates if spec else None, hooks)
         self._stats = collections.Counter()
         self._accepted_per_pos = [0] * max_k
         self._buckets_used: collections.Counter = collections.Counter()
-        if eager_capture:
-            # NOTE: up front, only the general mode, which serves any request;
-            # the runner then never captures at run time.
-            todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
-            for b, k, t in tqdm(todo, desc="capturing buckets"):
-                self.runner.graph(b, k, t, sampling.FILTERED)
+        try:
+            self.model = shard_model(self.model, self.tp)
+            self.runner = Runner(self.model, self.proposer, verify,
+                                 self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
+                                 spec.synthetic_acceptance_rates if spec else None, hooks)
+            if eager_capture:
+                # NOTE: up front, only the general mode, which serves any request;
+                # the runner then never captures at run time.
+                todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
+                for b, k, t in tqdm(todo, desc="capturing buckets"):
+                    self.runner.graph(b, k, t, sampling.FILTERED)
+            if self.followers is not None:
+                self.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
+        except BaseException as e:
+            if self.followers is not None:
+                self.followers.fail(e)  # stops every rank; raises, naming a failed follower if there is one
+            raise
 
     # ------------------------------------------------------------ the device
     @property

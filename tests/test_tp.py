@@ -162,6 +162,22 @@ def test_llm_spawns_its_ranks_refuses_bad_input_alike_and_closes_cleanly(tp_mode
         llm.generate(PROMPTS, PARAMS)
 
 
+class FailsOnRank1(Engine):
+    """An engine whose follower fails while it is built (rank 0 must not wait for it forever)."""
+
+    def __init__(self, *args, **kwargs):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("rank 1 could not build its engine")
+        super().__init__(*args, **kwargs)
+
+
+def test_a_follower_failing_to_start_is_reported_by_rank_0(tp_models):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1 raised.*rank 1 could not build its engine"):
+        FailsOnRank1(tp_models["target"], tensor_parallel_size=2, max_model_len=40)
+    assert time.monotonic() - t0 < 60 and not dist.is_initialized()
+
+
 def test_a_dying_rank_stops_the_group_with_an_error_not_a_hang(tp_models):
     llm = funcspec.LLM(tp_models["target"], enforce_eager=True, max_num_seqs=2, max_model_len=40,
                        tensor_parallel_size=2)
