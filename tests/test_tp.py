@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -145,6 +148,37 @@ def test_tp2_equals_tp1_for_every_method_on_eager_and_inductor(tp_models, tmp_pa
         # One graph, no break; two all-reduces per target layer; the drafter is replicated (no collective).
         assert res[f"{name}/explain"] == [0, 1, 4], name
         assert res[f"{name}/kv_heads"] == 1, name  # each rank caches its own KV head only
+
+
+def test_under_torchrun_every_rank_runs_the_script(tp_models, tmp_path):
+    """The real launcher: WORLD_SIZE/RANK in the environment, no group yet; each rank builds its own LLM."""
+    script = tmp_path / "tp_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        import torch
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(funcspec.__file__))!r})
+        import funcspec
+        torch.set_num_threads(1)
+        llm = funcspec.LLM({tp_models["target"]!r}, enforce_eager=True, max_num_seqs=2, max_model_len=40,
+                           tensor_parallel_size=2)
+        params = [funcspec.SamplingParams(**p) for p in {[vars_of(p) for p in PARAMS]!r}]
+        out = [o.outputs[0].token_ids for o in llm.generate({PROMPTS!r}, params)]
+        rank = torch.distributed.get_rank()
+        json.dump({{"tokens": out, "kv_heads": llm.engine.state.kv.k.shape[2], "followers": llm.engine.followers}},
+                  open(os.path.join({str(tmp_path)!r}, f"out{{rank}}.json"), "w"))
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(script)]
+    subprocess.run(cmd, check=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ref = tokens(Engine(tp_models["target"], **ENGINE))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out{rank}.json").read_text())
+        assert got == {"tokens": ref, "kv_heads": 1, "followers": None}
+
+
+def vars_of(params: SamplingParams) -> dict:
+    """The arguments that rebuild ``params`` (the fields this file sets)."""
+    return {k: getattr(params, k) for k in ("temperature", "max_tokens", "ignore_eos", "seed")}
 
 
 def test_llm_spawns_its_ranks_refuses_bad_input_alike_and_closes_cleanly(tp_models):
