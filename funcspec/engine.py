@@ -129,6 +129,12 @@ class Engine:
             self._dyn_k = self.dyn.budget_k
         self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
         verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
+        shard_draft = spec is not None and spec.draft_tensor_parallel_size not in (None, 1)
+        if shard_draft:
+            if spec.draft_tensor_parallel_size != tensor_parallel_size:
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
+                                 f"must be 1 or the engine's tensor_parallel_size={tensor_parallel_size}")
+            self.proposer.module.check_shard(self.proposer.cfg, tensor_parallel_size)
         # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
         # refused engine leaves no processes behind; proposers were built from the whole target.
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
@@ -137,6 +143,8 @@ class Engine:
         self._buckets_used: collections.Counter = collections.Counter()
         try:
             self.model = shard_model(self.model, self.tp)
+            if shard_draft:
+                self.proposer = self.proposer.shard(self.tp)
             self.runner = Runner(self.model, self.proposer, verify,
                                  self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
                                  spec.synthetic_acceptance_rates if spec else None, hooks)

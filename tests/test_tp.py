@@ -55,6 +55,9 @@ def specs(paths: dict) -> dict:
         "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
         "draft_model": {"method": "draft_model", "model": paths["draft"], "num_speculative_tokens": 2},
         "eagle3": {"method": "eagle3", "model": paths["eagle3"], "num_speculative_tokens": 2},
+        # draft_tensor_parallel_size on request: the draft model is sharded too (eager only)
+        "draft_sharded": {"method": "draft_model", "model": paths["draft"], "num_speculative_tokens": 2,
+                          "draft_tensor_parallel_size": 2},
     }
 
 
@@ -91,6 +94,18 @@ def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, s
     assert not dist.is_initialized()
 
 
+def test_bad_draft_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, tmp_path):
+    spec = {"method": "draft_model", "model": tp_models["draft"], "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or the engine's tensor_parallel_size=1"):
+        Engine(tp_models["target"], spec)
+    make_hf_model(tmp_path / "mqa", seed=1, num_hidden_layers=1, num_key_value_heads=1)
+    with pytest.raises(ValueError, match="speculative_config.draft_tensor_parallel_size=2 must divide the draft "
+                                         "model's num_key_value_heads=1"):
+        Engine(tp_models["target"], {**spec, "model": str(tmp_path / "mqa")}, tensor_parallel_size=2)
+    assert not dist.is_initialized()
+
+
 def test_more_ranks_than_accelerators_is_refused():
     from funcspec.distributed import check_devices
 
@@ -106,7 +121,8 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     res = {}
     for name, spec in specs(paths).items():
-        res[f"{name}/tp1"] = tokens(Engine(paths["target"], spec, backend="eager", **ENGINE))
+        ref_spec = {**spec, "draft_tensor_parallel_size": 1} if name == "draft_sharded" else spec
+        res[f"{name}/tp1"] = tokens(Engine(paths["target"], ref_spec, backend="eager", **ENGINE))
         for backend in ("eager", "inductor") if name in COMPILED else ("eager",):
             eng = Engine(paths["target"], spec, backend=backend, tensor_parallel_size=2, **ENGINE)
             res[f"{name}/{backend}"] = tokens(eng)
@@ -145,8 +161,9 @@ def test_tp2_equals_tp1_for_every_method_on_eager_and_inductor(tp_models, tmp_pa
             assert res[f"{name}/inductor"] == ref, name
             assert res[f"{name}/again"] == ref, name  # under fail_on_recompile
             assert res[f"{name}/stats"] == [0, 0], name  # no recompile, no graph break
-        # One graph, no break; two all-reduces per target layer; the drafter is replicated (no collective).
-        assert res[f"{name}/explain"] == [0, 1, 4], name
+        # One graph, no break; two all-reduces per target layer (2 layers); a replicated drafter adds none,
+        # the sharded draft model two per layer (1) and forward (2 at K = 2).
+        assert res[f"{name}/explain"] == [0, 1, 8 if name == "draft_sharded" else 4], name
         assert res[f"{name}/kv_heads"] == 1, name  # each rank caches its own KV head only
 
 

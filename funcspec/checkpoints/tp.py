@@ -31,14 +31,14 @@ ROW = ("o_proj", "down_proj")
 """Input-sharded layers: weight columns sliced, bias replicated."""
 
 
-def check_size(cfg: ModelConfig, size: int) -> None:
-    """Refuse a ``tensor_parallel_size`` the target cannot be split by (``ValueError`` naming it)."""
+def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = "tensor_parallel_size") -> None:
+    """Refuse a ``size`` (the ``field``) that ``model`` cannot be split by (``ValueError`` naming the field)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
-    for field, n in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
+        raise ValueError(f"{field} must be an int >= 1, got {size!r}")
+    for name, n in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
                      ("intermediate_size", cfg.intermediate_size)):
         if n % size:
-            raise ValueError(f"tensor_parallel_size={size} must divide the target's {field}={n} "
+            raise ValueError(f"{field}={size} must divide the {model}'s {name}={n} "
                              f"(each rank holds whole KV heads)")
 
 
@@ -77,11 +77,14 @@ def shard_layer(block: dict, tp: TPGroup) -> dict:
     return out
 
 
+def shard_params(params: dict, tp: TPGroup) -> dict:
+    """A decoder's params pytree (HF names) for rank ``tp.rank`` (the input is not modified)."""
+    if tp.size == 1:
+        return params
+    m = params["model"]
+    return {**params, "model": {**m, "layers": [shard_layer(b, tp) for b in m["layers"]]}}
+
+
 def shard_model(model: Model, tp: TPGroup) -> Model:
     """``model`` with rank ``tp.rank``'s config and params (the input is not modified)."""
-    cfg = shard_config(model.cfg, tp)
-    if tp.size == 1:
-        return dataclasses.replace(model, cfg=cfg)
-    m = model.params["model"]
-    params = {**model.params, "model": {**m, "layers": [shard_layer(b, tp) for b in m["layers"]]}}
-    return dataclasses.replace(model, cfg=cfg, params=params)
+    return dataclasses.replace(model, cfg=shard_config(model.cfg, tp), params=shard_params(model.params, tp))
