@@ -127,7 +127,6 @@ class Engine:
 
             self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
-        self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
         verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
         shard_draft = spec is not None and spec.draft_tensor_parallel_size not in (None, 1)
         if shard_draft:
@@ -142,7 +141,9 @@ class Engine:
         self._accepted_per_pos = [0] * max_k
         self._buckets_used: collections.Counter = collections.Counter()
         try:
+            # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
             self.model = shard_model(self.model, self.tp)
+            self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
             if shard_draft:
                 self.proposer = self.proposer.shard(self.tp)
             self.runner = Runner(self.model, self.proposer, verify,

@@ -86,5 +86,7 @@ def shard_params(params: dict, tp: TPGroup) -> dict:
 
 
 def shard_model(model: Model, tp: TPGroup) -> Model:
-    """``model`` with rank ``tp.rank``'s config and params (the input is not modified)."""
+    """``model`` with rank ``tp.rank``'s config and params (the input is not modified; one rank: itself)."""
+    if tp.size == 1:
+        return model
     return dataclasses.replace(model, cfg=shard_config(model.cfg, tp), params=shard_params(model.params, tp))
