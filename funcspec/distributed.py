@@ -68,6 +68,11 @@ def local_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def global_rank() -> int:
+    """This process's rank in its group before the engine joins it: the group's, torchrun's, or 0."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
 def _init_group(device, rank: int, size: int, init_method: Optional[str] = None) -> None:
     kind = torch.device(device).type
     if kind not in BACKENDS:

@@ -99,7 +99,8 @@ class Engine:
         if spec is not None and spec.method == "extract_hidden_states":
             from funcspec import extract
 
-            hooks.append(extract.build(spec, cfg.num_layers, kv_transfer_config))
+            writer = tensor_parallel_size == 1 or distributed.global_rank() == 0
+            hooks.append(extract.build(spec, cfg.num_layers, kv_transfer_config, writer))
             spec = None  # it does not speculate: decode is plain autoregressive, one token per request
         elif kv_transfer_config is not None:
             raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")

@@ -239,3 +239,18 @@ def test_a_dying_rank_stops_the_group_with_an_error_not_a_hang(tp_models):
         while time.monotonic() - t0 < 60:  # generate until the kill lands, mid-call or between calls
             llm.generate(PROMPTS, PARAMS)
     assert time.monotonic() - t0 < 30 and not dist.is_initialized()
+
+
+def test_only_rank_0_writes_extracted_hidden_states(tmp_path):
+    """Every rank names the same file; a rank other than 0 does not write it (they would race on it)."""
+    from types import SimpleNamespace
+
+    from funcspec.extract import HiddenStateDump
+
+    reqs = [SimpleNamespace(request_id="7", extra={})]
+    tokens, hiddens = torch.tensor([[3, 4, 0]]), (torch.ones(1, 3, 2),)
+    HiddenStateDump((0,), tmp_path, write=False)(reqs, tokens, [2], hiddens)
+    assert reqs[0].extra == {"kv_transfer_params": {"hidden_states_path": str(tmp_path / "7.safetensors")}}
+    assert not list(tmp_path.iterdir())
+    HiddenStateDump((0,), tmp_path)(reqs, tokens, [2], hiddens)
+    assert [p.name for p in tmp_path.iterdir()] == ["7.safetensors"]
