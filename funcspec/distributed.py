@@ -78,7 +78,9 @@ def _init_group(device, rank: int, size: int, init_method: Optional[str] = None)
     if kind not in BACKENDS:
         raise ValueError(f"tensor_parallel_size > 1 needs a cpu, cuda or npu device, got {device!r}")
     if kind == "npu":
-        import torch_npu  # noqa: F401  (registers hccl)
+        from funcspec.capture.backends import _npu_module
+
+        _npu_module()  # registers hccl, or says clearly why it cannot
     if kind != "cpu":
         getattr(torch, kind).set_device(torch.device(device))  # NCCL/HCCL bind a rank to its current device
     dist.init_process_group(BACKENDS[kind], init_method=init_method, rank=rank, world_size=size,
@@ -167,8 +169,8 @@ class Followers:
         procs, conns = [], []
         for rank in range(1, size):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_follow, args=(rank, size, init, torch.get_num_threads(), engine_cls, engine_args, theirs), daemon=True,
-                            name=f"funcspec-tp-rank{rank}")
+            p = ctx.Process(target=_follow, name=f"funcspec-tp-rank{rank}", daemon=True,
+                            args=(rank, size, init, torch.get_num_threads(), engine_cls, engine_args, theirs))
             p.start()
             procs.append(p)
             conns.append(mine)

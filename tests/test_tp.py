@@ -78,7 +78,8 @@ def test_shards_tile_the_weights_and_heads_stay_with_their_kv_head(tp_models):
         assert parts[1][part][name]["weight"].untyped_storage().size() < \
             full[part][name]["weight"].untyped_storage().size(), f"{name}: a view keeps the whole weight alive"
     # Column-parallel biases are split; row-parallel ones are whole on every rank (added after the reduce).
-    assert torch.equal(torch.cat([p["self_attn"]["q_proj"]["bias"] for p in parts]), full["self_attn"]["q_proj"]["bias"])
+    q_bias = torch.cat([p["self_attn"]["q_proj"]["bias"] for p in parts])
+    assert torch.equal(q_bias, full["self_attn"]["q_proj"]["bias"])
     assert all(torch.equal(p["mlp"]["down_proj"]["bias"], full["mlp"]["down_proj"]["bias"]) for p in parts)
     # Rank 1 holds query heads 2, 3: those of its KV head 1 (G = 2).
     d = model.cfg.head_dim
@@ -97,7 +98,8 @@ def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, s
 def test_bad_draft_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, tmp_path):
     spec = {"method": "draft_model", "model": tp_models["draft"], "num_speculative_tokens": 2,
             "draft_tensor_parallel_size": 2}
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or the engine's tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or the engine's "
+                                         "tensor_parallel_size=1"):
         Engine(tp_models["target"], spec)
     make_hf_model(tmp_path / "mqa", seed=1, num_hidden_layers=1, num_key_value_heads=1)
     with pytest.raises(ValueError, match="speculative_config.draft_tensor_parallel_size=2 must divide the draft "

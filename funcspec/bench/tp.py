@@ -122,7 +122,8 @@ def markdown(r: dict) -> str:
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
     lines += ["", "All-reduced bytes per step: 2 all-reduces per target layer of the [B, K+1, H] residual stream "
               "(the drafter is replicated and reduces nothing).", "",
-              "## Machine\n", f"- CPU: {m['cpu']} ({m['cores']} logical cores), threads per rank: {r['threads_per_rank']}",
+              "## Machine\n",
+              f"- CPU: {m['cpu']} ({m['cores']} logical cores), threads per rank: {r['threads_per_rank']}",
               f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
     return "\n".join(lines)
 
