@@ -40,6 +40,18 @@ from funcspec.verifiers import verify_config
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
 
 
+def _shards_draft(spec: Optional[SpecConfig], proposer, size: int) -> bool:
+    """Whether the drafter is sharded with the target (``draft_tensor_parallel_size`` > 1); checks it first."""
+    draft = spec.draft_tensor_parallel_size if spec is not None else None
+    if draft in (None, 1):
+        return False
+    if draft != size:
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={draft} must be 1 or the engine's "
+                         f"tensor_parallel_size={size}")
+    proposer.module.check_shard(proposer.cfg, size)
+    return True
+
+
 class Engine:
     """Speculative (or autoregressive) generation with one captured graph per (B, K, T, mode) bucket.
 
@@ -129,12 +141,7 @@ class Engine:
             self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
         verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
-        shard_draft = spec is not None and spec.draft_tensor_parallel_size not in (None, 1)
-        if shard_draft:
-            if spec.draft_tensor_parallel_size != tensor_parallel_size:
-                raise ValueError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
-                                 f"must be 1 or the engine's tensor_parallel_size={tensor_parallel_size}")
-            self.proposer.module.check_shard(self.proposer.cfg, tensor_parallel_size)
+        shard_draft = _shards_draft(spec, self.proposer, tensor_parallel_size)
         # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
         # refused engine leaves no processes behind; proposers were built from the whole target.
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
