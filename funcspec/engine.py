@@ -26,16 +26,30 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import sampling
+from funcspec import distributed, sampling
 from funcspec.capture import BucketPlan, resolve_backend
 from funcspec.checkpoints import Model, load_model
+from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
+from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler
 from funcspec.verifiers import verify_config
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
+
+
+def _shards_draft(spec: Optional[SpecConfig], proposer, size: int) -> bool:
+    """Whether the drafter is sharded with the target (``draft_tensor_parallel_size`` > 1); checks it first."""
+    draft = spec.draft_tensor_parallel_size if spec is not None else None
+    if draft in (None, 1):
+        return False
+    if draft != size:
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={draft} must be 1 or the engine's "
+                         f"tensor_parallel_size={size}")
+    proposer.module.check_shard(proposer.cfg, size)
+    return True
 
 
 class Engine:
@@ -63,9 +77,17 @@ class Engine:
         context_buckets: KV lengths that a step's attention reads (default:
             powers of two from 256, then the whole cache). A step reads the
             smallest that holds its longest row, so it costs the live KV.
+        tensor_parallel_size: ranks the target is sharded across
+            (:mod:`funcspec.distributed`). From a plain process, this engine is
+            rank 0 and spawns the others, which replay its public calls; under
+            ``torchrun`` every rank builds its own engine. Call :meth:`close`
+            (or let the interpreter exit) to stop them.
 
     Attributes:
-        model, spec, backend, plan, proposer: what the engine runs.
+        model, spec, backend, plan, proposer: what the engine runs (``model``
+            is this rank's shard of the target).
+        tp: this rank's :class:`~funcspec.parallel.TPGroup`.
+        followers: the spawned ranks (:class:`~funcspec.distributed.Followers`), or ``None``.
         scheduler: requests and slots (:class:`~funcspec.scheduler.Scheduler`).
         runner: device state and graphs (:class:`~funcspec.runner.Runner`).
     """
@@ -74,9 +96,14 @@ class Engine:
                  max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
-                 context_buckets: Optional[Sequence[int]] = None):
+                 context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1):
+        args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
+        self.followers = None
+        if tensor_parallel_size != 1:
+            device = distributed.rank_device(device, distributed.local_rank())
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
         cfg = self.model.cfg
+        check_size(cfg, tensor_parallel_size)
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
             spec = SpecConfig.from_vllm(spec, additional_config)
@@ -84,7 +111,8 @@ class Engine:
         if spec is not None and spec.method == "extract_hidden_states":
             from funcspec import extract
 
-            hooks.append(extract.build(spec, cfg.num_layers, kv_transfer_config))
+            writer = tensor_parallel_size == 1 or distributed.global_rank() == 0
+            hooks.append(extract.build(spec, cfg.num_layers, kv_transfer_config, writer))
             spec = None  # it does not speculate: decode is plain autoregressive, one token per request
         elif kv_transfer_config is not None:
             raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")
@@ -112,20 +140,35 @@ class Engine:
 
             self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
-        self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
         verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
-        self.runner = Runner(self.model, self.proposer, verify,
-                             self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
-                             spec.synthetic_acceptance_rates if spec else None, hooks)
+        shard_draft = _shards_draft(spec, self.proposer, tensor_parallel_size)
+        # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
+        # refused engine leaves no processes behind; proposers were built from the whole target.
+        self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
         self._stats = collections.Counter()
         self._accepted_per_pos = [0] * max_k
         self._buckets_used: collections.Counter = collections.Counter()
-        if eager_capture:
-            # NOTE: up front, only the general mode, which serves any request;
-            # the runner then never captures at run time.
-            todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
-            for b, k, t in tqdm(todo, desc="capturing buckets"):
-                self.runner.graph(b, k, t, sampling.FILTERED)
+        try:
+            # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
+            self.model = shard_model(self.model, self.tp)
+            self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
+            if shard_draft:
+                self.proposer = self.proposer.shard(self.tp)
+            self.runner = Runner(self.model, self.proposer, verify,
+                                 self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
+                                 spec.synthetic_acceptance_rates if spec else None, hooks)
+            if eager_capture:
+                # NOTE: up front, only the general mode, which serves any request;
+                # the runner then never captures at run time.
+                todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
+                for b, k, t in tqdm(todo, desc="capturing buckets"):
+                    self.runner.graph(b, k, t, sampling.FILTERED)
+            if self.followers is not None:
+                self.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
+        except BaseException as e:
+            if self.followers is not None:
+                self.followers.fail(e)  # stops every rank; raises, naming a failed follower if there is one
+            raise
 
     # ------------------------------------------------------------ the device
     @property
@@ -160,6 +203,7 @@ class Engine:
             raise ValueError(f"k must be one of this engine's K values {self.plan.ks}, got {k}")
         return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
 
+    @mirrored
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
         """New per-position rates [max_k] for ``rejection_sample_method="synthetic"``, without recapture.
 
@@ -168,7 +212,13 @@ class Engine:
         """
         self.runner.set_synthetic_acceptance_rates(rates)
 
+    def close(self) -> None:
+        """Stop this engine's spawned ranks and leave their process group (nothing to do on one rank)."""
+        if self.followers is not None:
+            self.followers.close()
+
     # -------------------------------------------------------------- the loop
+    @mirrored
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None) -> str:
         """Validate and queue one request; returns its id. :meth:`step` admits it when a slot is free."""
         req = self.scheduler.make_request(prompt, sampling_params or SamplingParams())
@@ -179,6 +229,7 @@ class Engine:
         """Whether any added request still waits for a slot or runs."""
         return self.scheduler.has_unfinished()
 
+    @mirrored
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one decode step; returns the outputs of the requests that finished."""
         return [self._output(r) for r in self._advance()]
@@ -200,6 +251,7 @@ class Engine:
                 self._observe_confidence(len(rows), conf, used, k)
         return finished
 
+    @mirrored
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; returns vLLM-shaped outputs in prompt order.
 
@@ -307,6 +359,7 @@ class Engine:
                              metrics=metrics, kv_transfer_params=req.extra.get("kv_transfer_params"))
 
     # ----------------------------------------------------------------- stats
+    @mirrored
     def reset_stats(self) -> None:
         """Zero the step, token and acceptance counters (e.g. after a warm-up); graphs are kept."""
         self._stats = collections.Counter()

@@ -25,10 +25,15 @@ CONNECTOR = "ExampleHiddenStatesConnector"
 
 @dataclasses.dataclass(frozen=True)
 class HiddenStateDump:
-    """Where and which layers to save."""
+    """Where and which layers to save; ``write=False`` (a tensor-parallel rank other than 0) only says where.
+
+    NOTE: every tensor-parallel rank holds the same (all-reduced) hidden states, so rank 0 alone
+    writes the files that all ranks name.
+    """
 
     layers: tuple[int, ...]
     directory: Path
+    write: bool = True
 
     def __call__(self, reqs, tokens: torch.Tensor, lens: list[int], hiddens: tuple) -> None:
         """Prefill hook: save each request's prompt hidden states [n, H] per layer, and say where.
@@ -36,15 +41,21 @@ class HiddenStateDump:
         tokens [P, T] (padded prompts), hiddens [P, T, H] per layer of ``self.layers``.
         """
         for i, r in enumerate(reqs):
-            path = self.save(r.request_id, tokens[i, :lens[i]], tuple(h[i, :lens[i]] for h in hiddens))
+            path = self.path(r.request_id)
+            if self.write:
+                self.save(r.request_id, tokens[i, :lens[i]], tuple(h[i, :lens[i]] for h in hiddens))
             r.extra["kv_transfer_params"] = {"hidden_states_path": path}
 
     def save(self, request_id: str, token_ids: torch.Tensor, hiddens: tuple) -> str:
         """Write one request's file; ``hiddens`` are [n, H] per layer. Returns the path."""
-        path = self.directory / f"{request_id}.safetensors"
+        path = self.path(request_id)
         stacked = torch.stack([h.float() for h in hiddens], dim=1).contiguous().cpu()  # [n, L, H]
-        save_file({"token_ids": token_ids.cpu().contiguous(), "hidden_states": stacked}, str(path))
-        return str(path)
+        save_file({"token_ids": token_ids.cpu().contiguous(), "hidden_states": stacked}, path)
+        return path
+
+    def path(self, request_id: str) -> str:
+        """The file of request ``request_id``."""
+        return str(self.directory / f"{request_id}.safetensors")
 
 
 def parse_kv_transfer_config(kv: Optional[dict]) -> Optional[Path]:
@@ -62,8 +73,11 @@ def parse_kv_transfer_config(kv: Optional[dict]) -> Optional[Path]:
     return Path(path)
 
 
-def build(spec, num_layers: int, kv_transfer_config: Optional[dict]) -> HiddenStateDump:
-    """The dump for an ``extract_hidden_states`` spec; refuses missing or out-of-range pieces."""
+def build(spec, num_layers: int, kv_transfer_config: Optional[dict], write: bool = True) -> HiddenStateDump:
+    """The dump for an ``extract_hidden_states`` spec; refuses missing or out-of-range pieces.
+
+    ``write``: whether this process writes the files (tensor-parallel rank 0 only).
+    """
     directory = parse_kv_transfer_config(kv_transfer_config)
     if directory is None:
         raise ValueError("method 'extract_hidden_states' needs kv_transfer_config with "
@@ -77,4 +91,4 @@ def build(spec, num_layers: int, kv_transfer_config: Optional[dict]) -> HiddenSt
         raise ValueError(f"speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids: "
                          f"{bad} outside [0, {num_layers}] for this target")
     directory.mkdir(parents=True, exist_ok=True)
-    return HiddenStateDump(tuple(layers), directory)
+    return HiddenStateDump(tuple(layers), directory, write)

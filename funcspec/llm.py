@@ -50,7 +50,10 @@ class LLM:
     backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
     batch buckets), ``additional_config``, ``seed``, ``dtype``. funcspec's own
     ``backend`` and ``device`` may also be given. Arguments with no effect here
-    are accepted with one warning; ``tensor_parallel_size > 1`` is refused.
+    are accepted with one warning. ``tensor_parallel_size=N`` shards the target
+    across N ranks: from a plain process this ``LLM`` is rank 0 and spawns the
+    others (:mod:`funcspec.distributed`); under ``torchrun`` every rank builds
+    its own. :meth:`close` stops them (so does interpreter exit).
     """
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: Optional[int] = None,
@@ -58,8 +61,6 @@ class LLM:
                  compilation_config: Any = None, additional_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
                  backend: Optional[str] = None, device: str = "cpu", **kwargs):
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not supported yet")
         unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
         if unknown:
             raise ValueError(f"LLM: unknown engine argument(s) {unknown}")
@@ -83,11 +84,16 @@ class LLM:
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):
         """Same as :meth:`funcspec.Engine.generate`."""
         return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def close(self) -> None:
+        """Stop the spawned tensor-parallel ranks, if any (:meth:`funcspec.Engine.close`)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         """The target checkpoint's tokenizer (``None`` if it ships none), as vLLM's ``LLM.get_tokenizer``."""

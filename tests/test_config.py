@@ -37,7 +37,7 @@ def test_guide_eagle(draft):
     )
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("eagle", draft, 2)
     assert cfg.prompt_lookup_min is None and cfg.prompt_lookup_max is None
-    assert cfg.ignored_keys == ("speculative_config.draft_tensor_parallel_size",)
+    assert cfg.ignored_keys == () and cfg.draft_tensor_parallel_size == 1  # 1: replicated, as everywhere
 
 
 def test_guide_eagle3_common_example(draft):
@@ -359,7 +359,9 @@ BAD_CONFIGS = [
     ({"method": "eagle-3", "model": "DRAFT", "num_speculative_tokens": 1}, None, "speculative_config.method"),
     ({"num_speculative_tokens": 1}, None, "speculative_config.method is required"),
     ({**NGRAM, "tensor_parallel_size": 1}, None, "speculative_config.tensor_parallel_size"),
-    ({**NGRAM, "draft_tensor_parallel_size": 2}, None, "speculative_config.draft_tensor_parallel_size"),
+    ({**NGRAM, "draft_tensor_parallel_size": 2}, None,
+     "speculative_config.draft_tensor_parallel_size=2: only method 'draft_model' shards its drafter"),
+    ({**NGRAM, "draft_tensor_parallel_size": 0}, None, "speculative_config.draft_tensor_parallel_size must be >= 1"),
     ({**NGRAM, "use_heterogeneous_vocab": True}, None, "speculative_config.use_heterogeneous_vocab"),
     ({**NGRAM, "draft_sample_method": "beam"}, None, "speculative_config.draft_sample_method"),
     ({**NGRAM, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, None, "speculative_config.prompt_lookup_min"),

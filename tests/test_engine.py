@@ -141,8 +141,8 @@ def test_bad_prompts_leave_engine_clean(tiny_llama):
 
 
 def test_llm_facade(tiny_llama):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        funcspec.LLM(model=tiny_llama, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the target's num_key_value_heads=2"):
+        funcspec.LLM(model=tiny_llama, tensor_parallel_size=3)
     with pytest.warns(UserWarning, match="gpu_memory_utilization"):
         llm = funcspec.LLM(model=tiny_llama, gpu_memory_utilization=0.9, enforce_eager=True, max_num_seqs=3,
                            max_model_len=64)

@@ -32,8 +32,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "funcspec"
 # Keys are the first name under funcspec (``nn`` for funcspec.nn.eagle);
 # "__init__" is funcspec/__init__.py, the public facade (load_model, Engine, LLM).
 LAYERS: list[tuple[str, set[str]]] = [
-    # pytrees, keys, sentinels, outputs, the method registry, the host suffix-tree data structure
-    ("base", {"tree", "rng", "types", "outputs", "methods", "suffix_tree"}),
+    # pytrees, keys, sentinels, outputs, the method registry, the host suffix-tree data structure,
+    # the tensor-parallel group and its all-reduce
+    ("base", {"tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel"}),
     ("nn", {"nn"}),  # math only
     ("checkpoints", {"checkpoints"}),  # HF formats: config, safetensors, random init
     ("step parts", {"proposers", "verifiers", "sampling", "dynamic"}),  # pure functions over explicit state
@@ -41,8 +42,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("capture", {"capture"}),
     ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture
     # host loop: scheduler (requests, slots) and runner (device state, graphs), wired by engine;
-    # extract: the hidden-state prefill hook the engine installs
-    ("engine", {"engine", "scheduler", "runner", "extract"}),
+    # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks
+    ("engine", {"engine", "scheduler", "runner", "extract", "distributed"}),
     ("llm", {"llm", "__init__"}),
     ("tools", {"bench", "tune", "train", "zoo", "cli"}),  # public API users
 ]
@@ -192,9 +193,9 @@ def test_allow_list_is_not_stale(graph):
 
 
 def test_nn_is_math_only(graph):
-    """nn imports only nn, tree, rng and types; a head shares math through nn.llama, not another head."""
+    """nn imports only nn, tree, rng, types and parallel; a head shares math through nn.llama, not another head."""
     for src in (m for m in graph if unit(m) == "nn"):
-        assert all(unit(d) in ("nn", "tree", "rng", "types") for d in graph[src]), (src, sorted(graph[src]))
+        assert all(unit(d) in ("nn", "tree", "rng", "types", "parallel") for d in graph[src]), (src, sorted(graph[src]))
         heads = {d for d in graph[src] if unit(d) == "nn"} - NN_SHARED
         assert src in NN_SHARED or not heads, f"{src} imports another head: {sorted(heads)}"
 

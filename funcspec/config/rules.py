@@ -40,6 +40,7 @@ def validate(cfg: "SpecConfig") -> None:
               _normalise_layers(cfg.eagle_aux_hidden_state_layer_ids, cfg.method))
     _check_draft_window(cfg.method, cfg.draft_window_size)
     _check_dynamic_spec(cfg)
+    _check_draft_tp(cfg.method, cfg.draft_tensor_parallel_size)
     set_field(cfg, "ignored_keys", tuple(dict.fromkeys(cfg.ignored_keys)))
 
 
@@ -190,6 +191,16 @@ def _check_draft_window(method: str, window: Any) -> None:
     check_int(EXTRA + "draft_window_size", window, lo=1)
     if not methods.lookup(method).draft_window:
         raise ValueError(f"{EXTRA}draft_window_size is not used by method {method!r}")
+
+
+def _check_draft_tp(method: str, size: Any) -> None:
+    """A sharded drafter (size > 1) is a draft model; every other drafter is replicated (None or 1)."""
+    if size is None:
+        return
+    check_int(SPEC + "draft_tensor_parallel_size", size, lo=1)
+    if size > 1 and method != "draft_model":
+        raise ValueError(f"{SPEC}draft_tensor_parallel_size={size}: only method 'draft_model' shards its drafter; "
+                         f"the {method!r} drafter is replicated (give 1 or None)")
 
 
 def _check_dynamic_spec(cfg: "SpecConfig") -> None:

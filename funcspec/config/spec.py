@@ -51,6 +51,10 @@ class SpecConfig:
         rejection_sampler: vLLM-Ascend's block and entropy verify settings.
         draft_window_size: the draft KV sliding window W, or ``None`` (off).
         dynamic_spec: the confidence-based verify length, or ``None``.
+        draft_tensor_parallel_size: ``None`` or 1 replicates the drafter on
+            every tensor-parallel rank; N > 1 shards it across the target's N
+            ranks like the target (``draft_model`` only; N must equal the
+            engine's ``tensor_parallel_size``, which the engine checks).
         ignored_keys: the given keys, as dotted paths, that vLLM accepts but
             that have no effect in funcspec. The caller warns about them once.
     """
@@ -71,6 +75,7 @@ class SpecConfig:
     rejection_sampler: RejectionSamplerConfig = RejectionSamplerConfig()
     draft_window_size: Optional[int] = None
     dynamic_spec: Optional[DynamicSpecConfig] = None
+    draft_tensor_parallel_size: Optional[int] = None
     ignored_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

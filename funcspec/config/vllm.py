@@ -50,7 +50,7 @@ _USED_SPEC_KEYS = frozenset(
     {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
      "num_speculative_tokens_per_batch_size", "rejection_sample_method",
      "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_model_config",
-     *_SUFFIX_KEYS}
+     "draft_tensor_parallel_size", *_SUFFIX_KEYS}
 )
 # Keys of vLLM's SpeculativeConfig that change nothing in funcspec. They are accepted
 # and reported in SpecConfig.ignored_keys. _check_ignored_values refuses the values
@@ -58,7 +58,7 @@ _USED_SPEC_KEYS = frozenset(
 # draft alone; funcspec's draft runs inside the target's step graph, whose backend
 # LLM(enforce_eager=...) picks.
 _IGNORED_SPEC_KEYS = frozenset(
-    {"enforce_eager", "draft_tensor_parallel_size", "disable_padded_drafter_batch", "quantization",
+    {"enforce_eager", "disable_padded_drafter_batch", "quantization",
      "moe_backend", "attention_backend", "kv_cache_dtype", "max_model_len", "revision",
      "code_revision", "index_share_for_mtp_iteration", "disable_eagle_block_drop",
      "use_local_argmax_reduction", "use_heterogeneous_vocab", "parallel_drafting",
@@ -100,6 +100,7 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
         rejection_sampler=rejection,
         draft_window_size=_draft_window(extra, method),
         dynamic_spec=dynamic,
+        draft_tensor_parallel_size=spec.get("draft_tensor_parallel_size"),
         ignored_keys=_ignored_keys(spec, extra, method, rejection),
     )
 
@@ -149,11 +150,6 @@ def _check_ignored_values(spec: Mapping, method: str) -> None:
     if "tensor_parallel_size" in spec:
         raise ValueError(
             f"{SPEC}tensor_parallel_size is not a valid key; vLLM takes draft_tensor_parallel_size"
-        )
-    if spec.get("draft_tensor_parallel_size") not in (None, 1):
-        raise ValueError(
-            f"{SPEC}draft_tensor_parallel_size must be 1 or None (funcspec runs on one device), "
-            f"got {spec['draft_tensor_parallel_size']!r}"
         )
     if spec.get("use_heterogeneous_vocab"):
         raise ValueError(f"{SPEC}use_heterogeneous_vocab=True is not supported by funcspec")

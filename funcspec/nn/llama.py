@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass
 
 
@@ -27,6 +28,10 @@ class ModelConfig:
     """Static decoder configuration (``arch``: llama | qwen2 | qwen3).
 
     Parsed from an HF ``config.json`` by :func:`funcspec.checkpoints.llama.model_config`.
+    Under tensor parallelism (``tp.size > 1``) ``num_heads``, ``num_kv_heads``
+    and ``intermediate_size`` are this rank's share
+    (:func:`funcspec.checkpoints.tp.shard_config`), so the KV cache holds only
+    the rank's heads.
     """
 
     arch: str
@@ -47,6 +52,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    tp: TPGroup = SINGLE
 
 
 @pytree_dataclass
@@ -170,6 +176,18 @@ def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
     return project(x, p["weight"], p.get("bias"))
 
 
+def row_parallel(x: torch.Tensor, p: dict, tp: TPGroup) -> torch.Tensor:
+    """:func:`linear` of a row-parallel layer (``o_proj``, ``down_proj``): x and W hold this rank's input slice.
+
+    Each rank's product is a partial sum; the all-reduce adds them up, and the
+    bias is added once, after it (not once per rank).
+    """
+    if tp.size == 1:
+        return linear(x, p)
+    y = all_reduce(project(x, p["weight"]), tp)
+    return y if p.get("bias") is None else y + p["bias"]
+
+
 def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
     """Write x [B, T, H_kv, D] into cache [L, S+1, H_kv, T_max, D] at (layer, slot, :, pos).
 
@@ -270,12 +288,12 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     visible = j <= pos.unsqueeze(-1)  # [B, T, T_read]
     if window is not None:
         visible = visible & (j >= window.view(-1, 1, 1))
-    return linear(attend(q, keys, vals, visible), p["o_proj"])
+    return row_parallel(attend(q, keys, vals, visible), p["o_proj"], cfg.tp)
 
 
-def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU feed-forward."""
-    return linear(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
+def mlp(p: dict, x: torch.Tensor, tp: TPGroup = SINGLE) -> torch.Tensor:
+    """SwiGLU feed-forward (gate/up column-parallel, down row-parallel under ``tp``)."""
+    return row_parallel(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"], tp)
 
 
 def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
@@ -288,7 +306,7 @@ def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     if attn_in is None:
         attn_in = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
     h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read)
-    return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
+    return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg.tp)
 
 
 def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ):

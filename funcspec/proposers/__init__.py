@@ -123,6 +123,11 @@ class ProposerHandle:
         """Host drafts [B, K] for the running rows (host proposers only)."""
         return self.host.drafts(rows, b, k)
 
+    def shard(self, tp) -> "ProposerHandle":
+        """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1)."""
+        cfg, params = self.module.shard(self.cfg, self.params, tp)
+        return dataclasses.replace(self, cfg=cfg, params=params)
+
     def on_finish(self, req) -> None:
         """Tell a host drafter that a request finished (it may keep the tokens for later lookups)."""
         if self.host is not None:

@@ -20,6 +20,7 @@ import torch
 
 from funcspec import rng, sampling
 from funcspec.checkpoints import load_model
+from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import window_start
 from funcspec.proposers import keep_state
@@ -56,6 +57,16 @@ def build(spec, target, ctx):
             f"{target.cfg.vocab_size}"
         )
     return DraftModelConfig(draft.cfg, spec.draft_window_size), draft.params
+
+
+def check_shard(cfg: DraftModelConfig, size: int) -> None:
+    """Refuse a ``draft_tensor_parallel_size`` the draft model cannot be split by."""
+    check_size(cfg.model, size, "draft model", "speculative_config.draft_tensor_parallel_size")
+
+
+def shard(cfg: DraftModelConfig, params, tp):
+    """The draft model split across the target's tensor-parallel ranks like the target (its own all-reduces)."""
+    return dataclasses.replace(cfg, model=shard_config(cfg.model, tp)), shard_params(params, tp)
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
