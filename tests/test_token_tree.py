@@ -1,0 +1,78 @@
+"""Token trees: vLLM's ``speculative_token_tree`` and EAGLE-2 dynamic tree options, and the tree tensors."""
+
+import pytest
+import torch
+
+from funcspec import token_tree
+from funcspec.config import SpecConfig
+from funcspec.token_tree import DynamicTree, TokenTree
+
+VLLM_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+
+
+def spec(**extra):
+    return SpecConfig.from_vllm({"method": "eagle3", "model": "draft", **extra}, check_paths=False)
+
+
+def test_vllm_tree_string_is_parsed_sorted_and_sets_k():
+    cfg = spec(speculative_token_tree="[(0, 0), (1,), (0,)]")
+    assert cfg.speculative_token_tree == TokenTree(((0,), (1,), (0, 0)))
+    assert cfg.tree is cfg.speculative_token_tree and cfg.num_speculative_tokens == 3
+    tree = spec(speculative_token_tree=VLLM_TREE, num_speculative_tokens=7).tree
+    assert tree.parents == (-1, -1, -1, 0, 0, 1, 3)
+    assert tree.ranks == (0, 1, 2, 0, 1, 0, 0)
+    assert (tree.size, tree.depth) == (7, 3)
+    assert [tuple(tree.level(d)) for d in (1, 2, 3)] == [(0, 1, 2), (3, 4, 5), (6,)]
+    # A list of tuples (or lists) is accepted as it is.
+    assert spec(speculative_token_tree=[[0], [0, 0]]).tree == token_tree.chain(2)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("[(0,), (0, 1, 0)]", r"speculative_token_tree node \(0, 1, 0\) needs its parent \(0, 1\)"),
+    ("[(0,), (0,)]", "speculative_token_tree must not repeat a node"),
+    ("[(0,), ()]", "speculative_token_tree nodes must be non-empty tuples"),
+    ("[(0,), (-1,)]", "speculative_token_tree child ranks must be integers >= 0"),
+    ("[]", "speculative_token_tree must be a non-empty list"),
+    ("(0,", "speculative_token_tree must be a Python list of tuples"),
+])
+def test_bad_vllm_trees_name_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        spec(speculative_token_tree=value)
+
+
+def test_tree_k_and_combinations_are_checked():
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must equal len\(speculative_token_tree\) = 2"):
+        spec(speculative_token_tree="[(0,), (1,)]", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="speculative_token_tree is not supported with method 'ngram'"):
+        SpecConfig.from_vllm({"method": "ngram", "speculative_token_tree": "[(0,)]"})
+    with pytest.raises(ValueError, match="tree rule only, not 'block'"):
+        spec(speculative_token_tree="[(0,)]", rejection_sample_method="block")
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size cannot be combined"):
+        spec(speculative_token_tree="[(0,)]", num_speculative_tokens_per_batch_size=[[1, 4, 1]])
+
+
+def test_dynamic_tree_uses_sglang_names():
+    cfg = spec(speculative_eagle_topk=4, speculative_num_steps=4, speculative_num_draft_tokens=17)
+    assert cfg.dynamic_tree == DynamicTree(4, 4, 17) and cfg.tree is cfg.dynamic_tree
+    assert cfg.num_speculative_tokens == 16 and (cfg.tree.size, cfg.tree.depth) == (16, 4)
+    with pytest.raises(ValueError, match="speculative_num_steps is required with"):
+        spec(speculative_eagle_topk=4)
+    with pytest.raises(ValueError, match=r"speculative_num_draft_tokens must be <= 4 \(the root plus at most 3"):
+        spec(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=5)
+    with pytest.raises(ValueError, match="speculative_token_tree cannot be combined"):
+        spec(speculative_token_tree="[(0,)]", speculative_eagle_topk=1, speculative_num_steps=1,
+             speculative_num_draft_tokens=2)
+
+
+def test_ancestors_depths_and_root_path():
+    tree = spec(speculative_token_tree=VLLM_TREE).tree
+    tp = token_tree.tree_parents(token_tree.static_parents(tree, 2, "cpu"))  # [2, 8]
+    anc = token_tree.ancestors(tp, tree.depth)
+    assert anc.shape == (2, 8, 8)
+    # Tree index 7 is node 6 = (0, 0, 0): ancestors root, (0,), (0, 0) and itself.
+    assert anc[0, 7].nonzero().flatten().tolist() == [0, 1, 4, 7]
+    assert anc[1, 6].nonzero().flatten().tolist() == [0, 2, 6]  # (1, 0) under (1,)
+    dep = token_tree.depths(anc)
+    assert dep[0].tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
+    path = token_tree.root_path(anc, dep, torch.tensor([7, 5]), tree.depth)
+    assert path.tolist() == [[0, 1, 4, 7], [0, 1, 5, 5]]
