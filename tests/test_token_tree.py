@@ -76,3 +76,56 @@ def test_ancestors_depths_and_root_path():
     assert dep[0].tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
     path = token_tree.root_path(anc, dep, torch.tensor([7, 5]), tree.depth)
     assert path.tolist() == [[0, 1, 4, 7], [0, 1, 5, 5]]
+
+
+# ----------------------------------------------------------------------------- tree attention
+
+def tree_forward(m, kv, tokens, lens, parents, depth):
+    """The target over [pending, nodes] as a tree: writes at lens + t, RoPE at lens + depth."""
+    from funcspec.nn.llama import TreeMask, forward
+
+    tp = token_tree.tree_parents(parents)
+    anc = token_tree.ancestors(tp, depth)
+    mask = TreeMask(lens.unsqueeze(1) + token_tree.depths(anc), lens, anc)
+    return forward(m.cfg, m.params, kv, tokens, torch.arange(len(lens)), lens, tree=mask)[0]
+
+
+def test_tree_attention_equals_each_root_path_as_a_chain(tiny_llama):
+    """Each node's logits are those of its root path decoded as a plain sequence (the masked reference)."""
+    from funcspec import load_model
+    from funcspec.nn import forward, init_kv_cache
+
+    m = load_model(tiny_llama)
+    tree = spec(speculative_token_tree=VLLM_TREE).tree
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 96, (2, 9), generator=gen)
+    nodes = torch.randint(0, 96, (2, tree.size + 1), generator=gen)  # [B, N+1]: pending, then the nodes
+    kv = init_kv_cache(m.cfg, 2, 32)
+    forward(m.cfg, m.params, kv, prompt, torch.arange(2), torch.zeros(2, dtype=torch.int64))
+    lens = torch.tensor([9, 9])
+    parents = token_tree.static_parents(tree, 2, "cpu")
+    logits = tree_forward(m, kv, nodes, lens, parents, tree.depth)  # [B, N+1, V]
+    anc = token_tree.ancestors(token_tree.tree_parents(parents), tree.depth)
+    for t in range(tree.size + 1):
+        path = anc[0, t].nonzero().flatten()
+        ref, _, _ = forward(m.cfg, m.params, init_kv_cache(m.cfg, 2, 32), torch.cat([prompt, nodes[:, path]], 1),
+                            torch.arange(2), torch.zeros(2, dtype=torch.int64))
+        torch.testing.assert_close(logits[:, t], ref[:, -1], atol=1e-5, rtol=0)
+
+
+def test_chain_shaped_tree_equals_the_chain_forward(tiny_llama):
+    from funcspec import load_model
+    from funcspec.nn import forward, init_kv_cache
+
+    m = load_model(tiny_llama)
+    ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(4))
+    lens = torch.tensor([9, 6])
+    caches = [init_kv_cache(m.cfg, 2, 32) for _ in range(2)]
+    for kv in caches:
+        forward(m.cfg, m.params, kv, ids[:, :9], torch.arange(2), torch.zeros(2, dtype=torch.int64))
+    block = ids[:, 9:]  # [B, K+1]
+    chain, _, _ = forward(m.cfg, m.params, caches[0], block, torch.arange(2), lens)
+    tree = token_tree.chain(4)
+    tree_logits = tree_forward(m, caches[1], block, lens, token_tree.static_parents(tree, 2, "cpu"), tree.depth)
+    assert torch.equal(chain, tree_logits)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
