@@ -42,11 +42,15 @@ class Proposal:
         probs: [B, K, V] float32 draft distribution q, or ``None`` for a
             deterministic draft (q is one-hot at ``tokens``).
         confidence: [B, K] float32 per-token confidence, or ``None``.
+        parents: [B, K] int64 parent node of each draft (-1: the pending token)
+            when the drafts form a token tree (``funcspec.token_tree``), or
+            ``None`` for a chain.
     """
 
     tokens: torch.Tensor
     probs: Optional[torch.Tensor] = None
     confidence: Optional[torch.Tensor] = None
+    parents: Optional[torch.Tensor] = None
 
 
 @pytree_dataclass

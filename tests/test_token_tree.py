@@ -129,3 +129,75 @@ def test_chain_shaped_tree_equals_the_chain_forward(tiny_llama):
     tree_logits = tree_forward(m, caches[1], block, lens, token_tree.static_parents(tree, 2, "cpu"), tree.depth)
     assert torch.equal(chain, tree_logits)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+# ----------------------------------------------------------------------------- verification
+
+def one_hot_logits(argmax_rows, vocab=50):
+    """[1, len, V] logits whose argmax at position t is ``argmax_rows[t]``."""
+    out = torch.zeros(1, len(argmax_rows), vocab)
+    out[0, torch.arange(len(argmax_rows)), torch.tensor(argmax_rows)] = 5.0
+    return out
+
+
+def test_greedy_tree_accepts_the_deepest_agreeing_path():
+    from funcspec import sampling
+    from funcspec.types import PLACEHOLDER, Proposal, Sampling
+    from funcspec.verifiers import tree as tree_verifier
+
+    tree = spec(speculative_token_tree=VLLM_TREE).tree  # nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0)
+    drafts = torch.tensor([[10, 11, 12, 20, 21, 22, 30]])
+    parents = token_tree.static_parents(tree, 1, "cpu")
+    # root's argmax is node (1,)'s token; at (1,) (tree index 2) it is (1,0)'s token; then 42.
+    logits = one_hot_logits([11, 20, 22, 0, 0, 0, 42, 0])
+    for mode in (sampling.GREEDY, sampling.FILTERED):  # temperature 0 rows are greedy in every mode
+        out, n, path = tree_verifier.verify(torch.tensor([7]), logits, Proposal(drafts, parents=parents),
+                                            Sampling.full(1, temperature=0.0), mode, tree.depth)
+        assert out.tolist() == [[11, 22, 42, PLACEHOLDER]] and n.tolist() == [3]
+        assert path.tolist() == [[0, 2, 6, 6]]
+    # nothing agrees: the root's argmax alone; a PLACEHOLDER draft is never accepted
+    out, n, _ = tree_verifier.verify(torch.tensor([7]), one_hot_logits([13] * 8),
+                                     Proposal(torch.tensor([[PLACEHOLDER] * 7]), parents=parents),
+                                     Sampling.full(1, temperature=0.0), sampling.GREEDY, tree.depth)
+    assert out.tolist() == [[13, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]] and n.tolist() == [1]
+
+
+def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
+    """Chi-square on the joint of the first two emitted tokens (N = 30000, alpha = 1e-4).
+
+    The target is a two-step Markov chain: p0 at the root, then P1[x] after token x
+    (P2 below), so node logits depend on the node's token and depth, as a real
+    target's would on its root path. Sibling drafts are drawn independently from a
+    small vocabulary, so they often share a token. When a step emits one token,
+    the second is what the next step would draw: a fresh draw from P1[first].
+    """
+    from test_verifiers_distribution import chi2_pvalue
+
+    from funcspec import rng, sampling
+    from funcspec.types import Proposal, Sampling
+    from funcspec.verifiers import tree as tree_verifier
+
+    n, vocab, temp, top_k = 30000, 6, 0.9, 5
+    gen = torch.Generator().manual_seed(5)
+    l0, l1, l2 = torch.randn(vocab) * 1.5, torch.randn(vocab, vocab) * 1.5, torch.randn(vocab, vocab) * 1.5
+    tree = spec(speculative_token_tree=VLLM_TREE).tree
+    parents = token_tree.static_parents(tree, n, "cpu")
+    q = torch.softmax(l0 + torch.randn(vocab, generator=gen), -1)
+    drafts = torch.multinomial(q, n * tree.size, replacement=True, generator=gen).view(n, tree.size)
+    dep = torch.tensor([len(p) for p in tree.paths])
+    node_logits = torch.where((dep == 1).view(1, -1, 1), l1[drafts], l2[drafts])  # [n, N, V]
+    logits = torch.cat([l0.expand(n, 1, vocab), node_logits], 1)  # [n, N+1, V]
+    keys = rng.split(rng.key(11), n)
+    out, num, _ = tree_verifier.verify(keys, logits, Proposal(drafts, parents=parents),
+                                       Sampling.full(n, temperature=temp, top_k=top_k), sampling.FILTERED, tree.depth)
+    first = out[:, 0]
+    p0 = sampling.target_probs(l0.view(1, 1, -1), temp, top_k)[0, 0]  # [V]
+    p1 = sampling.target_probs(l1.unsqueeze(0), temp, top_k)[0]  # [V, V]
+    fresh = torch.multinomial(p1[first], 1, generator=gen).squeeze(1)
+    second = torch.where(num >= 2, out[:, 1], fresh)
+    assert (num >= 2).float().mean() > 0.3 and (num >= 3).any()
+    shared = (drafts[:, :3].unsqueeze(2) == drafts[:, :3].unsqueeze(1)).sum((1, 2)) > 3
+    assert shared.float().mean() > 0.3  # many rows have depth-1 siblings that share a token
+    assert (p1 == 0).any()  # top-k zeros that the drafts do propose
+    joint = torch.bincount(first * vocab + second, minlength=vocab * vocab)
+    assert chi2_pvalue(joint, p0.unsqueeze(1) * p1) > 1e-4
