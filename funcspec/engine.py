@@ -101,7 +101,7 @@ class Engine:
         # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
         self.t_max = max_model_len + max_k + 1
         self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
-                                          context_buckets)
+                                          context_buckets, tree=spec is not None and spec.tree is not None)
         self.num_slots = max_batch_size
         from funcspec.proposers import BuildContext, build_proposer
 
@@ -116,9 +116,11 @@ class Engine:
         verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
         self.runner = Runner(self.model, self.proposer, verify,
                              self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
-                             spec.synthetic_acceptance_rates if spec else None, hooks)
+                             spec.synthetic_acceptance_rates if spec else None, hooks,
+                             spec.tree if spec else None)
         self._stats = collections.Counter()
-        self._accepted_per_pos = [0] * max_k
+        # a tree accepts at most one node per depth: its per-position acceptance is per depth
+        self._accepted_per_pos = [0] * (spec.tree.depth if spec and spec.tree else max_k)
         self._buckets_used: collections.Counter = collections.Counter()
         if eager_capture:
             # NOTE: up front, only the general mode, which serves any request;
@@ -319,7 +321,8 @@ class Engine:
 
         ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
         ``per_position_acceptance[i]`` is the fraction of speculative row-steps
-        whose first i+1 drafts were all accepted (unconditional, so it never rises with i).
+        whose first i+1 drafts were all accepted (unconditional, so it never rises with i);
+        with a token tree, whose accepted path reached depth i+1 (per-depth acceptance).
         """
         s = self._stats
         graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.graphs.items())}
