@@ -342,3 +342,22 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     (key, graph), = eng.graphs.items()
     assert key[:2] == (4, 7) and graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
     assert eng.stats["recompiles"] == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_dynamic_tree_greedy_equals_autoregressive(zoo, method):
+    """EAGLE-2 dynamic trees (SGLang's topk / num_steps / num_draft_tokens): greedy output equals AR."""
+    dyn = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 9}
+    eng = spec_engine(zoo, method, k=8, spec=dyn)
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
+    assert len(eng.stats["per_position_acceptance"]) == 3 and eng.stats["buckets_used"].keys() == {"B4_K8"}
+    assert eng.generate(PROMPTS[3:], greedy(12))[0].outputs[0].token_ids == zoo.ar[3][:12]
+
+
+def test_dynamic_tree_of_topk_one_drafts_what_the_chain_drafts(zoo):
+    chain = spec_engine(zoo, "eagle3", k=3)
+    dyn = spec_engine(zoo, "eagle3", k=3, spec={"speculative_eagle_topk": 1, "speculative_num_steps": 3,
+                                                "speculative_num_draft_tokens": 4})
+    outs = [[o.outputs[0].token_ids for o in e.generate(PROMPTS, greedy(24))] for e in (chain, dyn)]
+    assert outs[0] == outs[1] == zoo.ar
+    assert chain.stats["per_position_acceptance"] == dyn.stats["per_position_acceptance"]

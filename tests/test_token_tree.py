@@ -59,6 +59,8 @@ def test_dynamic_tree_uses_sglang_names():
         spec(speculative_eagle_topk=4)
     with pytest.raises(ValueError, match=r"speculative_num_draft_tokens must be <= 4 \(the root plus at most 3"):
         spec(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=5)
+    with pytest.raises(ValueError, match=r"speculative_num_draft_tokens must be >= 1 \+ \(speculative_num_steps - 1\)"):
+        spec(speculative_eagle_topk=8, speculative_num_steps=4, speculative_num_draft_tokens=17)
     with pytest.raises(ValueError, match="speculative_token_tree cannot be combined"):
         spec(speculative_token_tree="[(0,)]", speculative_eagle_topk=1, speculative_num_steps=1,
              speculative_num_draft_tokens=2)

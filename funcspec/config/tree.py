@@ -72,13 +72,19 @@ def parse_dynamic_tree(spec: Mapping) -> Optional[DynamicTree]:
 
 
 def check_dynamic_tree(tree: DynamicTree) -> DynamicTree:
-    """``tree`` if its sizes are valid: its nodes fit among the candidates that ``num_steps`` expansions make."""
+    """``tree`` if its sizes are valid: its nodes fit among the candidates that ``num_steps`` expansions make,
+    and the frontiers the head runs fit in the N slots a step reserves past the committed length."""
     topk = check_int(SPEC + "speculative_eagle_topk", tree.topk, lo=1)
     steps = check_int(SPEC + "speculative_num_steps", tree.num_steps, lo=1)
     pool = topk + (steps - 1) * topk * topk
-    check_int(SPEC + "speculative_num_draft_tokens", tree.num_draft_tokens, lo=2,
-              hi=min(pool, MAX_TREE_NODES) + 1,
+    name = SPEC + "speculative_num_draft_tokens"
+    check_int(name, tree.num_draft_tokens, lo=2, hi=min(pool, MAX_TREE_NODES) + 1,
               where=f" (the root plus at most {pool} candidates of topk={topk}, num_steps={steps})")
+    if (steps - 1) * topk > tree.num_draft_tokens - 1:
+        # NOTE: the head writes frontiers 1..num_steps-1 (topk nodes each) at the cache slots that the
+        # verify block reserves (N past the committed length), and reads only those.
+        raise ValueError(f"{name} must be >= 1 + (speculative_num_steps - 1) * speculative_eagle_topk = "
+                         f"{1 + (steps - 1) * topk}, got {tree.num_draft_tokens}")
     return tree
 
 

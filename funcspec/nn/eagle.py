@@ -114,7 +114,9 @@ def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     return d if cfg.version == 1 else d + params["d2t"][d]
 
 
-def draft_top(cfg: EagleConfig, params, g: torch.Tensor, k: int) -> torch.Tensor:
-    """The k most likely drafts [.., k] int64 (target ids, best first) from head outputs g [.., H]: tree children."""
-    d = torch.topk(draft_logits(cfg, params, g), k, dim=-1).indices  # [.., k] draft-vocab ids
-    return d if cfg.version == 1 else d + params["d2t"][d]
+def draft_top(cfg: EagleConfig, params, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely drafts [.., k] int64 (target ids, best first) and their log-probabilities [.., k]
+    from head outputs g [.., H]: tree children and their EAGLE-2 scores."""
+    top = torch.topk(torch.log_softmax(draft_logits(cfg, params, g), dim=-1), k, dim=-1)  # draft-vocab ids
+    d = top.indices
+    return (d if cfg.version == 1 else d + params["d2t"][d]), top.values

@@ -75,6 +75,8 @@ def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     return torch.argmax(draft_logits(cfg, params, g), dim=-1)
 
 
-def draft_top(cfg: MTPConfig, params, g: torch.Tensor, k: int) -> torch.Tensor:
-    """The k most likely drafts [.., k] int64 (best first) from module outputs g [.., H]: tree children."""
-    return torch.topk(draft_logits(cfg, params, g), k, dim=-1).indices
+def draft_top(cfg: MTPConfig, params, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely drafts [.., k] int64 (best first) and their log-probabilities [.., k] from module
+    outputs g [.., H]: tree children and their EAGLE-2 scores."""
+    top = torch.topk(torch.log_softmax(draft_logits(cfg, params, g), dim=-1), k, dim=-1)
+    return top.indices, top.values

@@ -21,14 +21,11 @@ query reads them: attention is causal on positions. This is vLLM's first
 draft pass (verified tokens shifted left by one, rejected ones as padding),
 kept at a static [B, max_k+1] shape.
 
-Token trees (``ChainConfig.tree``, a static ``TokenTree``): after the catch-up
-the head drafts level by level. The children of a level-(d-1) node are the top-k
-drafts of its feature (node i takes rank ``ranks[i]``); the head then runs once
-over all level-d nodes, each written at its own slot ``n + i`` with RoPE at
-``n - 1 + d`` and tree attention over the context and its ancestors, which gives
-the features of level d. A chain tree drafts exactly what the chain loop does.
-The verified block is then the accepted root path (D + 1 positions), so the
-catch-up covers D + 1 positions instead of max_k + 1.
+Token trees (``ChainConfig.tree``): after the catch-up the head drafts the tree
+level by level (:mod:`funcspec.proposers.tree_draft`, static or EAGLE-2
+dynamic), with tree attention over its own drafts; a chain-shaped tree drafts
+exactly what the chain loop does. The verified block is then the accepted root
+path (D + 1 positions), so the catch-up covers D + 1 positions, not max_k + 1.
 
 Each method's module loads its head and builds a :class:`ChainConfig` with
 :func:`chain_config`; the protocol functions below are then the method's own.
@@ -43,8 +40,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from funcspec.nn.llama import KVCache, ModelConfig, TreeMask, init_kv_cache, window_start
-from funcspec.token_tree import TokenTree, ancestors, static_parents, tree_parents
+from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache, window_start
+from funcspec.proposers import tree_draft
+from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.tree import pytree_dataclass, tree_leaves
 from funcspec.types import Proposal
 
@@ -64,7 +62,7 @@ class ChainConfig:
         hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).
         feat_dim: F.
         window: the draft KV window W, or ``None``.
-        tree: the static token tree every speculative step drafts, or ``None`` (a chain).
+        tree: the token tree every speculative step drafts (static or EAGLE-2 dynamic), or ``None`` (a chain).
     """
 
     head: Any
@@ -77,7 +75,7 @@ class ChainConfig:
     hidden_layers: tuple[int, ...]
     feat_dim: int
     window: Optional[int] = None
-    tree: Optional[TokenTree] = None
+    tree: Optional[TokenTree | DynamicTree] = None
 
     @property
     def block(self) -> int:
@@ -102,13 +100,10 @@ class ChainState:
 
 def chain_config(head, module, spec, target, hidden_layers) -> ChainConfig:
     """A :class:`ChainConfig` for ``head`` (with a ``.model``) whose network functions live in ``module``."""
-    if spec.dynamic_tree is not None:
-        raise ValueError("speculative_config.speculative_eagle_topk: dynamic trees are not drafted yet; "
-                         "use speculative_token_tree")
     return ChainConfig(head, module.target_features, module.forward, module.draft_tokens, module.draft_top,
                        head.model, spec.num_speculative_tokens, tuple(hidden_layers),
                        len(hidden_layers) * target.cfg.hidden_size, spec.draft_window_size,
-                       spec.speculative_token_tree)
+                       spec.tree)
 
 
 def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
@@ -161,7 +156,8 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, block, H]
     g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
     if cfg.tree is not None and k > 0:
-        drafts, parents, kv = draft_tree(cfg, params, kv, g, slots, lens, window, ctx.read)
+        draft = tree_draft.draft_static if isinstance(cfg.tree, TokenTree) else tree_draft.draft_dynamic
+        drafts, parents, kv = draft(cfg, params, kv, g, slots, lens, window, ctx.read)
         return Proposal(drafts, parents=parents), ChainState(kv, state.feats, state.count)
     drafts = []
     for i in range(k):
@@ -172,30 +168,6 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
             g = g[:, 0]
     out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=slots.device)
     return Proposal(out), ChainState(kv, state.feats, state.count)
-
-
-def draft_tree(cfg: ChainConfig, params, kv, g, slots, lens, window, read):
-    """Draft the static tree level by level from the root feature g [B, H]; -> (tokens [B, N], parents [B, N], kv).
-
-    Donates: kv.
-    """
-    tree = cfg.tree
-    parents = static_parents(tree, g.shape[0], g.device)  # [B, N]
-    anc = ancestors(tree_parents(parents), tree.depth)[:, 1:, 1:]  # [B, N, N] among the nodes
-    feats, prev = g.unsqueeze(1), range(-1, 0)  # [B, 1, H]: the root is level 0
-    drafts = []
-    for d in range(1, tree.depth + 1):
-        level = tree.level(d)
-        local = [tree.parents[i] - prev.start for i in level]  # each node's parent within the previous level
-        ranks = [tree.ranks[i] for i in level]
-        top = cfg.draft_top(cfg.head, params, feats, max(ranks) + 1)  # [B, n_{d-1}, r]
-        drafts.append(top[:, local, ranks])  # [B, n_d]
-        if d < tree.depth:
-            mask = TreeMask((lens - 1 + d).unsqueeze(1).expand(-1, len(level)), lens, anc[:, level.start:level.stop])
-            feats, kv = cfg.forward(cfg.head, params, kv, drafts[-1], feats[:, local], slots, lens + level.start,
-                                    window, read, tree=mask)  # [B, n_d, H]
-        prev = level
-    return torch.cat(drafts, 1), parents, kv
 
 
 def commit(cfg: ChainConfig, state: ChainState, result) -> ChainState:
