@@ -318,9 +318,14 @@ def test_chain_shaped_tree_drafts_what_the_chain_drafts(zoo):
     assert chain.stats["steps"] == tree.stats["steps"]
 
 
-@pytest.mark.parametrize("codegen", ["traced", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, codegen, monkeypatch):
-    """Bucket (B, N) = (4, 7): the step keeps the state's structure, emits [B, D+1] tokens, and one
+DYNAMIC = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize("tree, codegen", [(TREE, "traced"), (DYNAMIC, "traced"),
+                                           pytest.param(TREE, "inductor", marks=pytest.mark.slow)])
+def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, tree, codegen, monkeypatch):
+    """Bucket (B, N) = (4, 7), static and dynamic (both depth 3): the step keeps the state's
+    structure, emits [B, D+1] tokens, and one
     fullgraph serves every step greedy-losslessly with 0 recompiles after warm-up.
 
     NOTE: "traced" swaps inductor's codegen for the Dynamo graph (as the test above does); the
@@ -329,8 +334,8 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
         import torch._inductor.compile_fx as cfx
 
         monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
-    eng = spec_engine(zoo, "eagle3", k=len(TREE), spec={"speculative_token_tree": str(TREE)},
-                      backend="inductor", batch_buckets=[4])
+    spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
+    eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4])
     assert eng.plan.ks == (0, 7) and eng.plan.capture_sizes()[7] == [32]
     bucket = eng.bucket(4, 7, mode="greedy")
     sig = tree_signature(bucket.args[1])
@@ -361,3 +366,16 @@ def test_dynamic_tree_of_topk_one_drafts_what_the_chain_drafts(zoo):
     outs = [[o.outputs[0].token_ids for o in e.generate(PROMPTS, greedy(24))] for e in (chain, dyn)]
     assert outs[0] == outs[1] == zoo.ar
     assert chain.stats["per_position_acceptance"] == dyn.stats["per_position_acceptance"]
+
+
+def test_sampled_tree_decoding_is_deterministic_per_seed(zoo):
+    """Sampled rows through a tree: the same seeds give the same tokens, other seeds other tokens."""
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=s) for s in (1, 2)]
+
+    def run(seeds):
+        eng = spec_engine(zoo, "eagle3", k=8, spec={"speculative_eagle_topk": 3, "speculative_num_steps": 3,
+                                                    "speculative_num_draft_tokens": 9})
+        outs = eng.generate(PROMPTS[:2], [params[s] for s in seeds])
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert run([0, 1]) == run([0, 1]) and run([1, 0])[0] != run([0, 1])[0]
