@@ -6,6 +6,8 @@ Dimension letters used in shape comments across funcspec:
     V  vocabulary size                      T  tokens per row in one forward
     H  hidden size (or heads, in attention) D  head dimension
     L  layers                               S  real KV slots (slot S is scratch)
+    N  draft nodes of a token tree (a tree bucket's K); its depth appears only as
+       ``[B, D+1]``, the emitted tokens of a tree step, never beside a head dimension
 
 Glossary: one name per quantity.
 
