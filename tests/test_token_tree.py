@@ -203,3 +203,22 @@ def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
     assert (p1 == 0).any()  # top-k zeros that the drafts do propose
     joint = torch.bincount(first * vocab + second, minlength=vocab * vocab)
     assert chi2_pvalue(joint, p0.unsqueeze(1) * p1) > 1e-4
+
+
+def test_commit_path_moves_the_accepted_nodes_kv_into_place():
+    """Entries written at lens + tree index move to lens + depth along the path; others stay."""
+    from funcspec.nn import ModelConfig, init_kv_cache
+    from funcspec.step import commit_path
+
+    cfg = ModelConfig("llama", 8, 4, 8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
+    kv = init_kv_cache(cfg, 2, 16)
+    pos = torch.arange(16, dtype=torch.float32).view(1, 1, 1, -1, 1)
+    kv.k.copy_(pos.expand_as(kv.k) + 100 * torch.arange(3).view(1, -1, 1, 1, 1))  # slot s, position t: 100 s + t
+    kv.v.copy_(-kv.k)
+    before = kv.k.clone()
+    slots, lens = torch.tensor([1, 0]), torch.tensor([5, 3])
+    commit_path(kv, slots, lens, torch.tensor([[0, 2, 6, 7], [0, 3, 3, 3]]))  # [B, D+1]
+    assert kv.k[1, 1, 0, 5:9, 0].tolist() == [105, 107, 111, 112]  # slot 1: tree indices 0, 2, 6, 7 from 5
+    assert kv.k[0, 0, 0, 3:7, 0].tolist() == [3, 6, 6, 6]  # slot 0: path 0, 3 (past its end it repeats)
+    assert torch.equal(kv.v, -kv.k)
+    assert torch.equal(kv.k[:, 2], before[:, 2]) and torch.equal(kv.k[:, 1, :, :5], before[:, 1, :, :5])
