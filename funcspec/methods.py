@@ -47,7 +47,7 @@ class Method:
         host: drafts on the host (the proposer module's ``runs_on_host``).
         dynamic_spec: vLLM-Ascend's ``dynamic_spec_config`` can name it.
         tree: it drafts token trees (``speculative_token_tree`` or an EAGLE-2
-            dynamic tree), through the feature-chain runtime.
+            dynamic tree), with ``proposers.tree_draft``.
         zoo: the zoo trains a checkpoint for it (``funcspec train <name>``
             writes ``models/<name>``).
         head: the draft-head family whose random init ``init_draft_head``
@@ -92,7 +92,7 @@ _ROWS = (
     Method("suffix", _proposer("suffix"), model=NONE, batch_table=False, host=True),
     # funcspec's own benchmark proposer (not vLLM): always drafts, at no cost.
     Method("echo", _proposer("echo"), model=NONE),
-    Method("draft_model", _proposer("draft_model"), draft_window=True, zoo=True),
+    Method("draft_model", _proposer("draft_model"), draft_window=True, tree=True, zoo=True),
     Method("medusa", _proposer("medusa"), zoo=True, head="medusa"),
     # mtp's window is forced off by vLLM-Ascend: MTP reuses the target's own layers.
     Method("mtp", _proposer("mtp"), model=OPTIONAL, tree=True, zoo=True, head="mtp"),

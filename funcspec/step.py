@@ -22,7 +22,7 @@ import torch
 from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.verifiers import tree as tree_verifier
 from funcspec.nn import KVCache, ModelConfig, forward
-from funcspec.nn.llama import FULL_READ, KVRead, TreeMask
+from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import ancestors, depths, tree_parents
 from funcspec.tree import pytree_dataclass, replace, tree_leaves
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
@@ -124,6 +124,7 @@ class VerifyResult:
     tokens: torch.Tensor  # [B, K+1] (tree: [B, D+1], the accepted path)
     num_emitted: torch.Tensor  # [B]
     hiddens: tuple  # target hidden states [B, K+1, H] of the proposer's layers (tree: along the path)
+    path: Optional[torch.Tensor] = None  # [B, D+1] tree indices of the accepted path (tree steps only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,25 +205,6 @@ def tree_mask(parents: torch.Tensor, lens: torch.Tensor, depth: int) -> TreeMask
     return TreeMask(lens.unsqueeze(1) + depths(anc), lens, anc)
 
 
-def commit_path(kv: KVCache, slots: torch.Tensor, lens: torch.Tensor, path: torch.Tensor) -> None:
-    """Move the accepted path's KV entries, written at ``lens + tree index``, to ``lens + depth``.
-
-    path [B, D+1]: the path's tree indices (``verifiers.tree``). Entries past the
-    emitted length land beyond the new length, where nothing reads them; the
-    rest of the tree is rolled back by the length alone. Donates: kv.k, kv.v.
-    """
-    n_layers, _, n_heads = kv.k.shape[:3]
-    dev = path.device
-    idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
-           torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
-    src = (lens.unsqueeze(1) + path).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
-    dst = (lens.unsqueeze(1) + torch.arange(path.shape[1], device=dev)).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
-    for cache in (kv.k, kv.v):
-        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6);
-        # a path index is never below its depth, so no source is overwritten early.
-        cache.index_put_((*idx, dst), cache[(*idx, src)])
-
-
 def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInputs):
     """One decoding step for a (B, K) bucket.
 
@@ -254,6 +236,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     mask = tree_mask(proposal.parents, lens, tree.depth) if tree is not None else None
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
                                   sc.read, tree=mask)  # [B, K+1, V] float32
+    path = None
     if tree is not None:
         out, n, path = tree_verifier.verify(key, logits, proposal, samp, sc.mode, tree.depth)  # [B, D+1] x2, [B]
         commit_path(kv, slots, lens, path)
@@ -266,7 +249,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         n = torch.ones_like(slots, dtype=torch.int32)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
-        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens))
+        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens, path))
         num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
     else:
         num_drafts = torch.zeros_like(slots)

@@ -208,7 +208,7 @@ def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
 def test_commit_path_moves_the_accepted_nodes_kv_into_place():
     """Entries written at lens + tree index move to lens + depth along the path; others stay."""
     from funcspec.nn import ModelConfig, init_kv_cache
-    from funcspec.step import commit_path
+    from funcspec.nn.llama import commit_path
 
     cfg = ModelConfig("llama", 8, 4, 8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
     kv = init_kv_cache(cfg, 2, 16)

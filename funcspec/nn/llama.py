@@ -182,6 +182,27 @@ def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Te
     cache.index_put_((l_idx, slots.view(-1, 1, 1), h, pos.unsqueeze(-1)), x)
 
 
+def commit_path(kv: KVCache, slots: torch.Tensor, lens: torch.Tensor, path: torch.Tensor) -> None:
+    """Move a token tree's accepted path in the cache: entries written at ``lens + tree index`` go to ``lens + depth``.
+
+    path [B, D+1]: the path's tree indices (``verifiers.tree``; tree index 0 is
+    the pending token at ``lens``), for the target's cache and any draft cache
+    laid out the same way. Entries past the emitted length land beyond the new
+    length, where nothing reads them; the rest of the tree is rolled back by the
+    length alone. Donates: kv.k, kv.v.
+    """
+    n_layers, _, n_heads = kv.k.shape[:3]
+    dev = path.device
+    idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
+           torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
+    src = (lens.unsqueeze(1) + path).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
+    dst = (lens.unsqueeze(1) + torch.arange(path.shape[1], device=dev)).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
+    for cache in (kv.k, kv.v):
+        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6);
+        # a path index is never below its depth, so no source is overwritten early.
+        cache.index_put_((*idx, dst), cache[(*idx, src)])
+
+
 @dataclasses.dataclass(frozen=True)
 class KVRead:
     """How attention reads a KV cache (static: part of a bucket's key).

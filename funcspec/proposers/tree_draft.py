@@ -1,7 +1,8 @@
 """Token-tree drafting for the feature-chain heads (``chain.py``; not a method itself).
 
 Both functions start from the head's feature g [B, H] at the root (the pending
-token's pair, after the catch-up) and return ``(tokens [B, N], parents [B, N], kv)``
+token's pair, after the catch-up; for a draft model, the pending token's logits)
+and return ``(tokens [B, N], parents [B, N], kv)``
 in the layout of ``funcspec.token_tree``. A head call over tree nodes feeds each
 node's token with its parent's feature, RoPE at ``n - 1 + depth`` (the chain's
 position for that depth) and tree attention over the context and the node's
@@ -19,10 +20,31 @@ ancestors, which the head wrote at their own cache slots earlier in this step.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import torch
 
 from funcspec.nn.llama import TreeMask
 from funcspec.token_tree import ancestors, static_parents, tree_parents
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """What tree drafting calls (``chain.ChainConfig`` has the same fields).
+
+    Attributes:
+        head: the network's static config.
+        forward: ``(head, params, kv, tokens [B, T], feats [B, T, F], slots, starts, window, read, tree=TreeMask)
+            -> (out [B, T, F], kv)``: each node's output, handed to its children as ``feats``.
+        draft_top: ``(head, params, out [.., F], k) -> (tokens [.., k], log-probabilities [.., k])``.
+        tree: a ``TokenTree`` or ``DynamicTree``.
+    """
+
+    head: Any
+    forward: Callable
+    draft_top: Callable
+    tree: Any
+
 
 DEPTH_PENALTY = 1e-3
 """Subtracted per depth from a candidate's score when the tree is cut (see :func:`draft_dynamic`)."""
