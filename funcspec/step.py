@@ -20,12 +20,12 @@ from typing import Any, Optional
 import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
-from funcspec.verifiers import tree as tree_verifier
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import ancestors, depths, tree_parents
 from funcspec.tree import pytree_dataclass, replace, tree_leaves
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
+from funcspec.verifiers import tree as tree_verifier
 
 
 DRAFT_STREAM = -1  # fold_in data of the proposer's key; verifiers use non-negative sub-streams
@@ -238,7 +238,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
                                   sc.read, tree=mask)  # [B, K+1, V] float32
     path = None
     if tree is not None:
-        out, n, path = tree_verifier.verify(key, logits, proposal, samp, sc.mode, tree.depth)  # [B, D+1] x2, [B]
+        out, n, path = tree_verifier.verify(key, logits, proposal, samp, sc.mode, tree.depth)  # [B, D+1], [B], [B, D+1]
         commit_path(kv, slots, lens, path)
         hiddens = tuple(torch.gather(h, 1, path.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in hiddens)
     elif sc.k > 0:

@@ -54,9 +54,11 @@ class ChainConfig:
     Attributes:
         head: the head network's static config.
         features: ``(head, params, feats [.., F]) -> [.., H]``, the target features as head input.
-        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read) -> (g [B, T, H], kv)``.
+        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read, tree=None)
+            -> (g [B, T, H], kv)``; ``tree``: a ``nn.llama.TreeMask`` over the head's own tree drafts.
         draft: ``(head, params, g [B, H]) -> [B]`` greedy target-vocabulary ids.
-        draft_top: ``(head, params, g [.., H], k) -> [.., k]`` the k best target ids (tree children).
+        draft_top: ``(head, params, g [.., H], k) -> (ids [.., k], log-probabilities [.., k])``, the k
+            best target ids (tree children, best first) and their EAGLE-2 scores.
         model: the head's decoder dims (its KV cache's shape).
         max_k: the largest K of any bucket.
         hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).

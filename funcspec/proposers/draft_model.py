@@ -106,8 +106,9 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     logits = logits[:, -1]  # [B, V]
     if cfg.tree is not None and k > 0:
         # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
-        drafts, parents, kv = tree_draft.draft_static(tree_draft.Drafter(cfg.model, _tree_forward, _top_children, cfg.tree), params,
-                                    kv, logits, ctx.slots, ctx.lens + 1, window, ctx.read)
+        drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children, cfg.tree)
+        drafts, parents, kv = tree_draft.draft_static(drafter, params, kv, logits, ctx.slots, ctx.lens + 1, window,
+                                                      ctx.read)
         return Proposal(drafts, parents=parents), DraftState(kv)
     s = ctx.sampling
     tokens, probs = [], []
