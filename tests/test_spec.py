@@ -186,3 +186,21 @@ def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama):
     got = eng.state.proposer.kv
     torch.testing.assert_close(got.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4, rtol=0)
     torch.testing.assert_close(got.v[:, 0, :, :n], ref.v[:, 0, :, :n], atol=1e-4, rtol=0)
+
+
+def test_sampled_tree_lossless_draft_model(tiny_llama):
+    """Joint law of the first two tokens through a token tree (the target as its own top-k drafter, so
+    first, second and third siblings are all accepted at times) vs autoregressive sampling."""
+    n, prompt = 3000, [7, 8, 9]
+    tree = "[(0,), (1,), (2,), (0, 0), (1, 0)]"
+    spec_pairs, eng = _first_two({"speculative_config": _spec("draft_model", 5, tiny_llama,
+                                                               speculative_token_tree=tree)}, tiny_llama, n, prompt)
+    ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
+    assert eng.stats["per_position_acceptance"][0] > 0.5
+    cells = sorted(set(spec_pairs) | set(ar_pairs))
+    a = np.array([spec_pairs.count(c) for c in cells])
+    b = np.array([ar_pairs.count(c) for c in cells])
+    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
+    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-4
