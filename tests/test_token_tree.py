@@ -164,8 +164,8 @@ def test_greedy_tree_accepts_the_deepest_agreeing_path():
     assert out.tolist() == [[13, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]] and n.tolist() == [1]
 
 
-def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
-    """Chi-square on the joint of the first two emitted tokens (N = 30000, alpha = 1e-4).
+def tree_joint_pvalue():
+    """Chi-square p-value of the joint of the first two emitted tokens (N = 30000) against the target's.
 
     The target is a two-step Markov chain: p0 at the root, then P1[x] after token x
     (P2 below), so node logits depend on the node's token and depth, as a real
@@ -202,7 +202,32 @@ def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
     assert shared.float().mean() > 0.3  # many rows have depth-1 siblings that share a token
     assert (p1 == 0).any()  # top-k zeros that the drafts do propose
     joint = torch.bincount(first * vocab + second, minlength=vocab * vocab)
-    assert chi2_pvalue(joint, p0.unsqueeze(1) * p1) > 1e-4
+    return chi2_pvalue(joint, p0.unsqueeze(1) * p1)
+
+
+def test_sampled_tree_verification_is_lossless_with_shared_sibling_tokens():
+    """Chi-square on the joint of the first two emitted tokens (N = 30000, alpha = 1e-4)."""
+    assert tree_joint_pvalue() > 1e-4
+
+
+def test_chi_square_rejects_a_tree_verifier_with_the_wrong_residual(monkeypatch):
+    """The same statistic detects a rule that, when no child is accepted, emits a fresh draw from p
+    instead of the draw that missed every child (p instead of the residual without the children)."""
+    from funcspec.verifiers import common
+    from funcspec.verifiers import tree as tree_verifier
+
+    draws, emit, box = tree_verifier.target_choices, common.emit, {}
+
+    def choices(key, logits, sampling, mode, dep):
+        box["fresh"] = draws(key + 1, logits, sampling, mode, dep)[:, 0]  # [B] an independent draw at the root
+        return draws(key, logits, sampling, mode, dep)
+
+    def emit_fresh(drafts, num_accepted, final):
+        return emit(drafts, num_accepted, torch.where(num_accepted == 0, box["fresh"], final))
+
+    monkeypatch.setattr(tree_verifier, "target_choices", choices)
+    monkeypatch.setattr(tree_verifier.common, "emit", emit_fresh)
+    assert tree_joint_pvalue() < 1e-4
 
 
 def test_commit_path_moves_the_accepted_nodes_kv_into_place():
