@@ -129,7 +129,7 @@ class Engine:
         # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
         self.t_max = max_model_len + max_k + 1
         self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
-                                          context_buckets)
+                                          context_buckets, tree=spec is not None and spec.tree is not None)
         self.num_slots = max_batch_size
         from funcspec.proposers import BuildContext, build_proposer
 
@@ -146,7 +146,8 @@ class Engine:
         # refused engine leaves no processes behind; proposers were built from the whole target.
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
         self._stats = collections.Counter()
-        self._accepted_per_pos = [0] * max_k
+        # a tree accepts at most one node per depth: its per-position acceptance is per depth
+        self._accepted_per_pos = [0] * (spec.tree.depth if spec and spec.tree else max_k)
         self._buckets_used: collections.Counter = collections.Counter()
         try:
             # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
@@ -156,7 +157,8 @@ class Engine:
                 self.proposer = self.proposer.shard(self.tp)
             self.runner = Runner(self.model, self.proposer, verify,
                                  self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
-                                 spec.synthetic_acceptance_rates if spec else None, hooks)
+                                 spec.synthetic_acceptance_rates if spec else None, hooks,
+                                 spec.tree if spec else None)
             if eager_capture:
                 # NOTE: up front, only the general mode, which serves any request;
                 # the runner then never captures at run time.
@@ -372,7 +374,8 @@ class Engine:
 
         ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
         ``per_position_acceptance[i]`` is the fraction of speculative row-steps
-        whose first i+1 drafts were all accepted (unconditional, so it never rises with i).
+        whose first i+1 drafts were all accepted (unconditional, so it never rises with i);
+        with a token tree, whose accepted path reached depth i+1 (per-depth acceptance).
         """
         s = self._stats
         graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.graphs.items())}

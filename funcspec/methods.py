@@ -46,6 +46,8 @@ class Method:
         batch_table: ``num_speculative_tokens_per_batch_size`` applies.
         host: drafts on the host (the proposer module's ``runs_on_host``).
         dynamic_spec: vLLM-Ascend's ``dynamic_spec_config`` can name it.
+        tree: it drafts token trees (``speculative_token_tree`` or an EAGLE-2
+            dynamic tree), with ``proposers.tree_draft``.
         zoo: the zoo trains a checkpoint for it (``funcspec train <name>``
             writes ``models/<name>``).
         head: the draft-head family whose random init ``init_draft_head``
@@ -67,6 +69,7 @@ class Method:
     batch_table: bool = True
     host: bool = False
     dynamic_spec: bool = False
+    tree: bool = False
     zoo: bool = False
     head: Optional[str] = None
     head_args: tuple[tuple[str, Any], ...] = ()
@@ -89,12 +92,12 @@ _ROWS = (
     Method("suffix", _proposer("suffix"), model=NONE, batch_table=False, host=True),
     # funcspec's own benchmark proposer (not vLLM): always drafts, at no cost.
     Method("echo", _proposer("echo"), model=NONE),
-    Method("draft_model", _proposer("draft_model"), draft_window=True, zoo=True),
+    Method("draft_model", _proposer("draft_model"), draft_window=True, tree=True, zoo=True),
     Method("medusa", _proposer("medusa"), zoo=True, head="medusa"),
     # mtp's window is forced off by vLLM-Ascend: MTP reuses the target's own layers.
-    Method("mtp", _proposer("mtp"), model=OPTIONAL, zoo=True, head="mtp"),
-    Method("eagle", _proposer("eagle"), draft_window=True, head="eagle", head_args=(("version", 1),)),
-    Method("eagle3", _proposer("eagle3"), aux_layers=True, draft_window=True, zoo=True,
+    Method("mtp", _proposer("mtp"), model=OPTIONAL, tree=True, zoo=True, head="mtp"),
+    Method("eagle", _proposer("eagle"), draft_window=True, tree=True, head="eagle", head_args=(("version", 1),)),
+    Method("eagle3", _proposer("eagle3"), aux_layers=True, draft_window=True, tree=True, zoo=True,
            head="eagle", head_args=(("version", 3),)),
     Method("dflash", _proposer("dflash"), aux_layers=True, draft_window=True, dynamic_spec=True, zoo=True,
            head="dflash", head_args=(("method", "dflash"),)),

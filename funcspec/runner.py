@@ -100,14 +100,17 @@ class Runner:
         prefill_hooks: callables ``hook(reqs, tokens [P, T], lens, hiddens)``
             with a ``layers`` attribute: they see each prefill's hidden states
             of those layers (``extract_hidden_states`` is one).
+        tree: the token tree that buckets with K > 0 draft and verify (K is its
+            node count N), or ``None`` for chains.
     """
 
     def __init__(self, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
-                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = ()):
+                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = (), tree=None):
         self.model, self.proposer, self.verify, self.plan, self.backend = model, proposer, verify, plan, backend
         self.num_slots, self.t_max, self.device, self.dyn = num_slots, t_max, torch.device(device), dyn
         self.synthetic_rates = synthetic_rates
         self.prefill_hooks = tuple(prefill_hooks)
+        self.tree = tree
         self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> captured step
@@ -129,7 +132,7 @@ class Runner:
         verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
-                          KVRead(t, aligned=True), mode)
+                          KVRead(t, aligned=True), mode, self.tree if k > 0 else None)
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot)."""

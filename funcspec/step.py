@@ -5,7 +5,11 @@
     -> verify
     -> commit: advance lengths, append emitted tokens to the history
 
-K = 0 is plain autoregressive decoding through the same function.
+K = 0 is plain autoregressive decoding through the same function. With a token
+tree (``StepConfig.tree``) K is the tree's node count N: the target runs over
+the N + 1 tree indices with tree attention, the tree verifier returns the
+accepted root path as ``[B, D+1]`` tokens, and that path's KV entries and
+target hidden states are moved into place (``commit_path``) before lengths advance.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
-from funcspec.nn.llama import FULL_READ, KVRead
+from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
+from funcspec.token_tree import ancestors, depths, tree_parents
 from funcspec.tree import pytree_dataclass, replace, tree_leaves
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
+from funcspec.verifiers import tree as tree_verifier
 
 
 DRAFT_STREAM = -1  # fold_in data of the proposer's key; verifiers use non-negative sub-streams
@@ -69,7 +75,7 @@ class StepOutput:
     """What the host reads back, in one copy.
 
     Attributes:
-        tokens: [B, K+1] int64, ``PLACEHOLDER`` after the emitted ones.
+        tokens: [B, K+1] int64 (tree buckets: [B, D+1]), ``PLACEHOLDER`` after the emitted ones.
         num_emitted: [B] int32.
         num_drafts: [B] int64 drafts that were verified (not ``PLACEHOLDER``).
         confidence: [B, K] float32 draft confidences (confidence-based verify
@@ -115,9 +121,10 @@ class VerifyResult:
 
     slots: torch.Tensor  # [B]
     lens: torch.Tensor  # [B] lengths before this step
-    tokens: torch.Tensor  # [B, K+1]
+    tokens: torch.Tensor  # [B, K+1] (tree: [B, D+1], the accepted path)
     num_emitted: torch.Tensor  # [B]
-    hiddens: tuple  # target hidden states [B, K+1, H] of the proposer's layers
+    hiddens: tuple  # target hidden states [B, K+1, H] of the proposer's layers (tree: along the path)
+    path: Optional[torch.Tensor] = None  # [B, D+1] tree indices of the accepted path (tree steps only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +139,7 @@ class StepConfig:
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
     mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
+    tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree when K > 0 drafts a tree of K nodes
 
 
 def move_slot(state: EngineState, src: int, dst: int) -> None:
@@ -191,6 +199,12 @@ def commit_lengths(kv: KVCache, history: torch.Tensor, slots, lens, tokens, n) -
     history.index_put_((slots.unsqueeze(1).expand_as(cols), cols), tokens)
 
 
+def tree_mask(parents: torch.Tensor, lens: torch.Tensor, depth: int) -> TreeMask:
+    """The target's tree attention over [pending, nodes] for node parents [B, N] at committed lengths [B]."""
+    anc = ancestors(tree_parents(parents), depth)  # [B, N+1, N+1]
+    return TreeMask(lens.unsqueeze(1) + depths(anc), lens, anc)
+
+
 def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInputs):
     """One decoding step for a (B, K) bucket.
 
@@ -218,9 +232,16 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
     else:
         tokens = pending.unsqueeze(1)  # [B, 1]
+    tree = sc.tree if sc.k > 0 else None
+    mask = tree_mask(proposal.parents, lens, tree.depth) if tree is not None else None
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
-                                  sc.read)  # [B, K+1, V] float32
-    if sc.k > 0:
+                                  sc.read, tree=mask)  # [B, K+1, V] float32
+    path = None
+    if tree is not None:
+        out, n, path = tree_verifier.verify(key, logits, proposal, samp, sc.mode, tree.depth)  # [B, D+1], [B], [B, D+1]
+        commit_path(kv, slots, lens, path)
+        hiddens = tuple(torch.gather(h, 1, path.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in hiddens)
+    elif sc.k > 0:
         out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy,
                                   inputs.synthetic_cond)  # [B, K+1], [B]
     else:
@@ -228,7 +249,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         n = torch.ones_like(slots, dtype=torch.int32)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
-        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens))
+        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens, path))
         num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
     else:
         num_drafts = torch.zeros_like(slots)

@@ -128,7 +128,8 @@ def read_acceptance(spec: Mapping, method: str) -> tuple[list[float], int]:
     method = METHOD_ALIASES.get(method, method)
     best: Optional[tuple[int, int]] = None  # (positions, row index)
     for i, row in enumerate(_list("spec.rows", spec.get("rows"))):
-        if not isinstance(row, Mapping) or row.get("engine", "funcspec") != "funcspec":
+        # NOTE: token-tree rows are skipped: their acceptance is per depth of an N-node tree, not per K.
+        if not isinstance(row, Mapping) or row.get("engine", "funcspec") != "funcspec" or row.get("tree"):
             continue
         if "method" not in row:
             raise ValueError(f"spec.rows[{i}].method is missing")

@@ -6,6 +6,8 @@ Dimension letters used in shape comments across funcspec:
     V  vocabulary size                      T  tokens per row in one forward
     H  hidden size (or heads, in attention) D  head dimension
     L  layers                               S  real KV slots (slot S is scratch)
+    N  draft nodes of a token tree (a tree bucket's K); its depth appears only as
+       ``[B, D+1]``, the emitted tokens of a tree step, never beside a head dimension
 
 Glossary: one name per quantity.
 
@@ -42,11 +44,15 @@ class Proposal:
         probs: [B, K, V] float32 draft distribution q, or ``None`` for a
             deterministic draft (q is one-hot at ``tokens``).
         confidence: [B, K] float32 per-token confidence, or ``None``.
+        parents: [B, K] int64 parent node of each draft (-1: the pending token)
+            when the drafts form a token tree (``funcspec.token_tree``), or
+            ``None`` for a chain.
     """
 
     tokens: torch.Tensor
     probs: Optional[torch.Tensor] = None
     confidence: Optional[torch.Tensor] = None
+    parents: Optional[torch.Tensor] = None
 
 
 @pytree_dataclass

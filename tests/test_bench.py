@@ -41,3 +41,20 @@ def test_bench_spec_refuses_a_neural_method_without_a_checkpoint(tiny_llama, tmp
         spec.run(tiny_llama, methods=["eagle3"], prompts="repetitive", num_prompts=1, out_dir=tmp_path)
     with pytest.raises(ValueError, match="prompts: 'nope.txt'"):
         spec.load_prompts("nope.txt", None, 1, 8)
+
+
+def test_bench_spec_puts_each_tree_beside_its_chain_at_equal_n(tiny_llama, tmp_path):
+    from funcspec import load_model
+    from funcspec.checkpoints import init_draft_head
+
+    head = str(init_draft_head("eagle", load_model(tiny_llama), tmp_path / "eagle"))
+    tree = {"speculative_token_tree": "[(0,), (1,), (0, 0)]"}
+    res = spec.run(tiny_llama, methods=[], ks=(), batches=(2,), prompts="repetitive", num_prompts=2, max_tokens=8,
+                   heads={"eagle": head}, hf=False, out_dir=tmp_path / "out", trees=[("eagle", tree)])
+    ar, chain, row = res["rows"]
+    assert (chain["method"], chain["k"], chain["tree"]) == ("eagle", 3, None)  # the chain at K = N = 3
+    assert (row["method"], row["k"], row["tree"]) == ("eagle", 3, tree)
+    assert row["speedup_vs_chain"] == row["tokens_per_s"] / chain["tokens_per_s"]
+    assert row["tau_vs_chain"] == row["tau"] / chain["tau"] and row["matches_ar_greedy"]
+    assert spec.label(row) == "funcspec eagle tree N3 B2"
+    assert "| eagle | 3 | 2 |" in next((tmp_path / "out").glob("*.md")).read_text()

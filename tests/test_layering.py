@@ -32,9 +32,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "funcspec"
 # Keys are the first name under funcspec (``nn`` for funcspec.nn.eagle);
 # "__init__" is funcspec/__init__.py, the public facade (load_model, Engine, LLM).
 LAYERS: list[tuple[str, set[str]]] = [
-    # pytrees, keys, sentinels, outputs, the method registry, the host suffix-tree data structure,
+    # pytrees, token-tree shapes, keys, sentinels, outputs, the method registry, the host suffix tree,
     # the tensor-parallel group and its all-reduce
-    ("base", {"tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel"}),
+    ("base", {"tree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel"}),
     ("nn", {"nn"}),  # math only
     ("checkpoints", {"checkpoints"}),  # HF formats: config, safetensors, random init
     ("step parts", {"proposers", "verifiers", "sampling", "dynamic"}),  # pure functions over explicit state

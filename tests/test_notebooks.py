@@ -18,7 +18,7 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TIMEOUT = 300  # seconds per cell
 
-# NOTE: CI runs 01 on the zoo (target, EAGLE-3 and DSpark heads) and the others on
+# NOTE: CI runs 01 and 05 on the zoo (target, EAGLE-3 and DSpark heads) and the others on
 # the random default model (built on first use), all on eager backends, so no
 # notebook compiles with inductor.
 CI_PARAMS = {
@@ -88,6 +88,20 @@ DYNAMIC_PARAMS = {"initial_verify_budget_per_req": 2, "budget_update_interval": 
 DYNAMIC_RANDOM_HEAD = True
 THREADS = 1
 """,
+    "05_token_trees.ipynb": """
+MODEL = None
+METHOD = "eagle3"
+CHAIN_K = 2
+TREES = {"dynamic": {"speculative_eagle_topk": 2, "speculative_num_steps": 2, "speculative_num_draft_tokens": 4},
+         "static": {"speculative_token_tree": "[(0,), (1,), (0, 0)]"}}
+PROMPTS = "heldout"
+NUM_PROMPTS = 2
+PROMPT_TOKENS = 32
+MAX_TOKENS = 12
+BATCH = 1
+BACKEND = "eager"
+THREADS = 1
+""",
 }
 
 # Lines each notebook must print, and the fewest inline PNG figures it must show.
@@ -102,6 +116,7 @@ EXPECTED = {
                                 "new Python int length: refused", "1 graph(s), 0 graph break(s)"], 2),
     "04_dynamic_k.ipynb": (["per-position acceptance a_i:", "verify length per row:", "dynamic greedy == AR: True"],
                            4),
+    "05_token_trees.ipynb": (["tree greedy == AR: True", "| dynamic | 3 |", "| static | 3 |"], 1),
 }
 
 

@@ -152,3 +152,55 @@ def test_dynamic_verify_length_is_lossless(tiny_llama, tmp_path, reference):
     assert _ids(eng.generate(prompts[:8], GREEDY)) == want[:8]
     ks = {int(b.split("_K")[1]) for b in eng.stats["buckets_used"]}
     assert ks and max(ks) <= 4 and min(ks) >= 1
+
+
+def test_draft_model_tree_greedy_lossless(tiny_llama, tiny_draft, reference):
+    """draft_model drafts vLLM's speculative_token_tree (its KV moved along the accepted path): greedy == AR."""
+    prompts, want = reference
+    tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 5, tiny_draft, speculative_token_tree=tree),
+                 max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+    assert len(eng.stats["per_position_acceptance"]) == 3 and eng.stats["mean_acceptance_length"] > 1.0
+    with pytest.raises(ValueError, match="'draft_model' drafts static trees only"):
+        Engine(tiny_llama, speculative_config=_spec("draft_model", 3, tiny_draft, speculative_eagle_topk=1,
+                                                    speculative_num_steps=3, speculative_num_draft_tokens=4))
+
+
+def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama):
+    """After tree steps, the draft's cache holds its KV of the committed tokens at their positions: what
+    one fresh draft forward over them writes (a draft that drafts what the target says: the target itself)."""
+    from funcspec.nn import forward, init_kv_cache
+
+    tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 5, tiny_llama, speculative_token_tree=tree),
+                 max_batch_size=1, max_model_len=96)
+    prompt = _prompts(1)[0]
+    seq = prompt + eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    # deep paths were accepted: (0,), (0, 0), (0, 0, 0) sit at tree slots 1, 3, 5, not at depths 1, 2, 3
+    assert eng.stats["per_position_acceptance"][2] > 0.5
+    n = len(seq) - 2  # positions the last step's first pass and path moves left final
+    m = eng.proposer.cfg.model
+    ref = init_kv_cache(m, 1, 128)
+    forward(m, eng.params["draft"], ref, torch.tensor([seq[:n]]), torch.tensor([0]), torch.tensor([0]))
+    got = eng.state.proposer.kv
+    torch.testing.assert_close(got.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.v[:, 0, :, :n], ref.v[:, 0, :, :n], atol=1e-4, rtol=0)
+
+
+def test_sampled_tree_lossless_draft_model(tiny_llama):
+    """Joint law of the first two tokens through a token tree (the target as its own top-k drafter, so
+    first, second and third siblings are all accepted at times) vs autoregressive sampling."""
+    n, prompt = 3000, [7, 8, 9]
+    tree = "[(0,), (1,), (2,), (0, 0), (1, 0)]"
+    spec_pairs, eng = _first_two({"speculative_config": _spec("draft_model", 5, tiny_llama,
+                                                               speculative_token_tree=tree)}, tiny_llama, n, prompt)
+    ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
+    assert eng.stats["per_position_acceptance"][0] > 0.5
+    cells = sorted(set(spec_pairs) | set(ar_pairs))
+    a = np.array([spec_pairs.count(c) for c in cells])
+    b = np.array([ar_pairs.count(c) for c in cells])
+    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
+    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-4

@@ -5,7 +5,10 @@ One run measures, on the same checkpoint and prompts:
 - funcspec autoregressive decoding (K = 0),
 - funcspec with each speculative method at each K and batch size,
 - HF ``transformers`` ``generate``: plain greedy, ``prompt_lookup_num_tokens=K``
-  and ``assistant_model`` = the draft_model checkpoint (a constant K per round).
+  and ``assistant_model`` = the draft_model checkpoint (a constant K per round),
+- token trees (``trees``: a method and its tree keys), each beside its method's
+  chain at equal verify width (K = N, so K + 1 = N + 1 tokens per row): the rows
+  report the tree's speedup and τ over that chain, measured in the same run.
 
 By default the model is the zoo target, the neural methods use the zoo's heads
 and the prompts are the first 128 tokens of the zoo's held-out stdlib files
@@ -56,11 +59,11 @@ def load_prompts(source: str, tokenizer, num: int, prompt_tokens: int) -> list[l
     return [tokenizer(t)["input_ids"] for t in texts if t][:num]
 
 
-def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head):
+def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None):
     from funcspec import Engine, SamplingParams
     from funcspec.zoo import speculative_config
 
-    spec = None if method == "ar" else speculative_config(method, k, head)
+    spec = None if method == "ar" else speculative_config(method, k, head, **(tree or {}))
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
                  max_model_len=max(len(p) for p in prompts) + max_tokens + 8)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -72,6 +75,7 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head):
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     st = eng.stats
     return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
+            "tree": tree,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
             "step_ms_median": statistics.median(
@@ -146,29 +150,57 @@ def _head_paths(model: str, methods, heads: dict | None) -> dict:
     return out
 
 
+def tree_size(method: str, tree: dict) -> int:
+    """N, the node count of the token tree that ``tree`` (speculative_config keys) describes."""
+    from funcspec.config import SpecConfig
+
+    return SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False).num_speculative_tokens
+
+
+def _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains: dict) -> list[dict]:
+    """Each tree's row, with its speedup and τ over its method's chain at K = N (run here unless in ``chains``)."""
+    rows = []
+    for method, tree in trees:
+        n = tree_size(method, tree)
+        if (method, n) not in chains:
+            chains[method, n] = _funcspec_run(model, ids, method, n, backend, b, max_tokens, heads.get(method))
+            rows.append(chains[method, n])
+        row = _funcspec_run(model, ids, method, n, backend, b, max_tokens, heads.get(method), dict(tree))
+        chain = chains[method, n]
+        row["speedup_vs_chain"] = row["tokens_per_s"] / chain["tokens_per_s"]
+        row["tau_vs_chain"] = row["tau"] / chain["tau"]
+        rows.append(row)
+    return rows
+
+
 def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=(4,), backend: str = "eager",
         prompts: str = "heldout", num_prompts: int = 8, prompt_tokens: int = 128, max_tokens: int = 128,
-        heads: dict | None = None, hf: bool = True, out_dir=None) -> dict:
+        heads: dict | None = None, hf: bool = True, out_dir=None, trees=()) -> dict:
     """Benchmark AR, each method at each K and batch, and HF, on the same prompts; writes and returns the result.
 
     ``model`` defaults to the zoo target; ``heads`` maps neural methods to their
     checkpoints (the zoo's by default on the zoo target), ``heads["draft_model"]``
-    is also HF's ``assistant_model``. Every row records whether its outputs equal
+    is also HF's ``assistant_model``. ``trees``: ``(method, tree keys)`` pairs,
+    e.g. ``("eagle3", {"speculative_token_tree": "[(0,), (1,)]"})``, each run
+    beside its chain at K = N. Every row records whether its outputs equal
     funcspec AR greedy's, token for token.
     """
     from funcspec import zoo
     from funcspec.checkpoints import load_model
 
     model = str(model or zoo.model_path("target"))
-    heads = _head_paths(model, methods, heads)
+    heads = _head_paths(model, list(methods) + [m for m, _ in trees], heads)
     ids = load_prompts(prompts, load_model(model).tokenizer, num_prompts, prompt_tokens)
     rows, ar = [], {}
     for b in batches:
         ar[b] = _funcspec_run(model, ids, "ar", 0, backend, b, max_tokens, None)
         rows.append(ar[b])
+        chains = {}
         for m in methods:
             for k in ks:
-                rows.append(_funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m)))
+                chains[m, k] = _funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m))
+                rows.append(chains[m, k])
+        rows += _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains)
     if hf:
         rows.append(_hf_run(model, ids, max_tokens, "greedy", 0, None))
         rows += [_hf_run(model, ids, max_tokens, "greedy_batched", 0, None, b) for b in batches if b > 1]
@@ -190,6 +222,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
         del r["outputs"]
     result = {"model": model, "heads": heads, "backend": backend, "batches": list(batches), "ks": list(ks),
               "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+              "trees": [[m, dict(t)] for m, t in trees],
               "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name("cpu"))
@@ -197,8 +230,8 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
 
 
 def label(r: dict) -> str:
-    """A row's short name, e.g. ``funcspec eagle3 K4 B4`` or ``hf assistant K4``."""
-    k = f" K{r['k']}" if r["k"] else ""
+    """A row's short name, e.g. ``funcspec eagle3 K4 B4``, ``funcspec eagle3 tree N16 B4`` or ``hf assistant K4``."""
+    k = (f" tree N{r['k']}" if r.get("tree") else f" K{r['k']}") if r["k"] else ""
     b = f" B{r['batch']}" if r["engine"] == "funcspec" else ""
     return f"{r['engine']} {r['method']}{k}{b}"
 
@@ -206,17 +239,19 @@ def label(r: dict) -> str:
 def markdown(result: dict) -> str:
     """The result as a markdown table."""
     head = ("| engine | method | K | batch | backend | tokens/s | vs funcspec AR | vs HF greedy | τ | speedup/τ "
-            "| per-position acceptance | = AR greedy |\n")
-    head += "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| per-position acceptance | = AR greedy | tree | tree vs chain (speed, τ) |\n")
+    head += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     lines = []
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
         sot = f"{r['speedup_over_tau']:.2f}" if r.get("speedup_over_tau") else "-"
         vs_hf = f"{r['speedup_vs_hf_greedy']:.2f}x" if "speedup_vs_hf_greedy" in r else "-"
         acc = ", ".join(f"{a:.2f}" for a in r.get("per_position_acceptance") or []) or "-"
+        tree = json.dumps(r["tree"]).replace("|", "/") if r.get("tree") else "-"
+        vs_chain = f"{r['speedup_vs_chain']:.2f}x, {r['tau_vs_chain']:.2f}x" if "speedup_vs_chain" in r else "-"
         lines.append(f"| {r['engine']} | {r['method']} | {r['k']} | {r['batch']} | {r['backend']} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_funcspec_ar']:.2f}x | {vs_hf} | {tau} | {sot} | "
-                     f"{acc} | {r['matches_ar_greedy']} |")
+                     f"{acc} | {r['matches_ar_greedy']} | {tree} | {vs_chain} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -290,12 +325,16 @@ def add_parser(kinds) -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--tree", action="append", default=[], metavar="METHOD=JSON",
+                   help='a token tree run beside its chain at K = N, e.g. eagle3=\'{"speculative_eagle_topk": 3, '
+                        '"speculative_num_steps": 5, "speculative_num_draft_tokens": 17}\'')
 
     def go(a):
         if a.threads:
             torch.set_num_threads(a.threads)
         heads = dict(h.split("=", 1) for h in a.head)
         run(a.model, [m for m in a.methods.split(",") if m], _ints(a.k), _ints(a.batch), a.backend, a.prompts,
-            a.num_prompts, a.prompt_tokens, a.max_tokens, heads, not a.no_hf, a.out_dir)
+            a.num_prompts, a.prompt_tokens, a.max_tokens, heads, not a.no_hf, a.out_dir,
+            [(m, json.loads(t)) for m, t in (x.split("=", 1) for x in a.tree)])
 
     p.set_defaults(func=go)

@@ -69,15 +69,20 @@ class BucketPlan:
 
     @staticmethod
     def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, eager_capture=False,
-                   t_max: int | None = None, context_buckets=None) -> "BucketPlan":
-        """Default plan: power-of-two batches, K from 0 to ``max_k``, power-of-two contexts up to ``t_max``."""
+                   t_max: int | None = None, context_buckets=None, tree: bool = False) -> "BucketPlan":
+        """Default plan: power-of-two batches, K from 0 to ``max_k``, power-of-two contexts up to ``t_max``.
+
+        With a token ``tree`` of ``max_k`` = N nodes a bucket is (B, N): K is 0 or N
+        (a tree has one size), and a step verifies N + 1 tokens per row.
+        """
         buckets = default_batch_buckets(max_batch_size) if batch_buckets is None else tuple(batch_buckets)
         if context_buckets is None:
             context_buckets = default_context_buckets(t_max) if t_max is not None else ()
         elif t_max is not None and (not context_buckets or max(context_buckets) != t_max):
             raise ValueError(f"context_buckets must end at the cache length {t_max} (max_model_len + K + 1), "
                              f"got {list(context_buckets)}")
-        return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture, tuple(context_buckets))
+        ks = (0, max_k) if tree else tuple(range(max_k + 1))
+        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets))
 
     @property
     def buckets(self) -> list[tuple[int, int]]:

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from funcspec import methods
+from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
+from funcspec.config.tree import check_dynamic_tree, tree_max_k
 from funcspec.config.checks import (DYN, EXTRA, RS, SPEC, check_float, check_int, set_field,
                                     synthetic_rates)
 
@@ -41,6 +43,7 @@ def validate(cfg: "SpecConfig") -> None:
     _check_draft_window(cfg.method, cfg.draft_window_size)
     _check_dynamic_spec(cfg)
     _check_draft_tp(cfg.method, cfg.draft_tensor_parallel_size)
+    _check_tree(cfg)
     set_field(cfg, "ignored_keys", tuple(dict.fromkeys(cfg.ignored_keys)))
 
 
@@ -219,3 +222,31 @@ def _check_dynamic_spec(cfg: "SpecConfig") -> None:
             f"{DYN}method_params.min_verify_tokens must be <= {SPEC}num_speculative_tokens "
             f"({cfg.num_speculative_tokens}), got {dyn.min_verify_tokens}"
         )
+
+
+def _check_tree(cfg: "SpecConfig") -> None:
+    """A token tree needs a tree-drafting method, the lossless standard rule, and a fixed size per step."""
+    static, dynamic = cfg.speculative_token_tree, cfg.dynamic_tree
+    if static is None and dynamic is None:
+        return
+    name = SPEC + ("speculative_token_tree" if static is not None else "speculative_eagle_topk")
+    if static is not None and dynamic is not None:
+        raise ValueError(f"{name} cannot be combined with a dynamic tree")
+    if static is not None and not isinstance(static, TokenTree):
+        raise ValueError(f"{name} must be a TokenTree, got {type(static).__name__}")
+    if dynamic is not None:
+        if not isinstance(dynamic, DynamicTree):
+            raise ValueError(f"{SPEC}dynamic_tree must be a DynamicTree, got {type(dynamic).__name__}")
+        check_dynamic_tree(dynamic)
+    if not methods.lookup(cfg.method).tree:
+        raise ValueError(f"{name} is not supported with method {cfg.method!r} "
+                         f"(token trees: {list(methods.select(tree=True))})")
+    tree_max_k(cfg.tree, cfg.num_speculative_tokens)
+    if cfg.verifier_method != "standard":
+        raise ValueError(f"{name} verifies with the lossless tree rule only, not {cfg.verifier_method!r} "
+                         f"({SPEC}rejection_sample_method and {RS}enable_* must stay off)")
+    for field, value in (("num_speculative_tokens_per_batch_size", cfg.num_speculative_tokens_per_batch_size),
+                         ("dynamic_spec_config", cfg.dynamic_spec)):
+        if value is not None:
+            raise ValueError(f"{SPEC if field.startswith('num') else EXTRA}{field} cannot be combined with {name}: "
+                             "a tree's size is fixed per step")

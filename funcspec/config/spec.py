@@ -14,6 +14,7 @@ from funcspec.capture.backends import BACKENDS  # the capture layer owns backend
 from funcspec.config import rules, vllm
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.checks import SPEC, check_int
+from funcspec.token_tree import DynamicTree, TokenTree
 
 NPU_MAX_QUERY_TOKENS = 16
 """``npu_fused_infer_attention_score`` takes at most this many query tokens per decode round."""
@@ -55,6 +56,10 @@ class SpecConfig:
             every tensor-parallel rank; N > 1 shards it across the target's N
             ranks like the target (``draft_model`` only; N must equal the
             engine's ``tensor_parallel_size``, which the engine checks).
+        speculative_token_tree: vLLM's static token tree, breadth-first, or
+            ``None`` (a chain). ``num_speculative_tokens`` is its node count.
+        dynamic_tree: an EAGLE-2 dynamic tree (SGLang's ``speculative_eagle_topk``,
+            ``speculative_num_steps``, ``speculative_num_draft_tokens``), or ``None``.
         ignored_keys: the given keys, as dotted paths, that vLLM accepts but
             that have no effect in funcspec. The caller warns about them once.
     """
@@ -76,6 +81,8 @@ class SpecConfig:
     draft_window_size: Optional[int] = None
     dynamic_spec: Optional[DynamicSpecConfig] = None
     draft_tensor_parallel_size: Optional[int] = None
+    speculative_token_tree: Optional[TokenTree] = None
+    dynamic_tree: Optional[DynamicTree] = None
     ignored_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -100,6 +107,11 @@ class SpecConfig:
         """
         fields = vllm.spec_fields(speculative_config, additional_config, check_paths)
         return None if fields is None else cls(**fields)
+
+    @property
+    def tree(self) -> Optional[TokenTree | DynamicTree]:
+        """The token tree every step drafts (static or dynamic), or ``None`` for chains."""
+        return self.speculative_token_tree or self.dynamic_tree
 
     def k_for_batch_size(self, bs: int) -> int:
         """K for a step with ``bs`` active requests, from ``num_speculative_tokens_per_batch_size``.

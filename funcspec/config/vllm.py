@@ -21,6 +21,8 @@ from funcspec.config import rules
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.checks import (EXTRA, RS, SPEC, check_int, check_mapping, is_int, no_unknown_keys,
                                     synthetic_rates)
+from funcspec.config.tree import DYNAMIC_KEYS, parse_dynamic_tree, parse_token_tree, tree_max_k
+from funcspec.token_tree import DynamicTree, TokenTree
 
 # vLLM's deprecated per-model MTP method names. vLLM rewrites each to "mtp" with a warning.
 _MTP_MODEL_TYPES = (
@@ -50,7 +52,7 @@ _USED_SPEC_KEYS = frozenset(
     {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
      "num_speculative_tokens_per_batch_size", "rejection_sample_method",
      "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_model_config",
-     "draft_tensor_parallel_size", *_SUFFIX_KEYS}
+     "draft_tensor_parallel_size", "speculative_token_tree", *DYNAMIC_KEYS, *_SUFFIX_KEYS}
 )
 # Keys of vLLM's SpeculativeConfig that change nothing in funcspec. They are accepted
 # and reported in SpecConfig.ignored_keys. _check_ignored_values refuses the values
@@ -86,7 +88,12 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
     method = _resolve_method(spec)
     _check_ignored_values(spec, method)
     model = _resolve_model(spec, method, check_paths)
-    max_k = _resolve_max_k(spec, method, model, check_paths)
+    static_tree, dynamic_tree = _trees(spec)
+    tree = static_tree or dynamic_tree
+    if tree is not None:
+        max_k = tree_max_k(tree, spec.get("num_speculative_tokens"))
+    else:
+        max_k = _resolve_max_k(spec, method, model, check_paths)
     return dict(
         method=method,
         num_speculative_tokens=max_k,
@@ -101,8 +108,21 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
         draft_window_size=_draft_window(extra, method),
         dynamic_spec=dynamic,
         draft_tensor_parallel_size=spec.get("draft_tensor_parallel_size"),
+        speculative_token_tree=static_tree,
+        dynamic_tree=dynamic_tree,
         ignored_keys=_ignored_keys(spec, extra, method, rejection),
     )
+
+
+def _trees(spec: Mapping) -> tuple[Optional[TokenTree], Optional[DynamicTree]]:
+    """The static and the dynamic token tree of ``spec`` (at most one of them)."""
+    static = spec.get("speculative_token_tree")
+    static = None if static is None else parse_token_tree(static)
+    dynamic = parse_dynamic_tree(spec)
+    if static is not None and dynamic is not None:
+        raise ValueError(f"{SPEC}speculative_token_tree cannot be combined with {SPEC}{DYNAMIC_KEYS[0]} "
+                         "(a static and a dynamic tree)")
+    return static, dynamic
 
 
 def _parse_json(name: str, value: Any) -> Optional[Mapping]:

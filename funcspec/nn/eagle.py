@@ -41,7 +41,8 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, project, rms_norm, rope_tables
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, linear, project, rms_norm,
+                               rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,27 +74,29 @@ def target_features(cfg: EagleConfig, params, feats: torch.Tensor) -> torch.Tens
     return linear(feats, params["fc"]) if cfg.version == 3 else feats
 
 
-def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ):
+def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ,
+            tree: TreeMask | None = None):
     """Run the head over tokens [B, T] (x_{t+1}) and features h [B, T, H] (f_t) at positions starts[b] + t.
 
     Returns ``(g [B, T, H], kv)``: g is the feature fed back at the next step.
+    ``tree``: tree attention over the head's own drafts (RoPE at its positions).
     Donates: kv.k, kv.v.
     """
     m = cfg.model
     pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
     emb = params["embed_tokens"]["weight"][tokens]  # [B, T, H]
     h = h.to(emb.dtype)
-    cos, sin = rope_tables(m, pos, emb.dtype)
+    cos, sin = rope_tables(m, pos if tree is None else tree.positions, emb.dtype)
     if cfg.version == 3:
         p = params["midlayer"]
         hn = rms_norm(h, p["hidden_norm"]["weight"], m.rms_norm_eps)
         attn_in = torch.cat([rms_norm(emb, p["input_layernorm"]["weight"], m.rms_norm_eps), hn], -1)  # [B, T, 2H]
         residual = hn if cfg.norm_before_residual else h
-        return decoder_layer(m, p, kv, 0, residual, slots, pos, cos, sin, window, read, attn_in), kv
+        return decoder_layer(m, p, kv, 0, residual, slots, pos, cos, sin, window, read, attn_in, tree), kv
     x = linear(torch.cat([emb, h], -1), params["fc"])  # [B, T, H]
     for i, p in enumerate(params["layers"]):
         attn_in = x if i == 0 else rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
-        x = decoder_layer(m, p, kv, i, x, slots, pos, cos, sin, window, read, attn_in)
+        x = decoder_layer(m, p, kv, i, x, slots, pos, cos, sin, window, read, attn_in, tree)
     return x, kv
 
 
@@ -109,3 +112,11 @@ def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 (target vocabulary ids) from head outputs g [B, H]."""
     d = torch.argmax(draft_logits(cfg, params, g), dim=-1)  # [B] draft-vocab ids
     return d if cfg.version == 1 else d + params["d2t"][d]
+
+
+def draft_top(cfg: EagleConfig, params, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely drafts [.., k] int64 (target ids, best first) and their log-probabilities [.., k]
+    from head outputs g [.., H]: tree children and their EAGLE-2 scores."""
+    top = torch.topk(torch.log_softmax(draft_logits(cfg, params, g), dim=-1), k, dim=-1)  # draft-vocab ids
+    d = top.indices
+    return (d if cfg.version == 1 else d + params["d2t"][d]), top.values

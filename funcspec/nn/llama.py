@@ -200,6 +200,27 @@ def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Te
     cache.index_put_((l_idx, slots.view(-1, 1, 1), h, pos.unsqueeze(-1)), x)
 
 
+def commit_path(kv: KVCache, slots: torch.Tensor, lens: torch.Tensor, path: torch.Tensor) -> None:
+    """Move a token tree's accepted path in the cache: entries written at ``lens + tree index`` go to ``lens + depth``.
+
+    path [B, D+1]: the path's tree indices (``verifiers.tree``; tree index 0 is
+    the pending token at ``lens``), for the target's cache and any draft cache
+    laid out the same way. Entries past the emitted length land beyond the new
+    length, where nothing reads them; the rest of the tree is rolled back by the
+    length alone. Donates: kv.k, kv.v.
+    """
+    n_layers, _, n_heads = kv.k.shape[:3]
+    dev = path.device
+    idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
+           torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
+    src = (lens.unsqueeze(1) + path).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
+    dst = (lens.unsqueeze(1) + torch.arange(path.shape[1], device=dev)).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
+    for cache in (kv.k, kv.v):
+        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6);
+        # a path index is never below its depth, so no source is overwritten early.
+        cache.index_put_((*idx, dst), cache[(*idx, src)])
+
+
 @dataclasses.dataclass(frozen=True)
 class KVRead:
     """How attention reads a KV cache (static: part of a bucket's key).
@@ -265,12 +286,51 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: tor
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
+@pytree_dataclass
+class TreeMask:
+    """Tree attention for T queries (``funcspec.token_tree``): each sees the context and its own ancestors.
+
+    The queries are still written at consecutive cache positions (``starts + t``,
+    distinct per node); only RoPE and visibility follow the tree.
+
+    Attributes:
+        positions: [B, T] int64 RoPE positions (committed length + depth).
+        base: [B] int64 first cache position of the tree: every query sees the context ``j < base``.
+        ancestors: [B, T, M] bool: query t also sees cache position ``base + m`` (its ancestors and itself).
+    """
+
+    positions: torch.Tensor
+    base: torch.Tensor
+    ancestors: torch.Tensor
+
+
+def visible_keys(pos: torch.Tensor, t_read: int, window=None, tree: Optional[TreeMask] = None) -> torch.Tensor:
+    """[B, T, T_read] bool: which cache positions each query at cache position pos [B, T] reads.
+
+    Causal on cache positions, or under ``tree`` the context plus the query's
+    ancestors; a chain-shaped tree gives exactly the causal mask. ``window``: an
+    int64 [B] first readable position per row (draft KV window).
+    """
+    j = torch.arange(t_read, device=pos.device).view(1, 1, -1)  # [1, 1, T_read]
+    if tree is None:
+        visible = j <= pos.unsqueeze(-1)  # [B, T, T_read]
+    else:
+        b, t, m = tree.ancestors.shape
+        off = j - tree.base.view(-1, 1, 1)  # [B, 1, T_read]: offset into the tree
+        hit = torch.gather(tree.ancestors, 2, off.clamp(0, m - 1).expand(b, t, t_read))  # [B, T, T_read]
+        visible = (off < 0) | ((off < m) & hit)
+    if window is not None:
+        visible = visible & (j >= window.view(-1, 1, 1))
+    return visible
+
+
 def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos, cos, sin, window=None,
-              read: KVRead = FULL_READ):
-    """Self-attention for x [B, T, H] at positions pos [B, T]; returns [B, T, H].
+              read: KVRead = FULL_READ, tree: Optional[TreeMask] = None):
+    """Self-attention for x [B, T, H] written at cache positions pos [B, T]; returns [B, T, H].
 
     Keys are this slot's cache up to each query's own position (causal), so
-    stale entries past a rolled-back length are never read. ``window``, if
+    stale entries past a rolled-back length are never read; under ``tree``, the
+    context and the query's ancestors (:func:`visible_keys`). ``window``, if
     given, is an int64 [B] first readable position per row (draft KV window).
     """
     b, t, _ = x.shape
@@ -284,10 +344,7 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
     write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
     keys, vals = read_cache(kv.k, layer, slots, read), read_cache(kv.v, layer, slots, read)  # [B, H_kv, T_read, D]
-    j = torch.arange(keys.shape[2], device=x.device).view(1, 1, -1)  # [1, 1, T_read]
-    visible = j <= pos.unsqueeze(-1)  # [B, T, T_read]
-    if window is not None:
-        visible = visible & (j >= window.view(-1, 1, 1))
+    visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
     return row_parallel(attend(q, keys, vals, visible), p["o_proj"], cfg.tp)
 
 
@@ -297,19 +354,21 @@ def mlp(p: dict, x: torch.Tensor, tp: TPGroup = SINGLE) -> torch.Tensor:
 
 
 def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
-                  attn_in: Optional[torch.Tensor] = None):
+                  attn_in: Optional[torch.Tensor] = None, tree: Optional[TreeMask] = None):
     """One pre-norm decoder block over the residual stream x [B, T, H].
 
     ``attn_in`` replaces the attention's input ``input_layernorm(x)``: EAGLE
     heads feed it other features ([B, T, 2H] for EAGLE-3's midlayer).
+    ``tree``: tree attention (:class:`TreeMask`) instead of causal.
     """
     if attn_in is None:
         attn_in = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
-    h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read)
+    h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read, tree)
     return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg.tp)
 
 
-def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ):
+def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
+                  tree: Optional[TreeMask] = None):
     """:func:`decoder_layer` ``layer`` of a stack whose layers share one shape; compiled once per stack.
 
     NOTE: under ``torch.compile`` every layer is a call of the one
@@ -323,9 +382,10 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     device graphs captured from eager) calls the layer directly.
     """
     if not torch.compiler.is_compiling():
-        return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read)
+        return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read, tree=tree)
     statics = (_constants(cfg), _constants(read))
-    return _layer_region(statics, p, kv.k[layer], kv.v[layer], x, slots, pos, cos, sin, window)
+    masks = None if tree is None else (tree.positions, tree.base, tree.ancestors)
+    return _layer_region(statics, p, kv.k[layer], kv.v[layer], x, slots, pos, cos, sin, window, masks)
 
 
 def _constants(config):
@@ -357,16 +417,18 @@ _REGION_FIELDS = _field_classes(ModelConfig) | _field_classes(KVRead)
 
 
 @torch.compiler.nested_compile_region
-def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window):
+def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window, masks):
     """One decoder layer over its own caches k, v [S+1, H_kv, T_max, D] (see :func:`stacked_layer`).
 
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
-    dataclass argument made it trace a fresh copy per call site (then inline it).
+    dataclass argument made it trace a fresh copy per call site (then inline it);
+    so the tree's mask comes in as its tensors (``masks``), too.
     """
     cfg, read = _from_constants(ModelConfig, statics[0]), _from_constants(KVRead, statics[1])
     kv = KVCache(k.unsqueeze(0), v.unsqueeze(0), None)  # this layer's [1, S+1, H_kv, T_max, D]
-    return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read)
+    tree = None if masks is None else TreeMask(*masks)
+    return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read, tree=tree)
 
 
 def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,8 +447,8 @@ def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
 
 def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
             starts: torch.Tensor, hidden_layers: tuple[int, ...] = (), read: KVRead = FULL_READ,
-            window: Optional[torch.Tensor] = None):
-    """Run the decoder over tokens [B, T] written at positions ``starts[b] + t``.
+            window: Optional[torch.Tensor] = None, tree: Optional[TreeMask] = None):
+    """Run the decoder over tokens [B, T] written at cache positions ``starts[b] + t``.
 
     Args:
         tokens: [B, T] int64.
@@ -397,6 +459,9 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         read: how attention reads the cache (static; see :class:`KVRead`).
         window: [B] int64 first readable position per row (a draft model's KV
             window, :func:`window_start`), or ``None``.
+        tree: a token tree's attention (:class:`TreeMask`): RoPE at its
+            positions, each token seeing the context and its ancestors; ``None``
+            is causal, RoPE at the cache positions.
 
     Returns:
         logits [B, T, V] float32, hiddens (tuple of [B, T, H]), kv.
@@ -406,12 +471,12 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     m = params["model"]
     pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
     x = m["embed_tokens"]["weight"][tokens]  # [B, T, H]
-    cos, sin = rope_tables(cfg, pos, x.dtype)
+    cos, sin = rope_tables(cfg, pos if tree is None else tree.positions, x.dtype)
     hiddens = {}
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = stacked_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read)
+        x = stacked_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
     logits = project(x, lm_head(cfg, params)).float()  # [B, T, V]

@@ -26,7 +26,8 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, decoder_layer, linear, project, rms_norm, rope_tables
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, linear, project, rms_norm,
+                               rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +47,21 @@ def target_features(cfg: MTPConfig, params, feats: torch.Tensor) -> torch.Tensor
     return feats
 
 
-def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ):
+def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ,
+            tree: TreeMask | None = None):
     """Run the module over tokens [B, T] (x_{t+1}) and hidden states h [B, T, H] (h_t) at starts[b] + t.
 
     Returns ``(g [B, T, H], kv)``. ``window`` is ignored (vLLM-Ascend turns the
-    draft window off for MTP). Donates: kv.k, kv.v.
+    draft window off for MTP). ``tree``: tree attention over the module's own
+    drafts (RoPE at its positions). Donates: kv.k, kv.v.
     """
     m, p = cfg.model, _module(cfg, params)
     pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
     emb = p["embed_tokens"]["weight"][tokens].masked_fill((pos == 0).unsqueeze(-1), 0.0)  # [B, T, H]
     e = rms_norm(emb, p["enorm"]["weight"], m.rms_norm_eps)
     x = linear(torch.cat([e, rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)], -1), p["eh_proj"])
-    cos, sin = rope_tables(m, pos, x.dtype)
-    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read), kv
+    cos, sin = rope_tables(m, pos if tree is None else tree.positions, x.dtype)
+    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read, tree=tree), kv
 
 
 def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
@@ -70,3 +73,10 @@ def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 from module outputs g [B, H]."""
     return torch.argmax(draft_logits(cfg, params, g), dim=-1)
+
+
+def draft_top(cfg: MTPConfig, params, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely drafts [.., k] int64 (best first) and their log-probabilities [.., k] from module
+    outputs g [.., H]: tree children and their EAGLE-2 scores."""
+    top = torch.topk(torch.log_softmax(draft_logits(cfg, params, g), dim=-1), k, dim=-1)
+    return top.indices, top.values

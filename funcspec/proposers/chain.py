@@ -21,6 +21,12 @@ query reads them: attention is causal on positions. This is vLLM's first
 draft pass (verified tokens shifted left by one, rejected ones as padding),
 kept at a static [B, max_k+1] shape.
 
+Token trees (``ChainConfig.tree``): after the catch-up the head drafts the tree
+level by level (:mod:`funcspec.proposers.tree_draft`, static or EAGLE-2
+dynamic), with tree attention over its own drafts; a chain-shaped tree drafts
+exactly what the chain loop does. The verified block is then the accepted root
+path (D + 1 positions), so the catch-up covers D + 1 positions, not max_k + 1.
+
 Each method's module loads its head and builds a :class:`ChainConfig` with
 :func:`chain_config`; the protocol functions below are then the method's own.
 Draft KV window (``additional_config.draft_window_size`` W): every draft query
@@ -35,6 +41,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache, window_start
+from funcspec.proposers import tree_draft
+from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.tree import pytree_dataclass, tree_leaves
 from funcspec.types import Proposal
 
@@ -46,24 +54,35 @@ class ChainConfig:
     Attributes:
         head: the head network's static config.
         features: ``(head, params, feats [.., F]) -> [.., H]``, the target features as head input.
-        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read) -> (g [B, T, H], kv)``.
+        forward: ``(head, params, kv, tokens [B, T], h [B, T, H], slots, starts, window, read, tree=None)
+            -> (g [B, T, H], kv)``; ``tree``: a ``nn.llama.TreeMask`` over the head's own tree drafts.
         draft: ``(head, params, g [B, H]) -> [B]`` greedy target-vocabulary ids.
+        draft_top: ``(head, params, g [.., H], k) -> (ids [.., k], log-probabilities [.., k])``, the k
+            best target ids (tree children, best first) and their EAGLE-2 scores.
         model: the head's decoder dims (its KV cache's shape).
         max_k: the largest K of any bucket.
         hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).
         feat_dim: F.
         window: the draft KV window W, or ``None``.
+        tree: the token tree every speculative step drafts (static or EAGLE-2 dynamic), or ``None`` (a chain).
     """
 
     head: Any
     features: Callable
     forward: Callable
     draft: Callable
+    draft_top: Callable
     model: ModelConfig
     max_k: int
     hidden_layers: tuple[int, ...]
     feat_dim: int
     window: Optional[int] = None
+    tree: Optional[TokenTree | DynamicTree] = None
+
+    @property
+    def block(self) -> int:
+        """Positions of the largest verified block: max_k + 1, or a tree's depth + 1."""
+        return self.max_k + 1 if self.tree is None else self.tree.depth + 1
 
 
 @pytree_dataclass
@@ -72,7 +91,7 @@ class ChainState:
 
     Attributes:
         kv: the head's KV cache [L_d, S+1, H_kv, T_max, D] (its ``lens`` is unused).
-        feats: [S+1, max_k+1, F] target features of each slot's last verified block.
+        feats: [S+1, block, F] target features of each slot's last verified block.
         count: [S+1] int64 how many positions of that block were committed (num_emitted).
     """
 
@@ -83,9 +102,10 @@ class ChainState:
 
 def chain_config(head, module, spec, target, hidden_layers) -> ChainConfig:
     """A :class:`ChainConfig` for ``head`` (with a ``.model``) whose network functions live in ``module``."""
-    return ChainConfig(head, module.target_features, module.forward, module.draft_tokens, head.model,
-                       spec.num_speculative_tokens, tuple(hidden_layers),
-                       len(hidden_layers) * target.cfg.hidden_size, spec.draft_window_size)
+    return ChainConfig(head, module.target_features, module.forward, module.draft_tokens, module.draft_top,
+                       head.model, spec.num_speculative_tokens, tuple(hidden_layers),
+                       len(hidden_layers) * target.cfg.hidden_size, spec.draft_window_size,
+                       spec.tree)
 
 
 def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
@@ -94,11 +114,11 @@ def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
 
 
 def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
-    """Zeroed head KV cache, staged features [S+1, max_k+1, F] and staged counts."""
+    """Zeroed head KV cache, staged features [S+1, block, F] and staged counts."""
     ref = next(x for x in tree_leaves(params) if x.is_floating_point())
     return ChainState(
         init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),
-        torch.zeros(num_slots + 1, cfg.max_k + 1, cfg.feat_dim, dtype=ref.dtype, device=ref.device),
+        torch.zeros(num_slots + 1, cfg.block, cfg.feat_dim, dtype=ref.dtype, device=ref.device),
         torch.zeros(num_slots + 1, dtype=torch.int64, device=ref.device),
     )
 
@@ -123,6 +143,7 @@ def prefill(cfg: ChainConfig, params, state: ChainState, tokens, slot: int, n: i
 def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     """Catch up on the last verified block, then K greedy draft steps; returns tokens [B, K].
 
+    With a tree, the K = N drafts are its nodes and the proposal carries their parents.
     Donates: state.kv.
     """
     slots, lens = ctx.slots, ctx.lens  # [B], [B]
@@ -130,12 +151,16 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     rows = torch.arange(b, device=slots.device)
     # NOTE: clamps keep padding rows (scratch slot, lens 0) in bounds; real rows never need them.
     start = (lens - state.count[slots]).clamp(min=0)  # [B] first position of the last verified block
-    pos = start.unsqueeze(1) + torch.arange(cfg.max_k + 1, device=slots.device)  # [B, max_k+1]
-    tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, max_k+1] x_{t+1}
-    h = cfg.features(cfg.head, params, state.feats[slots])  # [B, max_k+1, H]
+    pos = start.unsqueeze(1) + torch.arange(cfg.block, device=slots.device)  # [B, block]
+    tokens = ctx.history[slots.unsqueeze(1), pos + 1].clamp(min=0)  # [B, block] x_{t+1}
+    h = cfg.features(cfg.head, params, state.feats[slots])  # [B, block, H]
     window = window_start(lens, cfg.window)  # [B] or None
-    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, max_k+1, H]
-    g = g[rows, (lens - 1 - start).clamp(0, cfg.max_k)]  # [B, H] at position lens-1
+    g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, block, H]
+    g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
+    if cfg.tree is not None and k > 0:
+        draft = tree_draft.draft_static if isinstance(cfg.tree, TokenTree) else tree_draft.draft_dynamic
+        drafts, parents, kv = draft(cfg, params, kv, g, slots, lens, window, ctx.read)
+        return Proposal(drafts, parents=parents), ChainState(kv, state.feats, state.count)
     drafts = []
     for i in range(k):
         drafts.append(cfg.draft(cfg.head, params, g))  # [B]
@@ -148,7 +173,7 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
 
 
 def commit(cfg: ChainConfig, state: ChainState, result) -> ChainState:
-    """Keep the verified block's target features [B, K+1, F] and num_emitted per slot.
+    """Keep the verified block's target features [B, K+1, F] (tree: the accepted path's) and num_emitted per slot.
 
     Donates: state.feats, state.count.
     """

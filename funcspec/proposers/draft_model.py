@@ -9,12 +9,19 @@ tokens and returns no q (deterministic drafts).
 Draft KV window (``additional_config.draft_window_size`` W): every draft query
 of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
 the rule every head shares.
+
+Token trees (``DraftModelConfig.tree``, static only): the draft runs over the tree level by
+level (``tree_draft``, with its logits as the "feature" each node passes to its
+children), its nodes written at the target's tree slots ``n + 1 + node``, and
+takes each node's top-k as children in every sampling mode (deterministic
+drafts, as the tree verifier needs). ``commit`` moves the accepted path's draft
+KV into place, as the step does for the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -22,13 +29,12 @@ from funcspec import rng, sampling
 from funcspec.checkpoints import load_model
 from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
-from funcspec.nn.llama import window_start
-from funcspec.proposers import keep_state
+from funcspec.nn.llama import commit_path, window_start
+from funcspec.proposers import tree_draft
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
 runs_on_host = False
-commit = keep_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,7 @@ class DraftModelConfig:
 
     model: ModelConfig
     window: Optional[int] = None  # additional_config.draft_window_size W
+    tree: Any = None  # the static token tree each speculative step drafts, or None
 
 
 @pytree_dataclass
@@ -50,13 +57,18 @@ def build(spec, target, ctx):
     """Load ``speculative_config["model"]`` in the target's dtype; it must share the target's vocabulary."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'draft_model' needs a draft checkpoint path")
+    if spec.dynamic_tree is not None:
+        # NOTE: a dynamic tree's frontiers sit at other draft-cache slots than its kept nodes, and the
+        # next first pass re-feeds two tokens only, so the accepted path's draft KV could not be moved.
+        raise ValueError("speculative_config.speculative_eagle_topk: method 'draft_model' drafts static trees "
+                         "only (speculative_token_tree)")
     draft = load_model(spec.model, dtype=target.params["model"]["embed_tokens"]["weight"].dtype, device=ctx.device)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(
             f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
             f"{target.cfg.vocab_size}"
         )
-    return DraftModelConfig(draft.cfg, spec.draft_window_size), draft.params
+    return DraftModelConfig(draft.cfg, spec.draft_window_size, spec.tree), draft.params
 
 
 def check_shard(cfg: DraftModelConfig, size: int) -> None:
@@ -103,6 +115,12 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     window = window_start(ctx.lens, cfg.window)  # [B] or None: one start for every draft of this step
     logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read, window=window)
     logits = logits[:, -1]  # [B, V]
+    if cfg.tree is not None and k > 0:
+        # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
+        drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children, cfg.tree)
+        drafts, parents, kv = tree_draft.draft_static(drafter, params, kv, logits, ctx.slots, ctx.lens + 1, window,
+                                                      ctx.read)
+        return Proposal(drafts, parents=parents), DraftState(kv)
     s = ctx.sampling
     tokens, probs = [], []
     for i in range(k):
@@ -119,3 +137,25 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
         return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=x.device),
                         None if ctx.mode.greedy else torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
     return Proposal(torch.stack(tokens, 1), None if ctx.mode.greedy else torch.stack(probs, 1)), DraftState(kv)
+
+
+def _tree_forward(model, params, kv, tokens, feats, slots, starts, window, read, tree):
+    """The draft over tree nodes tokens [B, T]; its logits [B, T, V] are what each node hands its children."""
+    logits, _, kv = forward(model, params, kv, tokens, slots, starts, read=read, window=window, tree=tree)
+    return logits, kv
+
+
+def _top_children(model, params, logits, k: int):
+    """The k most likely children [.., k] and their log-probabilities, from a node's logits [.., V]."""
+    top = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+    return top.indices, top.values
+
+
+def commit(cfg: DraftModelConfig, state: DraftState, result) -> DraftState:
+    """After a tree step, move the accepted path's draft KV into place; a chain keeps the state.
+
+    Donates: state.kv.
+    """
+    if result.path is not None:
+        commit_path(state.kv, result.slots, result.lens, result.path)
+    return state

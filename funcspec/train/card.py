@@ -41,7 +41,7 @@ def _tau_rows(bench: dict | None) -> dict[str, dict]:
     """The funcspec rows of a bench spec result by method (the first K and batch measured)."""
     out = {}
     for r in (bench or {}).get("rows", []):
-        if r["engine"] == "funcspec" and r["method"] != "ar":
+        if r["engine"] == "funcspec" and r["method"] != "ar" and not r.get("tree"):
             out.setdefault(r["method"], r)
     return out
 

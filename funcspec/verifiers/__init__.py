@@ -26,6 +26,9 @@ the same tokens eager and compiled. ``p`` is always
 ``q`` is ``proposal.probs``, or one-hot at the draft when that is ``None``.
 Rows with temperature 0 reduce to greedy verification under every rule except
 synthetic (which accepts by rate, then emits the target argmax).
+
+Token trees have their own rule, ``verifiers.tree.verify`` (lossless; it also
+returns the accepted root path, which the step needs to move KV into place).
 """
 
 from __future__ import annotations
