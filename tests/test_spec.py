@@ -123,6 +123,16 @@ def _first_two(eng_kwargs, tiny_llama, n_seeds, prompt):
     return [tuple(o.outputs[0].token_ids) for o in outs], eng
 
 
+def _same_law_pvalue(xs: list, ys: list) -> float:
+    """Chi-square p-value that two samples of outcomes share one law (homogeneity test)."""
+    cells = sorted(set(xs) | set(ys))
+    a = np.array([xs.count(c) for c in cells])
+    b = np.array([ys.count(c) for c in cells])
+    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
+    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+    return stats.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+
+
 def test_sampled_lossless_draft_model(tiny_llama, tiny_draft):
     """Joint law of the first two tokens: speculative (sampled drafts, standard verify) vs autoregressive."""
     n, prompt = 3000, [7, 8, 9]
@@ -130,13 +140,7 @@ def test_sampled_lossless_draft_model(tiny_llama, tiny_draft):
                                  n, prompt)
     ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
     assert eng.stats["mean_acceptance_length"] > 1.0
-    cells = sorted(set(spec_pairs) | set(ar_pairs))
-    a = np.array([spec_pairs.count(c) for c in cells])
-    b = np.array([ar_pairs.count(c) for c in cells])
-    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
-    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
-    table = table[:, table.sum(0) > 0]
-    assert stats.chi2_contingency(table).pvalue > 1e-4
+    assert _same_law_pvalue(spec_pairs, ar_pairs) > 1e-4
 
 
 def test_dynamic_verify_length_is_lossless(tiny_llama, tmp_path, reference):
@@ -197,10 +201,4 @@ def test_sampled_tree_lossless_draft_model(tiny_llama):
                                                                speculative_token_tree=tree)}, tiny_llama, n, prompt)
     ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
     assert eng.stats["per_position_acceptance"][0] > 0.5
-    cells = sorted(set(spec_pairs) | set(ar_pairs))
-    a = np.array([spec_pairs.count(c) for c in cells])
-    b = np.array([ar_pairs.count(c) for c in cells])
-    keep = (a + b) >= 10  # pool sparse cells so the chi-square approximation holds
-    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
-    table = table[:, table.sum(0) > 0]
-    assert stats.chi2_contingency(table).pvalue > 1e-4
+    assert _same_law_pvalue(spec_pairs, ar_pairs) > 1e-4
