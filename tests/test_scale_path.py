@@ -15,7 +15,8 @@ import funcspec
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
-from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, read_cache
+from funcspec.nn import llama
+from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, project, read_cache
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
 
@@ -38,6 +39,64 @@ class OpLog(TorchDispatchMode):
 
     def names(self):
         return {name for name, _ in self.ops}
+
+
+# ----------------------------------------------------------------------------- products
+
+
+PATHS = {"fused-rows": (False, False, False), "blas": (True, True, False), "packed": (True, True, True)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
+    """Every skinny-product path (fused row reductions, (W @ x.T).T, bf16 upcast, BLAS, packed oneDNN) is x @ W.T + b."""
+    blas, half_gemm, packed = PATHS[path]
+    if packed and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(llama, "CPU_BLAS_SKINNY", blas)
+    monkeypatch.setattr(llama, "CPU_HALF_GEMM", half_gemm)
+    monkeypatch.setattr(llama, "CPU_PACKED_BF16", packed)
+    torch.manual_seed(0)
+    w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
+    xs = tuple(torch.randn(1, r, 40).to(dtype) for r in (1, 5, llama.STACKED_ROWS + 1, llama.SKINNY_ROWS + 1))
+
+    def products(xs):
+        return tuple(project(x, w, b) for x in xs)
+
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    for got in (products(xs), torch.compile(products, fullgraph=True, dynamic=False)(xs)):
+        for x, y in zip(xs, got):
+            assert y.shape == (1, x.shape[1], 24) and y.dtype == dtype
+            torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), **tol)
+    with OpLog() as log:
+        products(xs)
+    assert ("packed_linear" in log.names()) == (packed and dtype == torch.bfloat16)
+
+
+@pytest.mark.skipif(not llama.CPU_PACKED_BF16, reason="no bf16 instructions here: project never packs")
+def test_packed_linear_rows_are_independent_and_weights_repack_on_update():
+    """A row's product does not depend on its batch (so AR and verify agree bitwise); in-place updates repack; freed weights leave the table."""
+    import gc
+
+    from funcspec.nn import packed
+
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    full = packed.packed_linear(x, w)  # [9, 48]
+    for r in (1, 2, 5):
+        assert torch.equal(packed.packed_linear(x[:r], w), full[:r])
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)
+    w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
+    torch.testing.assert_close(packed.packed_linear(x, w).float(), 2 * full.float(), atol=0.1, rtol=0.02)
+    key = (w.data_ptr(), tuple(w.shape), w.stride())
+    assert key in packed._PACKED
+    del w
+    gc.collect()
+    assert key not in packed._PACKED
+    with torch.inference_mode():  # such tensors keep no version counter
+        wi = torch.randn(48, 64).bfloat16()
+    torch.testing.assert_close(packed.packed_linear(x, wi).float(), x.float() @ wi.float().T, atol=0.1, rtol=0.02)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from funcspec.nn.packed import packed_linear
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass
 
@@ -127,37 +128,70 @@ HALF = (torch.bfloat16, torch.float16)
 CPU_HALF_GEMM = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles); read once, at import."""
 
+CPU_PACKED_BF16 = CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
+"""Whether bf16 products take oneDNN's packed weights (:mod:`funcspec.nn.packed`); read once, at import."""
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+CPU_BLAS_SKINNY = _cpu_vendor() == "GenuineIntel" and "AVX512" in torch.backends.cpu.get_cpu_capability()
+"""Whether MKL streams skinny fp32 products fastest here (an Intel CPU with AVX-512); read once, at import."""
+
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``x @ W.T (+ b)`` for x [..., in] and W [out, in]: every linear layer and LM head.
 
-    NOTE: decode multiplies a few rows (B·(K+1)) by big weights, and on CPU the
-    BLAS defaults are not bandwidth-bound there (2-core AMD EPYC, AVX2):
-    - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
-      ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
-      into one vectorised, threaded pass over W that keeps r accumulators, so W
-      is read once whatever r is. llama-600m AR on inductor went from 33.5 to
-      18.1 ms/token in fp32 and from 18.9 to 14.6 in bf16. At 8 rows, the 56
-      linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the
-      best BLAS call in fp32, and 48 ms against 74 ms in bf16 (this CPU has no
-      bf16 GEMM); at 9 rows, 40 against 54 ms in fp32. One broadcast product
-      ``(W[None]·x[:, None]).sum(-1)`` was 2x slower: inductor loops over the
-      rows outside W. Eager would
-      materialise W·x, so eager keeps the BLAS paths;
-    - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
-      1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against
-      13.7 ms). Else ``F.linear``;
-    - bf16/fp16 products of more rows (prefill, wide verify blocks) on a CPU
-      without bf16 instructions (no AVX512-BF16, no AMX) run in fp32: the
-      oneDNN fallback there reaches ~1 GFLOPS, and upcasting W costs one pass
-      over it. A 2816x1024 weight at 128 rows: 5.9 ms against 37.4 ms.
+    NOTE: decode multiplies a few rows (B·(K+1)) by big weights, and which CPU
+    product streams W fastest depends on the CPU, so the choice is made per ISA
+    (measured on three 2-core machines, Qwen2.5-0.5B-shaped weights beyond the
+    caches):
+    - bf16 on a CPU with bf16 instructions (AVX512-BF16 or AMX), outside
+      autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
+      Its cost is flat in the row count, so verifying K+1 tokens costs about
+      one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB of weights at 1-9 rows,
+      where ``F.linear`` took 62-111 ms and the fused reductions below 34 ms at
+      1 row but 152 ms at 8.
+    - fp32 on an Intel CPU with AVX-512 (Xeon, AMX): ``F.linear`` (MKL). At 1
+      row it streamed 21 GB/s against 12 GB/s for the fused reductions. MKL on
+      the AMD EPYC (Zen 4) streamed 13 GB/s, the fused reductions 31 GB/s.
+    - otherwise (AMD EPYC, AVX2 or AVX-512; fp16 anywhere):
+      - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
+        ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
+        into one vectorised, threaded pass over W that keeps r accumulators, so W
+        is read once whatever r is. llama-600m AR on inductor went from 33.5 to
+        18.1 ms/token in fp32 and from 18.9 to 14.6 in bf16 (AVX2). At 8 rows, the
+        56 linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the
+        best BLAS call in fp32, and 48 ms against 74 ms in bf16; at 9 rows, 40
+        against 54 ms in fp32. One broadcast product
+        ``(W[None]·x[:, None]).sum(-1)`` was 2x slower: inductor loops over the
+        rows outside W. Eager would materialise W·x, so eager keeps the BLAS paths;
+      - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
+        1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against
+        13.7 ms). Else ``F.linear``;
+      - bf16/fp16 products of more rows (prefill, wide verify blocks) run in
+        fp32 when the CPU has no bf16 instructions: the oneDNN fallback there
+        reaches ~1 GFLOPS, and upcasting W costs one pass over it. A 2816x1024
+        weight at 128 rows: 5.9 ms against 37.4 ms.
     The row count is static, so every choice is made at trace time.
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type == "cpu" and rows > STACKED_ROWS and weight.dtype in HALF and not CPU_HALF_GEMM:
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and CPU_HALF_GEMM:
+        autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        return F.linear(x, weight, bias) if autograd or not CPU_PACKED_BF16 else packed_linear(x, weight, bias)
+    if weight.dtype == torch.float32 and CPU_BLAS_SKINNY:
+        return F.linear(x, weight, bias)
+    if rows > STACKED_ROWS and weight.dtype in HALF:
         y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
-    if x.device.type != "cpu" or rows > SKINNY_ROWS:
+    if rows > SKINNY_ROWS:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, -1)  # [rows, in]
     if rows <= STACKED_ROWS and torch.compiler.is_compiling():

@@ -1,0 +1,79 @@
+"""bf16 linear layers on oneDNN's pre-packed weights (CPUs with AVX512-BF16 or AMX).
+
+``F.linear`` on bf16 CPU weights re-lays W out into oneDNN's blocked format on
+every call, so a decode step streams each weight about twice. Packing once and
+reusing the packed copy makes the product stream W once, and its cost barely
+grows with the row count: verifying K+1 tokens costs about what decoding one
+does. Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX), the 169
+linears of a Qwen2.5-0.5B shape (1 GB of bf16 weights): 40-60 ms for any row
+count from 1 to 9, against 62-111 ms for ``F.linear`` and 34-168 ms for
+inductor's fused row reductions (which grow with the rows).
+
+The packed copy lives in a side table keyed by the weight's address, shape,
+strides and version counter, so the forward stays a pure function of plain
+tensors: :func:`packed_linear` is a custom op that ``torch.compile`` keeps
+opaque, and it finds (or makes) the packed copy at run time. An in-place update
+of W (``load_state_dict``, an optimizer step) bumps the version and repacks;
+the entry is dropped when the weight's base tensor is freed. Tensors made under
+``torch.inference_mode`` keep no version counter: update those out of place.
+
+NOTE: the table holds a second copy of every bf16 weight it has seen (the
+packed one), so a bf16 model takes twice its size in memory on these CPUs.
+oneDNN's result for a row does not depend on how many rows come with it, so
+AR (1 row) and verification (K+1 rows) stay bitwise consistent: greedy
+speculation equals greedy AR exactly.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+PACK_ROWS = 4
+"""The row-count hint oneDNN packs for; 1, 4, 5, 16 and 64 timed the same within noise."""
+
+_PACKED: dict[tuple, tuple[int, torch.Tensor]] = {}
+"""(address, shape, strides) -> (version, packed weight)."""
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a bf16 weight [out, in], made on first use and after any in-place update."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+    version = _version(weight)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+    if hit is None:
+        # NOTE: a view (a tied head, a reinterpreted graph input) dies each call;
+        # its base owns the memory, so the entry lives and dies with the base.
+        weakref.finalize(weight if weight._base is None else weight._base, _PACKED.pop, key, None)
+    _PACKED[key] = (version, packed)
+    return packed
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The in-place update counter; inference-mode tensors keep none (and are read-only outside it)."""
+    return 0 if weight.is_inference() else weight._version
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+
+
+def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# NOTE: a raw Library op, not torch.library.custom_op: the decorator's Python
+# wrapper cost 44 us a call against 19 us, 3.7 ms on a 169-linear decode step.
+_LIB = torch.library.Library("funcspec", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+_LIB.impl("packed_linear", _packed_linear_meta, "Meta")
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` for bf16 x [..., in] and W [out, in] on the CPU, through the packed copy of W."""
+    return torch.ops.funcspec.packed_linear(x, weight, bias)
