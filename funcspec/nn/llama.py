@@ -128,7 +128,8 @@ HALF = (torch.bfloat16, torch.float16)
 CPU_HALF_GEMM = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles); read once, at import."""
 
-CPU_PACKED_BF16 = CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
+CPU_PACKED_BF16 = (CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
+                   and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 """Whether bf16 products take oneDNN's packed weights (:mod:`funcspec.nn.packed`); read once, at import."""
 
 
