@@ -133,16 +133,9 @@ CPU_PACKED_BF16 = (CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
 """Whether bf16 products take oneDNN's packed weights (:mod:`funcspec.nn.packed`); read once, at import."""
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
-CPU_BLAS_SKINNY = _cpu_vendor() == "GenuineIntel" and "AVX512" in torch.backends.cpu.get_cpu_capability()
-"""Whether MKL streams skinny fp32 products fastest here (an Intel CPU with AVX-512); read once, at import."""
+CPU_BLAS_SKINNY = torch.cpu._is_amx_tile_supported()
+"""Whether MKL streams skinny fp32 products fastest here: measured so on an AMX Xeon, and
+not on AMD EPYCs (Zen 4's AVX-512 included); read once, at import."""
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -158,9 +151,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
       one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB of weights at 1-9 rows,
       where ``F.linear`` took 62-111 ms and the fused reductions below 34 ms at
       1 row but 152 ms at 8.
-    - fp32 on an Intel CPU with AVX-512 (Xeon, AMX): ``F.linear`` (MKL). At 1
-      row it streamed 21 GB/s against 12 GB/s for the fused reductions. MKL on
-      the AMD EPYC (Zen 4) streamed 13 GB/s, the fused reductions 31 GB/s.
+    - fp32 on a CPU with AMX (the Xeon measured): ``F.linear`` (MKL). At 1 row
+      it streamed 21 GB/s against 12 GB/s for the fused reductions. MKL on the
+      AMD EPYC (Zen 4, AVX-512) streamed 13 GB/s, the fused reductions 31 GB/s.
     - otherwise (AMD EPYC, AVX2 or AVX-512; fp16 anywhere):
       - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
         ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
