@@ -47,7 +47,8 @@ class Method:
         host: drafts on the host (the proposer module's ``runs_on_host``).
         dynamic_spec: vLLM-Ascend's ``dynamic_spec_config`` can name it.
         tree: it drafts token trees (``speculative_token_tree`` or an EAGLE-2
-            dynamic tree), with ``proposers.tree_draft``.
+            dynamic tree): draft networks with ``proposers.tree_draft``,
+            ngram and suffix from the continuations their history offers.
         zoo: the zoo trains a checkpoint for it (``funcspec train <name>``
             writes ``models/<name>``).
         head: the draft-head family whose random init ``init_draft_head``
@@ -87,9 +88,9 @@ def _proposer(name: str) -> str:
 # Row order is the order in which ``funcspec train all`` trains the zoo's heads
 # (after the target, which every head is distilled from).
 _ROWS = (
-    Method("ngram", _proposer("ngram"), model=NONE),
+    Method("ngram", _proposer("ngram"), model=NONE, tree=True),
     # The guide: suffix is already per-request dynamic, so it takes no batch table.
-    Method("suffix", _proposer("suffix"), model=NONE, batch_table=False, host=True),
+    Method("suffix", _proposer("suffix"), model=NONE, batch_table=False, host=True, tree=True),
     # funcspec's own benchmark proposer (not vLLM): always drafts, at no cost.
     Method("echo", _proposer("echo"), model=NONE),
     Method("draft_model", _proposer("draft_model"), draft_window=True, tree=True, zoo=True),

@@ -58,6 +58,8 @@ class StepInputs:
     Attributes:
         slots: [B] int64 slot per row; padding rows use the scratch slot S.
         drafts: [B, K] int64 drafts from a host proposer, else ``None``.
+        draft_parents: [B, K] int64 parents of a host proposer's token-tree
+            drafts (``funcspec.token_tree``), else ``None``.
         budget_k: int64 [] per-request verify budget (confidence-based
             verify length), else ``None``. A tensor, so a new budget never recompiles.
         synthetic_cond: [K] float32 conditional acceptance rates of the
@@ -66,6 +68,7 @@ class StepInputs:
 
     slots: torch.Tensor
     drafts: Optional[torch.Tensor] = None
+    draft_parents: Optional[torch.Tensor] = None
     budget_k: Optional[torch.Tensor] = None
     synthetic_cond: Optional[torch.Tensor] = None
 
@@ -99,10 +102,13 @@ class StepContext:
         key: [B] the rows' draft keys (independent of the verifier's).
         sampling: the rows' sampling parameters.
         drafts: [B, K] host drafts, or ``None``.
+        draft_parents: [B, K] the host drafts' tree parents, or ``None``.
         read: static: how attention reads the proposer's own caches (the bucket's
             context length; rows are slots).
         mode: static: the bucket's ``sampling.Mode`` (under ``GREEDY`` drafts
             are argmax and carry no q).
+        tree: static: the token tree this bucket drafts (``TokenTree`` or
+            ``DynamicTree``), or ``None`` for a chain.
     """
 
     slots: torch.Tensor
@@ -111,8 +117,10 @@ class StepContext:
     key: torch.Tensor
     sampling: Sampling
     drafts: Optional[torch.Tensor] = None
+    draft_parents: Optional[torch.Tensor] = None
     read: KVRead = FULL_READ
     mode: sampling.Mode = sampling.FILTERED
+    tree: Any = None
 
 
 @pytree_dataclass
@@ -223,7 +231,8 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         # NOTE: proposers run even at K = 0 (a K-table gap), so stateful ones
         # (a draft KV) keep up with every committed token.
         draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
-        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts, sc.read, sc.mode)
+        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts, inputs.draft_parents,
+                          sc.read, sc.mode, sc.tree if sc.k > 0 else None)
         proposal, pstate = sc.proposer.propose(params["draft"], pstate, ctx, sc.k)
         if sc.dynamic_min_k is not None and sc.k > 0:
             proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))

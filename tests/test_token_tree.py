@@ -43,8 +43,8 @@ def test_bad_vllm_trees_name_the_field(value, match):
 def test_tree_k_and_combinations_are_checked():
     with pytest.raises(ValueError, match=r"num_speculative_tokens must equal len\(speculative_token_tree\) = 2"):
         spec(speculative_token_tree="[(0,), (1,)]", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="speculative_token_tree is not supported with method 'ngram'"):
-        SpecConfig.from_vllm({"method": "ngram", "speculative_token_tree": "[(0,)]"})
+    with pytest.raises(ValueError, match="speculative_token_tree is not supported with method 'echo'"):
+        SpecConfig.from_vllm({"method": "echo", "speculative_token_tree": "[(0,)]"})
     with pytest.raises(ValueError, match="tree rule only, not 'block'"):
         spec(speculative_token_tree="[(0,)]", rejection_sample_method="block")
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size cannot be combined"):
@@ -61,6 +61,10 @@ def test_dynamic_tree_uses_sglang_names():
         spec(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=5)
     with pytest.raises(ValueError, match=r"speculative_num_draft_tokens must be >= 1 \+ \(speculative_num_steps - 1\)"):
         spec(speculative_eagle_topk=8, speculative_num_steps=4, speculative_num_draft_tokens=17)
+    # ngram and suffix expand no network frontiers, so a deep, narrow tree is fine for them
+    deep = {"speculative_eagle_topk": 4, "speculative_num_steps": 8, "speculative_num_draft_tokens": 16}
+    for method in ("ngram", "suffix"):
+        assert SpecConfig.from_vllm({"method": method, **deep}).tree == DynamicTree(4, 8, 16)
     with pytest.raises(ValueError, match="speculative_token_tree cannot be combined"):
         spec(speculative_token_tree="[(0,)]", speculative_eagle_topk=1, speculative_num_steps=1,
              speculative_num_draft_tokens=2)

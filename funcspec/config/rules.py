@@ -237,7 +237,7 @@ def _check_tree(cfg: "SpecConfig") -> None:
     if dynamic is not None:
         if not isinstance(dynamic, DynamicTree):
             raise ValueError(f"{SPEC}dynamic_tree must be a DynamicTree, got {type(dynamic).__name__}")
-        check_dynamic_tree(dynamic)
+        check_dynamic_tree(dynamic, frontiers=methods.lookup(cfg.method).model != methods.NONE)
     if not methods.lookup(cfg.method).tree:
         raise ValueError(f"{name} is not supported with method {cfg.method!r} "
                          f"(token trees: {list(methods.select(tree=True))})")

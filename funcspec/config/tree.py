@@ -68,19 +68,21 @@ def parse_dynamic_tree(spec: Mapping) -> Optional[DynamicTree]:
     if len(given) != len(DYNAMIC_KEYS):
         missing = [k for k in DYNAMIC_KEYS if k not in given]
         raise ValueError(f"{SPEC}{missing[0]} is required with {SPEC}{given[0]} (an EAGLE-2 dynamic tree)")
-    return check_dynamic_tree(DynamicTree(*(spec[k] for k in DYNAMIC_KEYS)))
+    # NOTE: the frontier rule depends on the method; SpecConfig's checks apply it.
+    return check_dynamic_tree(DynamicTree(*(spec[k] for k in DYNAMIC_KEYS)), frontiers=False)
 
 
-def check_dynamic_tree(tree: DynamicTree) -> DynamicTree:
+def check_dynamic_tree(tree: DynamicTree, frontiers: bool = True) -> DynamicTree:
     """``tree`` if its sizes are valid: its nodes fit among the candidates that ``num_steps`` expansions make,
-    and the frontiers the head runs fit in the N slots a step reserves past the committed length."""
+    and (``frontiers``: a draft network expands it) the frontiers the head runs fit in the N slots a
+    step reserves past the committed length. ngram and suffix run no network, so they skip that check."""
     topk = check_int(SPEC + "speculative_eagle_topk", tree.topk, lo=1)
     steps = check_int(SPEC + "speculative_num_steps", tree.num_steps, lo=1)
     pool = topk + (steps - 1) * topk * topk
     name = SPEC + "speculative_num_draft_tokens"
     check_int(name, tree.num_draft_tokens, lo=2, hi=min(pool, MAX_TREE_NODES) + 1,
               where=f" (the root plus at most {pool} candidates of topk={topk}, num_steps={steps})")
-    if (steps - 1) * topk > tree.num_draft_tokens - 1:
+    if frontiers and (steps - 1) * topk > tree.num_draft_tokens - 1:
         # NOTE: the head writes frontiers 1..num_steps-1 (topk nodes each) at the cache slots that the
         # verify block reserves (N past the committed length), and reads only those.
         raise ValueError(f"{name} must be >= 1 + (speculative_num_steps - 1) * speculative_eagle_topk = "
