@@ -135,7 +135,10 @@ class Runner:
                           KVRead(t, aligned=True), mode, self.tree if k > 0 else None)
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
-        """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot)."""
+        """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).
+
+        ``drafts``: a host proposer's [B, K] drafts, or (tokens, parents) [B, N] each for a token tree.
+        """
         if not 0 <= live <= b:
             raise ValueError(f"live rows must be in [0, {b}], got {live}")
         slots = list(range(live)) + [self.num_slots] * (b - live)
@@ -143,9 +146,16 @@ class Runner:
         cond = None
         if self.synthetic_rates is not None and k > 0:
             cond = synthetic.conditional_tensor(self.synthetic_rates[:k], self.device)  # [K]
-        if drafts is None and self.proposer is not None and self.proposer.runs_on_host:
+        host = self.proposer is not None and self.proposer.runs_on_host
+        if drafts is None and host:
             drafts = torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
-        return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), drafts, budget, cond)
+        parents = None
+        if isinstance(drafts, tuple):  # a host token tree: (tokens [B, N], parents [B, N])
+            drafts, parents = drafts
+        elif host and k > 0 and self.tree is not None:
+            # NOTE: example inputs of a tree bucket: PLACEHOLDER nodes under the root.
+            parents = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
+        return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), drafts, parents, budget, cond)
 
     def bucket(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED,
                live: int = 0) -> Bucket:

@@ -1,7 +1,8 @@
 """Suffix decoding (arXiv 2411.04975): the host-side cache of suffix trees (a data structure, not a proposer).
 
 A pure-Python equivalent of ``arctic_inference.suffix_decoding.SuffixDecodingCache``
-(arctic-inference 0.3.0) in path mode. It keeps two kinds of tree:
+(arctic-inference 0.3.0), in path mode and in tree mode (``use_tree_spec``), plus
+funcspec's token-tree shapes (``tree=``). It keeps two kinds of tree:
 
 - a *local* tree per active request, over its prompt plus the tokens generated so far;
 - one *global* tree over the responses (not prompts) of past and active requests,
@@ -15,6 +16,8 @@ Glossary:
            from the root.
   count    how many stored suffixes pass through or end at a node.
   order    a node's children by non-increasing count; the head is what path mode follows.
+  draft    what one speculation returns: a chain (path mode) or a token tree whose
+           nodes come parents first (tree modes).
 
 NOTE: arctic stores a path-compressed tree; this one is an uncompressed trie. Both give
 the same counts per token position, and a compressed node's inner tokens are exactly the
@@ -26,9 +29,14 @@ C++ does, so that ties and ``min_token_prob`` cut-offs land exactly where arctic
 from __future__ import annotations
 
 import bisect
+import functools
+import heapq
+import itertools
 import struct
 from collections.abc import Hashable, KeysView, Sequence
 from dataclasses import dataclass, field
+
+from funcspec.token_tree import DynamicTree, TokenTree
 
 
 
@@ -52,11 +60,13 @@ class SuffixDraft:
 
     Attributes:
       token_ids: the drafted tokens, ``[n]``.
-      parents: index of each token's parent in ``token_ids``, -1 for the first; a
-        chain in path mode, so ``parents[i] == i - 1``.
+      parents: index of each token's parent in ``token_ids``, -1 under the matched
+        context; a chain in path mode, so ``parents[i] == i - 1``.
       probs: each token's estimated probability, ``[n]``, non-increasing.
       score: ``sum(probs)`` in float32.
       match_len: length of the context suffix that the draft continues.
+      nodes: with a static ``TokenTree``, the tree node each token fills
+        (absent nodes are skipped); otherwise ``0 .. n-1``.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -64,6 +74,16 @@ class SuffixDraft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    nodes: list[int] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, prob: float, node: int | None = None) -> int:
+        """Append one drafted token; returns its index."""
+        self.nodes.append(len(self.token_ids) if node is None else node)
+        self.parents.append(parent)
+        self.token_ids.append(token)
+        self.probs.append(prob)
+        self.score = _f32(self.score + prob)
+        return len(self.token_ids) - 1
 
 
 class _Node:
@@ -158,7 +178,10 @@ class _SuffixTree:
         return node
 
     def speculate(self, context: list[int], max_spec_tokens: int, max_spec_factor: float,
-                  max_spec_offset: float, min_token_prob: float) -> SuffixDraft:
+                  max_spec_offset: float, min_token_prob: float, expand=None) -> SuffixDraft:
+        """The best draft over the context's matched suffixes; ``expand(node, max_tokens, min_prob)``
+        drafts from one match (default: path mode)."""
+        expand = expand or self._path
         best = SuffixDraft()
         factor, offset, min_prob = _f32(max_spec_factor), _f32(max_spec_offset), _f32(min_token_prob)
         # NOTE: arctic stops at len(context) - 1, so the whole context is never matched.
@@ -167,7 +190,7 @@ class _SuffixTree:
             if node is None:  # a longer suffix cannot match where a shorter one did not
                 break
             cap = int(_f32(_f32(match_len * factor) + offset) + 1e-6)
-            draft = self._path(node, max(0, min(max_spec_tokens, cap)), min_prob)
+            draft = expand(node, max(0, min(max_spec_tokens, cap)), min_prob)
             if draft.score >= best.score:  # ties go to the longer match
                 best, draft.match_len = draft, match_len
         return best
@@ -181,11 +204,57 @@ class _SuffixTree:
             prob = _f32(prob * _f32(child.count / node.count))
             if prob < min_prob:
                 break
-            draft.parents.append(len(draft.token_ids) - 1)
-            draft.token_ids.append(child.token)
-            draft.probs.append(prob)
-            draft.score = _f32(draft.score + prob)
+            draft.add(child.token, len(draft.token_ids) - 1, prob)
             node = child
+        return draft
+
+    @staticmethod
+    def _best_first(node: _Node, max_tokens: int, min_prob: float, topk: int | None = None,
+                    max_depth: int | None = None) -> SuffixDraft:
+        """Arctic's tree mode: draft the most probable trie node next, ``max_tokens`` times.
+
+        A node's probability is its parent's times ``count / parent count``; children
+        below ``min_prob`` are never drafted. ``topk`` keeps each node's most frequent
+        children only, ``max_depth`` the nodes that deep (funcspec's ``DynamicTree``).
+        A child is never more probable than its parent, so parents come first.
+        NOTE: equal probabilities pop first-pushed first; arctic's C++ heap leaves that order open.
+        """
+        draft, heap, seq = SuffixDraft(), [], itertools.count()
+
+        def push(parent: _Node, prob: float, index: int, depth: int) -> None:
+            if max_depth is not None and depth >= max_depth:
+                return
+            for child in parent.order[:topk]:
+                p = _f32(_f32(prob * child.count) / parent.count)  # arctic: float * int / float
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, next(seq), child, index, depth + 1))
+
+        push(node, 1.0, -1, 0)
+        while heap and len(draft.token_ids) < max_tokens:
+            neg, _, child, parent, depth = heapq.heappop(heap)
+            push(child, -neg, draft.add(child.token, parent, -neg), depth)
+        return draft
+
+    @staticmethod
+    def _ranked(node: _Node, max_tokens: int, min_prob: float, tree: TokenTree,
+                max_depth: int | None = None) -> SuffixDraft:
+        """A static tree's nodes: node ``(r1, .., rd)`` follows the r1-th most frequent child, then
+        the r2-th, ...; path mode generalised (``(0, .., 0)`` is its chain). A node is absent when
+        the trie has no such child, its probability is below ``min_prob``, its parent is absent,
+        it is deeper than ``max_depth``, or its index reaches ``max_tokens``."""
+        draft, at = SuffixDraft(), {}
+        for i, (path, parent) in enumerate(zip(tree.paths, tree.parents)):
+            if i >= max_tokens:
+                break
+            if (parent >= 0 and parent not in at) or (max_depth is not None and len(path) > max_depth):
+                continue
+            base, prob, index = (node, 1.0, -1) if parent < 0 else at[parent]
+            if path[-1] >= len(base.order):
+                continue
+            child = base.order[path[-1]]
+            p = _f32(prob * _f32(child.count / base.count))  # as path mode rounds
+            if p >= min_prob:
+                at[i] = (child, p, draft.add(child.token, index, p, node=i))
         return draft
 
 
@@ -268,21 +337,38 @@ class SuffixDecodingCache:
 
     def speculate(self, req_id: Hashable, context, max_spec_tokens: int | None = None,
                   max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
-                  min_token_prob: float = 0.1, use_tree_spec: bool = False) -> SuffixDraft:
+                  min_token_prob: float = 0.1, use_tree_spec: bool = False,
+                  tree: TokenTree | DynamicTree | None = None, max_depth: int | None = None) -> SuffixDraft:
         """Draft a continuation of ``context`` (the request's latest tokens).
 
         Only the last ``max_tree_depth`` context tokens are used. For each suffix length
         ``m`` that the tree holds, at most ``min(max_spec_tokens, m * max_spec_factor +
         max_spec_offset)`` tokens are drafted; the best-scoring ``m`` wins, the longer on
         ties. The local tree wins ties with the global tree.
+
+        Modes: path mode follows the most frequent child. ``use_tree_spec``
+        (arctic's tree mode) drafts a token tree, the most probable trie node
+        first. ``tree`` (funcspec's shapes, which imply tree mode): a
+        ``DynamicTree`` caps tree mode at ``topk`` children per node and
+        ``num_steps`` depth; a static ``TokenTree`` fills its nodes by child
+        rank (:meth:`_SuffixTree._ranked`; ``SuffixDraft.nodes`` says where).
+        ``max_depth`` (any mode but path) drops deeper nodes.
         """
         self._check_active(req_id)
-        if use_tree_spec:
-            raise NotImplementedError("only path mode (use_tree_spec=False) is implemented")
         if max_spec_tokens is None:
             max_spec_tokens = self._max_tree_depth
         context = _as_list(context)[-self._max_tree_depth:]
-        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob)
+        expand = None
+        if isinstance(tree, TokenTree):
+            expand = functools.partial(_SuffixTree._ranked, tree=tree, max_depth=max_depth)
+        elif isinstance(tree, DynamicTree):
+            depth = tree.num_steps if max_depth is None else min(max_depth, tree.num_steps)
+            expand = functools.partial(_SuffixTree._best_first, topk=tree.topk, max_depth=depth)
+        elif tree is not None:
+            raise ValueError(f"tree must be a TokenTree, a DynamicTree or None, got {type(tree).__name__}")
+        elif use_tree_spec:
+            expand = functools.partial(_SuffixTree._best_first, max_depth=max_depth)
+        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, expand)
         local, shared = self._local[req_id].speculate(*args), self._global.speculate(*args)
         return local if local.score >= shared.score else shared
 

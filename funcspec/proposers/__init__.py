@@ -120,7 +120,7 @@ class ProposerHandle:
         return self.bound.prefill(params, state, tokens, slot, n, hiddens)
 
     def host_drafts(self, rows, b: int, k: int):
-        """Host drafts [B, K] for the running rows (host proposers only)."""
+        """Host drafts [B, K] for the running rows (host proposers only); (tokens, parents) for a tree."""
         return self.host.drafts(rows, b, k)
 
     def shard(self, tp) -> "ProposerHandle":

@@ -69,8 +69,9 @@ class HostDrafter(Protocol):
     It sees the running requests only through ``drafts``' ``rows`` (row i is slot i).
     """
 
-    def drafts(self, rows, b: int, k: int) -> torch.Tensor:
-        """[b, k] int64 drafts for the running ``rows`` (``PLACEHOLDER``-padded), on ``ctx.device``."""
+    def drafts(self, rows, b: int, k: int):
+        """[b, k] int64 drafts for the running ``rows`` (``PLACEHOLDER``-padded), on ``ctx.device``;
+        with a token tree, the pair (tokens, parents), [b, k] each (``funcspec.token_tree``)."""
 
     def finish(self, req) -> None:
         """A request finished: stop tracking it (it may be kept for later lookups)."""

@@ -5,11 +5,18 @@ compatible, path mode), run on the host between graphs as vLLM's suffix proposer
 does: each request's local tree gets its prompt at its first step and its new
 output tokens every step; finished responses stay in the global tree. The
 drafts reach the bucket graph as its ``[B, K]`` draft input.
+
+With a token tree (``speculative_token_tree`` or the EAGLE-2 dynamic-tree keys)
+the cache drafts trees (:meth:`SuffixDecodingCache.speculate`'s ``tree``): a
+dynamic tree is arctic's tree mode, the most probable continuations first, with
+at most ``topk`` children per node, ``num_steps`` deep and N nodes; a static
+tree takes child ranks by frequency. The parents reach the graph beside the drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,12 +37,14 @@ class SuffixConfig:
     max_cached_requests: int = 10000
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
+    tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree | None
 
 
 def build(spec, target, ctx):
     """The suffix proposer's config from the speculative_config's suffix_decoding_* options (no device params)."""
     return SuffixConfig(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
-                        spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob), None
+                        spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                        spec.tree), None
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:
@@ -49,8 +58,8 @@ def init_state(cfg, params, num_slots, max_len):
 
 
 def propose(cfg, params, state, ctx, k: int):
-    """In the graph, the host's drafts are simply the proposal."""
-    return Proposal(ctx.drafts), state
+    """In the graph, the host's drafts (and a tree's parents) are simply the proposal."""
+    return Proposal(ctx.drafts, parents=ctx.draft_parents if ctx.tree is not None else None), state
 
 
 class HostDrafter:
@@ -73,21 +82,32 @@ class HostDrafter:
             self.cache.add_active_response(rid, new)
             self.seen[rid] = len(req.output_ids)
 
-    def drafts(self, rows, b: int, k: int) -> torch.Tensor:
-        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded."""
+    def drafts(self, rows, b: int, k: int):
+        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with a token tree,
+        (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
+        tree = self.cfg.tree if k > 0 else None
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
+        parents = torch.full((b, k), -1, dtype=torch.int64)
         depth = self.cfg.max_tree_depth
         for i, req in enumerate(rows):
             self._sync(req)
             context = (req.prompt_ids + req.output_ids)[-depth:]
-            room = min(k, self.max_model_len - req.total_len)
+            # NOTE: a draft at depth d lands at position total_len + d - 1; none may pass max_model_len.
+            room = self.max_model_len - req.total_len
             if room <= 0:
                 continue
-            d = self.cache.speculate(req.request_id, context, max_spec_tokens=room,
+            d = self.cache.speculate(req.request_id, context, max_spec_tokens=k if tree else min(k, room),
                                      max_spec_factor=self.cfg.max_spec_factor,
-                                     min_token_prob=self.cfg.min_token_prob)
-            out[i, : len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.int64)
-        return out.to(self.device)
+                                     min_token_prob=self.cfg.min_token_prob, tree=tree,
+                                     max_depth=room if tree else None)
+            if not d.token_ids:
+                continue
+            at = torch.tensor(d.nodes, dtype=torch.int64)  # [n] each token's node (static trees skip absent ones)
+            out[i, at] = torch.tensor(d.token_ids, dtype=torch.int64)
+            parents[i, at] = torch.tensor([d.nodes[p] if p >= 0 else -1 for p in d.parents], dtype=torch.int64)
+        if tree is None:
+            return out.to(self.device)
+        return out.to(self.device), parents.to(self.device)
 
     def finish(self, req) -> None:
         """Stop tracking a finished request (arctic's ``stop_request``); its output stays cached for later lookups."""
