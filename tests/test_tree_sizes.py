@@ -4,7 +4,6 @@ and engines whose greedy output equals autoregressive decoding token for token."
 import pytest
 import torch
 
-from funcspec import Engine
 from funcspec.capture import BucketPlan
 from funcspec.config import SpecConfig
 from funcspec.config.tree import check_dynamic_tree
