@@ -68,9 +68,10 @@ def _tune_k(args) -> None:
         keys["model"] = args.model
     out = args.out or str(Path(args.capture).with_name("tuned-k.json"))
     try:
+        tree = args.tree if args.tree in (False, True) else json.loads(args.tree)
         cfg = tune.tune_files(args.capture, args.spec, args.method, out, max_batch=args.max_batch,
-                              cost=args.cost, max_k=args.max_k, spec_keys=keys)
-    except ValueError as err:  # bad input: say which field, without a traceback
+                              cost=args.cost, max_k=args.max_k, spec_keys=keys, tree=tree)
+    except ValueError as err:  # bad input (a JSONDecodeError too): say which field, without a traceback
         raise SystemExit(f"funcspec tune-k: {err}") from err
     print(tune.format_table(cfg))
     print(f"wrote {out}")
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="draft checkpoint, passed into speculative_config")
     p.add_argument("--spec-key", action="append", default=[], metavar="KEY=VALUE",
                    help="another speculative_config key (JSON value), e.g. prompt_lookup_max=4")
+    p.add_argument("--tree", nargs="?", const=True, default=False, metavar="JSON",
+                   help="tune a token tree's node count N per batch size from the method's tree rows "
+                        "(bench spec --tree-sizes) and tree buckets (bench capture --tree); JSON: which tree")
     p.add_argument("--out", default=None, help="default: tuned-k.json beside the capture result")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     from funcspec.bench import add_bench_parser

@@ -128,8 +128,12 @@ class Engine:
         self.max_model_len, self.device, self.seed = max_model_len, torch.device(device), seed
         # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
         self.t_max = max_model_len + max_k + 1
+        tree = spec is not None and spec.tree is not None
+        # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)
+        sizes = [spec.k_for_batch_size(n) for n in range(1, max_batch_size + 1)] \
+            if tree and spec.num_speculative_tokens_per_batch_size else None
         self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
-                                          context_buckets, tree=spec is not None and spec.tree is not None)
+                                          context_buckets, tree=tree, tree_sizes=sizes)
         self.num_slots = max_batch_size
         from funcspec.proposers import BuildContext, build_proposer
 
@@ -147,6 +151,7 @@ class Engine:
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
         self._stats = collections.Counter()
         # a tree accepts at most one node per depth: its per-position acceptance is per depth
+        # (of the whole tree: a tree cut to N nodes may be shallower, its deeper counts stay 0)
         self._accepted_per_pos = [0] * (spec.tree.depth if spec and spec.tree else max_k)
         self._buckets_used: collections.Counter = collections.Counter()
         try:
@@ -197,11 +202,15 @@ class Engine:
         """The pure step function of bucket (b, k, t, mode) and example arguments for it.
 
         ``t`` defaults to the whole cache; ``mode`` is greedy, random or
-        filtered. With ``live=0`` every row points at the scratch slot, so
+        filtered. A token-tree engine takes any node count ``k`` = N up to its
+        tree's size (the tree cut to N nodes), planned or not. With ``live=0`` every row points at the scratch slot, so
         calling or capturing ``bucket.fn(*bucket.args)`` changes no request;
         ``live=n`` makes the first n rows the running requests (slots 0..n-1).
         """
-        if k not in self.plan.ks:
+        tree = self.spec.tree if self.spec else None
+        if tree is not None and not (isinstance(k, int) and 0 <= k <= tree.size):
+            raise ValueError(f"k must be a node count 0..{tree.size} of this engine's token tree, got {k}")
+        if tree is None and k not in self.plan.ks:
             raise ValueError(f"k must be one of this engine's K values {self.plan.ks}, got {k}")
         return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
 

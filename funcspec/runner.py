@@ -21,6 +21,7 @@ from funcspec.capture import capture
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
 from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
+from funcspec.token_tree import truncate
 from funcspec.tree import replace
 from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import synthetic
@@ -100,8 +101,8 @@ class Runner:
         prefill_hooks: callables ``hook(reqs, tokens [P, T], lens, hiddens)``
             with a ``layers`` attribute: they see each prefill's hidden states
             of those layers (``extract_hidden_states`` is one).
-        tree: the token tree that buckets with K > 0 draft and verify (K is its
-            node count N), or ``None`` for chains.
+        tree: the token tree of the engine, or ``None`` for chains. A bucket
+            with K = N > 0 drafts and verifies it cut to N nodes (``token_tree.truncate``).
     """
 
     def __init__(self, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
@@ -130,9 +131,10 @@ class Runner:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
         verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
+        tree = truncate(self.tree, k) if self.tree is not None and k > 0 else None  # the N = k nodes it drafts
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
-                          KVRead(t, aligned=True), mode, self.tree if k > 0 else None)
+                          KVRead(t, aligned=True), mode, tree)
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).

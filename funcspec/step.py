@@ -6,7 +6,8 @@
     -> commit: advance lengths, append emitted tokens to the history
 
 K = 0 is plain autoregressive decoding through the same function. With a token
-tree (``StepConfig.tree``) K is the tree's node count N: the target runs over
+tree (``StepConfig.tree``, the engine's tree cut to the bucket's N nodes) K is
+its node count N: the target runs over
 the N + 1 tree indices with tree attention, the tree verifier returns the
 accepted root path as ``[B, D+1]`` tokens, and that path's KV entries and
 target hidden states are moved into place (``commit_path``) before lengths advance.
@@ -147,7 +148,7 @@ class StepConfig:
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
     mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
-    tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree when K > 0 drafts a tree of K nodes
+    tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree of K nodes (the engine's, cut to K) when K > 0
 
 
 def move_slot(state: EngineState, src: int, dst: int) -> None:

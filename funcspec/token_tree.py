@@ -93,6 +93,24 @@ class DynamicTree:
         return self.num_steps
 
 
+def truncate(tree: TokenTree | DynamicTree, n: int) -> TokenTree | DynamicTree:
+    """The tree a step drafts when it may verify only ``n`` nodes (1 <= n <= ``tree.size``).
+
+    - static: the first n nodes in breadth-first order. A prefix of that order is
+      a tree, since every parent precedes its children.
+    - dynamic: the best n nodes (``num_draft_tokens = n + 1``) of the same ``topk``,
+      with ``num_steps`` capped at ``n // topk + 1``: the head writes
+      ``(num_steps - 1) · topk`` frontier nodes into the n slots a step reserves.
+
+    Pure Python on static values: inside a captured step it runs once, at trace time.
+    """
+    if not 1 <= n <= tree.size:
+        raise ValueError(f"a tree of {tree.size} nodes cannot be truncated to {n} nodes")
+    if isinstance(tree, TokenTree):
+        return TokenTree(tree.paths[:n])
+    return DynamicTree(tree.topk, min(tree.num_steps, n // tree.topk + 1), n + 1)
+
+
 def tree_parents(parents: torch.Tensor) -> torch.Tensor:
     """Tree-index parents [B, N+1] from node parents [B, N] (-1: root); the root is its own parent."""
     root = torch.zeros_like(parents[:, :1])  # [B, 1]

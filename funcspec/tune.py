@@ -31,11 +31,26 @@ active batch of n rows runs in bucket B = the smallest measured B >= n, and
 n · E / cost(B, K) has the same argmax over K as B · E / cost(B, K), so n
 inherits the bucket's K.
 
+Token trees (``tree=``, ``--tree``): a bucket is (B, N), N the node count a
+step drafts (the tree cut to N nodes, ``funcspec.token_tree.truncate``). A tree's
+acceptance at N is not a prefix of a bigger tree's (its first N nodes, or best N,
+are a different tree), so nothing is inferred across N: the spec result holds
+rows of one tree measured at several N (``bench spec --tree --tree-sizes``; a
+row's ``k`` is its N, ``tree`` the whole tree's keys, ``per_position_acceptance``
+per depth d: P(the accepted path reached depth d+1)), and
+
+    E[tokens | N] = 1 + sum_d a_d(N)   (the row's τ),   E[tokens | 0] = 1.
+
+The costs come from ``bench capture --tree`` (bucket K = N). Per bucket B the
+tuner picks, among the measured N (and 0 where the capture measured K = 0)
+inside B's measured range, the N maximising B · E[tokens | N] / cost(B, N),
+ties to the smaller N; a cost between two measured N is interpolated as for K.
+
 The result is a vLLM-Ascend config: ``speculative_config`` with
-``num_speculative_tokens_per_batch_size`` ranges covering 1..max_batch,
-``compilation_config.cudagraph_capture_sizes`` (B · (K_B + 1) for every bucket
-B in use) and ``max_num_seqs``: exactly ``funcspec.LLM``'s (and vLLM's)
-keyword arguments, so ``LLM(model, **json.load(open(path)))`` uses it as it is.
+``num_speculative_tokens_per_batch_size`` ranges covering 1..max_batch (K, or a
+tree's N beside the tree's keys), ``compilation_config.cudagraph_capture_sizes``
+(B · (K_B + 1) for every bucket B in use) and ``max_num_seqs``: exactly
+``funcspec.LLM``'s (and vLLM's) keyword arguments, so ``LLM(model, **json.load(open(path)))`` uses it as it is.
 The ``tuning`` block (the inputs and the whole tokens/s table) goes to a
 sibling ``<name>.tuning.json``.
 """
@@ -53,7 +68,7 @@ from typing import Any, Optional
 COST_FIELDS = ("replay_ms", "eager_ms")
 """The capture result's per-bucket step costs, in milliseconds."""
 
-# The speculative_config keys the tuner writes; spec_keys may not set them.
+# The speculative_config keys the tuner writes; spec_keys may not set them (nor a token tree's keys).
 _TUNED_KEYS = frozenset({"method", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"})
 
 
@@ -128,7 +143,8 @@ def read_acceptance(spec: Mapping, method: str) -> tuple[list[float], int]:
     method = METHOD_ALIASES.get(method, method)
     best: Optional[tuple[int, int]] = None  # (positions, row index)
     for i, row in enumerate(_list("spec.rows", spec.get("rows"))):
-        # NOTE: token-tree rows are skipped: their acceptance is per depth of an N-node tree, not per K.
+        # NOTE: token-tree rows are skipped: their acceptance is per depth of an N-node tree, not per K
+        # (read_tree_acceptance reads them).
         if not isinstance(row, Mapping) or row.get("engine", "funcspec") != "funcspec" or row.get("tree"):
             continue
         if "method" not in row:
@@ -146,12 +162,13 @@ def read_acceptance(spec: Mapping, method: str) -> tuple[list[float], int]:
     return _check_acceptance(f"spec.rows[{i}].per_position_acceptance", spec["rows"][i]), i
 
 
-def _check_acceptance(name: str, row: Mapping) -> list[float]:
-    """The row's acceptance: K probabilities in [0, 1] that never increase with the position."""
-    acc = [_number(name, a) for a in row["per_position_acceptance"]]
+def _check_acceptance(name: str, row: Mapping, per_k: bool = True) -> list[float]:
+    """The row's acceptance: probabilities in [0, 1] that never increase with the position; K of them
+    (``per_k``), or one per depth of a tree row."""
+    acc = [_number(name, a) for a in _list(name, row.get("per_position_acceptance"))]
     if not acc:
         raise ValueError(f"{name} is empty: the row did not speculate (k = {row.get('k')!r})")
-    if "k" in row and row["k"] != len(acc):
+    if per_k and "k" in row and row["k"] != len(acc):
         raise ValueError(f"{name} has {len(acc)} positions but the row's k is {row['k']!r}")
     if any(not 0.0 <= a <= 1.0 for a in acc):
         raise ValueError(f"{name} must hold probabilities in [0, 1], got {acc}")
@@ -162,6 +179,65 @@ def _check_acceptance(name: str, row: Mapping) -> list[float]:
             f"accepted), as Engine.stats reports it), got {acc}"
         )
     return acc
+
+
+def parse_tree(method: str, keys: Any, name: str):
+    """The ``TokenTree`` / ``DynamicTree`` that token-tree keys describe (as a row or result records them)."""
+    from funcspec.config import SpecConfig
+
+    if not isinstance(keys, Mapping) or not keys:
+        raise ValueError(f"{name} must be a dict of token-tree keys, got {keys!r}")
+    try:
+        tree = SpecConfig.from_vllm({"method": method, "model": "-", **keys}, check_paths=False).tree
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from err
+    if tree is None:
+        raise ValueError(f"{name} describes no token tree: {dict(keys)!r}")
+    return tree
+
+
+def read_tree_acceptance(spec: Mapping, method: str, tree: Optional[Mapping] = None
+                         ) -> tuple[dict, dict[int, list[float]], dict[int, int]]:
+    """The tree rows of ``method`` in a ``bench spec`` result: ``(tree keys, {N: per-depth acceptance},
+    {N: row index})``, sorted by N.
+
+    A tree row's ``k`` is its node count N and its ``tree`` the whole tree's keys
+    (``bench spec --tree --tree-sizes``). Rows are grouped by the tree they
+    describe (parsed, so the spelling of the keys does not matter); ``tree`` picks
+    one group by its keys, else the method must have rows of exactly one tree.
+    The first row of each N in file order wins: greedy acceptance does not
+    depend on the batch size.
+    """
+    from funcspec.config import METHOD_ALIASES
+
+    method = METHOD_ALIASES.get(method, method)
+    groups: dict[Any, tuple[Mapping, list[int]]] = {}  # parsed tree -> (its keys, row indices)
+    for i, row in enumerate(_list("spec.rows", spec.get("rows"))):
+        if not isinstance(row, Mapping) or row.get("engine", "funcspec") != "funcspec" or not row.get("tree"):
+            continue
+        if "method" not in row:
+            raise ValueError(f"spec.rows[{i}].method is missing")
+        if METHOD_ALIASES.get(row["method"], row["method"]) == method:
+            groups.setdefault(parse_tree(method, row["tree"], f"spec.rows[{i}].tree"), (row["tree"], []))[1].append(i)
+    found = [dict(keys) for keys, _ in groups.values()]
+    want = parse_tree(method, tree, "tree") if tree is not None else None
+    if want is not None and want not in groups:
+        raise ValueError(f"spec.rows has no funcspec row of method {method!r} with tree {dict(tree)}; trees: {found}")
+    if want is None and len(groups) != 1:
+        raise ValueError(f"spec.rows has {len(groups)} token trees of method {method!r}, not one"
+                         + (f": pick one with tree=<its keys> (--tree JSON): {found}" if groups else ""))
+    parsed = want if want is not None else next(iter(groups))
+    keys, indices = groups[parsed]
+    acceptance: dict[int, list[float]] = {}
+    rows: dict[int, int] = {}
+    for i in indices:
+        n = _count(f"spec.rows[{i}].k", spec["rows"][i].get("k"), 1)
+        if n > parsed.size:
+            raise ValueError(f"spec.rows[{i}].k={n} is above the {parsed.size} nodes of its tree")
+        if n not in rows:
+            rows[n] = i
+            acceptance[n] = _check_acceptance(f"spec.rows[{i}].per_position_acceptance", spec["rows"][i], per_k=False)
+    return dict(keys), dict(sorted(acceptance.items())), dict(sorted(rows.items()))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -227,6 +303,30 @@ def throughput_table(costs: Mapping[int, Mapping[int, float]], acceptance: Seque
     return rows
 
 
+def tree_throughput_table(costs: Mapping[int, Mapping[int, float]], expected: Mapping[int, float],
+                          max_n: Optional[int] = None) -> list[dict]:
+    """Expected tokens/s of every bucket B at every node count N it can be tuned to, sorted by (B, N).
+
+    N runs over the node counts measured by the spec result (``expected``:
+    N -> E[tokens | N]) and 0 (no drafting, E = 1), those inside B's measured K
+    range (a cost between two measured N is interpolated, never extrapolated),
+    capped at ``max_n``. Rows as :func:`throughput_table`'s, with K = N.
+    """
+    rows = []
+    for b in sorted(costs):
+        measured = costs[b]
+        lo, hi = min(measured), max(measured)
+        ns = [n for n in sorted({0, *expected}) if lo <= n <= hi and (max_n is None or n <= max_n)]
+        if not ns:
+            raise ValueError(f"capture bucket B={b} has no N in {lo}..{hi} with measured acceptance "
+                             f"(tree sizes measured: {sorted(expected)}, max_k: {max_n})")
+        for n in ns:
+            ms, e = interpolate_cost(measured, n, b), expected.get(n, 1.0)
+            rows.append({"B": b, "K": n, "cost_ms": ms, "interpolated": n not in measured,
+                         "expected_tokens": e, "tokens_per_s": b * e / ms * 1e3})
+    return rows
+
+
 def best_k(rows: Sequence[Mapping]) -> dict[int, int]:
     """Per bucket B, the K with the highest tokens/s; a tie goes to the smaller K."""
     best: dict[int, Mapping] = {}
@@ -282,7 +382,7 @@ def capture_sizes(best: Mapping[int, int], buckets: Sequence[int]) -> list[int]:
 
 def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[int] = None,
          cost: Optional[str] = None, max_k: Optional[int] = None, spec_keys: Optional[Mapping] = None,
-         paths: Optional[Mapping[str, str]] = None) -> dict:
+         paths: Optional[Mapping[str, str]] = None, tree: bool | Mapping = False) -> dict:
     """The vLLM-Ascend-style config for ``method`` from a capture result and a spec result (both dicts).
 
     Args:
@@ -292,16 +392,20 @@ def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[in
         max_batch: the largest active batch the table covers (default: the
             largest measured bucket).
         cost: ``replay_ms`` or ``eager_ms`` (default: replay_ms when every bucket has it).
-        max_k: the largest K to consider (default: everything measured).
+        max_k: the largest K (a tree: N) to consider (default: everything measured).
         spec_keys: extra ``speculative_config`` keys passed through unchanged,
             e.g. ``{"model": DRAFT_DIR}`` or the n-gram window.
         paths: ``{"capture": ..., "spec": ...}`` recorded in ``tuning``.
+        tree: choose a token tree's node count N per batch size instead of a
+            chain's K: ``True`` for the method's only tree among the spec rows,
+            or that tree's keys (a dict) to pick one (module docstring).
 
     Returns:
         ``{"speculative_config", "compilation_config", "tuning"}``. The
         speculative_config is checked by :meth:`SpecConfig.from_vllm`.
     """
     from funcspec.config import METHOD_ALIASES, SpecConfig
+    from funcspec.config.tree import DYNAMIC_KEYS
 
     method = METHOD_ALIASES.get(method, method)
     field = cost or default_cost_field(capture)
@@ -309,25 +413,33 @@ def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[in
         # NOTE: a bucket's cost includes its proposer's drafting; another method's costs mislead.
         warnings.warn(f"capture result was measured with method {capture['method']!r}, tuning {method!r}",
                       stacklevel=2)
-    clash = sorted(set(spec_keys or {}) & _TUNED_KEYS)
+    clash = sorted(set(spec_keys or {}) & (_TUNED_KEYS | {"speculative_token_tree", *DYNAMIC_KEYS}))
     if clash:
         raise ValueError(f"spec_keys.{clash[0]} is set by the tuner; pass only method-specific keys")
+    if not isinstance(tree, (bool, Mapping)):
+        raise ValueError(f"tree must be True, False or a dict of token-tree keys, got {tree!r}")
     costs = read_costs(capture, field)
-    acceptance, row = read_acceptance(spec, method)
-    if max_k is not None:
-        _check_max_k(max_k, costs, len(acceptance), row)
+    if tree:
+        keys, size, expected, info = _tree_inputs(capture, spec, method, None if tree is True else tree, costs, max_k)
+    else:
+        acceptance, row = read_acceptance(spec, method)
+        if max_k is not None:
+            _check_max_k(max_k, costs, len(acceptance), row)
+        keys, info = {}, {"spec_row": row, "per_position_acceptance": acceptance}
     max_batch = max(costs) if max_batch is None else max_batch
     buckets = buckets_for(list(costs), max_batch)
-    table = throughput_table({b: costs[b] for b in buckets}, acceptance, max_k)
+    measured = {b: costs[b] for b in buckets}
+    table = tree_throughput_table(measured, expected, max_k) if tree else throughput_table(measured, acceptance, max_k)
     best = best_k(table)
     ranges = compress_ranges(k_per_batch_size(best, max_batch))
     top = max(r[2] for r in ranges)
     speculative_config = {
         **(spec_keys or {}),
         "method": method,
+        **keys,
         # NOTE: vLLM needs num_speculative_tokens >= 1 even when K = 0 wins everywhere;
-        # the table's K = 0 then keeps every step autoregressive.
-        "num_speculative_tokens": max(top, 1),
+        # the table's K = 0 then keeps every step autoregressive. A tree's is its whole node count.
+        "num_speculative_tokens": size if tree else max(top, 1),
         "num_speculative_tokens_per_batch_size": ranges,
     }
     SpecConfig.from_vllm(speculative_config, check_paths=False)
@@ -336,8 +448,7 @@ def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[in
         "method": method,
         "cost": field,
         "max_batch": max_batch,
-        "spec_row": row,
-        "per_position_acceptance": acceptance,
+        **info,
         "batch_buckets": buckets,
         "best_k": {str(b): k for b, k in best.items()},
         "tokens_per_s": table,
@@ -345,6 +456,29 @@ def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[in
     return {"speculative_config": speculative_config,
             "compilation_config": {"cudagraph_capture_sizes": capture_sizes(best, buckets)},
             "tuning": tuning}
+
+
+def _tree_inputs(capture: Mapping, spec: Mapping, method: str, tree: Optional[Mapping],
+                 costs: Mapping[int, Mapping[int, float]], max_n: Optional[int]):
+    """A tree's keys, its node count, E[tokens | N] per measured N, and its ``tuning`` entries."""
+    keys, acceptance, rows = read_tree_acceptance(spec, method, tree)
+    parsed = parse_tree(method, keys, "the tuned tree")
+    if not capture.get("tree") or parse_tree(method, capture["tree"], "capture.tree") != parsed:
+        # NOTE: a (B, N) bucket costs drafting and verifying the tree cut to N; a chain's (B, K)
+        # or another tree's buckets cost something else.
+        warnings.warn(f"capture result was measured with tree {capture.get('tree')!r}, tuning tree {keys}",
+                      stacklevel=3)
+    if max_n is not None:
+        _count("max_k", max_n, 0)
+        top = max(max(ks) for ks in costs.values())
+        if max_n > max(acceptance) or max_n > top:
+            raise ValueError(f"max_k={max_n} is beyond the largest tree size N measured in spec.rows "
+                             f"({max(acceptance)}) or capture.buckets ({top})")
+    expected = {n: 1.0 + sum(acc) for n, acc in acceptance.items()}  # E[tokens | N] = 1 + sum_d a_d(N)
+    info = {"tree": keys, "tree_nodes": parsed.size, "spec_rows": {str(n): i for n, i in rows.items()},
+            "per_depth_acceptance": {str(n): acc for n, acc in acceptance.items()},
+            "expected_tokens": {str(n): e for n, e in expected.items()}}
+    return keys, parsed.size, expected, info
 
 
 def _check_max_k(max_k: Any, costs: Mapping[int, Mapping[int, float]], positions: int, row: int) -> None:
@@ -387,7 +521,7 @@ def load(path) -> dict:
 
 
 def format_table(cfg: Mapping) -> str:
-    """A readable table: one line per bucket B with its chosen K and the tokens/s of every K.
+    """A readable table: one line per bucket B with its chosen K (a tree's N) and the tokens/s of every K.
 
     A ``~`` marks tokens/s whose cost was interpolated between measured K.
     """
@@ -395,13 +529,15 @@ def format_table(cfg: Mapping) -> str:
     rows = tuning["tokens_per_s"]
     ks = sorted({r["K"] for r in rows})
     by = {(r["B"], r["K"]): r for r in rows}
-    head = f"{'B':>4} {'best K':>6} | " + " ".join(f"{'K=' + str(k):>10}" for k in ks)
-    lines = [f"expected tokens/s ({tuning['cost']}, method {tuning['method']}; ~ = interpolated cost)", head]
+    letter = "N" if "tree" in tuning else "K"
+    head = f"{'B':>4} {'best ' + letter:>6} | " + " ".join(f"{letter + '=' + str(n):>10}" for n in ks)
+    what = f"method {tuning['method']}" + (f", tree {json.dumps(tuning['tree'])}" if "tree" in tuning else "")
+    lines = [f"expected tokens/s ({tuning['cost']}, {what}; ~ = interpolated cost)", head]
     for b_str, k_best in tuning["best_k"].items():
         b = int(b_str)
         cells = []
-        for k in ks:
-            r = by.get((b, k))
+        for n in ks:
+            r = by.get((b, n))
             cells.append(f"{r['tokens_per_s']:>9.1f}{'~' if r['interpolated'] else ' '}" if r else f"{'-':>10}")
         lines.append(f"{b:>4} {k_best:>6} | " + " ".join(cells))
     spec = cfg["speculative_config"]

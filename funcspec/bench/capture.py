@@ -1,5 +1,9 @@
 """``funcspec bench capture``: capture seconds, replay vs eager latency and recompiles per (B, K) bucket.
 
+With a token tree (``tree``: its ``speculative_config`` keys) the buckets are
+(B, N): K is the node count N the step drafts, the tree cut to N nodes, as an
+engine with a per-batch-size N table runs it. ``funcspec tune-k --tree`` reads them.
+
 Eager and captured steps run side by side in one process on the same state:
 every timed call first resets the rows' lengths, so each repetition decodes
 the same positions. Results go to ``graphs/results/<device>/capture-<time>.json``
@@ -56,11 +60,21 @@ def _time_calls(fn, args, reset, reps: int) -> float:
     return statistics.median(times)
 
 
-def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None):
+def tree_size(method: str, tree: dict) -> int:
+    """N, the node count of the token tree that ``tree`` (speculative_config keys) describes."""
+    from funcspec.config import SpecConfig
+
+    return SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False).num_speculative_tokens
+
+
+def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None,
+            tree: dict | None = None):
     from funcspec import Engine, SamplingParams
     from funcspec.zoo import speculative_config
 
-    spec = None if max(ks) == 0 else speculative_config(method, max(ks), head)
+    # NOTE: a tree's num_speculative_tokens is its whole node count; each bucket cuts it to its K = N.
+    k = tree_size(method, tree) if tree else max(ks)
+    spec = None if max(ks) == 0 else speculative_config(method, k, head, **(tree or {}))
     eng = Engine(model, speculative_config=spec, backend="eager", max_batch_size=max(batches),
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)
@@ -74,18 +88,20 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, 
 
 def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "inductor", method: str = "ngram",
         device: str = "cpu", reps: int = 20, prompt_len: int = 64, warm: bool = True, out_dir=None,
-        head: str | None = None) -> dict:
+        head: str | None = None, tree: dict | None = None) -> dict:
     """Benchmark every (B, K) bucket; returns (and writes) the result dict.
 
     K > 0 buckets draft with ``method`` (``head``: its checkpoint, for neural
-    methods). Compiles go to a fresh inductor cache, so "cold" means cold; the
-    caller's ``TORCHINDUCTOR_CACHE_DIR`` is restored afterwards.
+    methods); with ``tree`` (token-tree keys, e.g. ``{"speculative_token_tree":
+    "[(0,), (1,)]"}``) K is a node count N <= the tree's size. Compiles go to a
+    fresh inductor cache, so "cold" means cold; the caller's
+    ``TORCHINDUCTOR_CACHE_DIR`` is restored afterwards.
     """
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     cache_dir = tempfile.mkdtemp(prefix="funcspec-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     try:
-        return _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head)
+        return _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head, tree)
     finally:
         if old is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -94,10 +110,10 @@ def run(model: str, batches=(1, 2, 4, 8), ks=(0, 1, 3, 5), backend: str = "induc
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head) -> dict:
+def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, out_dir, head, tree) -> dict:
     from funcspec.capture import capture
 
-    eng = _engine(model, batches, ks, method, device, prompt_len, head)
+    eng = _engine(model, batches, ks, method, device, prompt_len, head, tree)
     saved = eng.state.kv.lens.clone()
 
     def reset():
@@ -123,7 +139,8 @@ def _run(model, batches, ks, backend, method, device, reps, prompt_len, warm, ou
             warm_s = f" / {row['capture_s_warm']:.2f}s warm" if "capture_s_warm" in row else ""
             print(f"B={b} K={k}: capture {row['capture_s_cold']:.2f}s cold{warm_s}, "
                   f"eager {eager_ms:.2f} ms, replay {replay_ms:.2f} ms ({eager_ms / replay_ms:.2f}x)")
-    result = {"model": str(model), "backend": backend, "method": method, "head": head, "device": device_name(device),
+    result = {"model": str(model), "backend": backend, "method": method, "head": head, "tree": tree or None,
+              "device": device_name(device),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": reps,
               "prompt_len": prompt_len, "buckets": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name(device))
@@ -166,6 +183,9 @@ def add_parser(kinds) -> None:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--method", default="ngram", help="proposer used for K > 0 buckets")
     p.add_argument("--head", default=None, help="checkpoint of a neural --method")
+    p.add_argument("--tree", default=None, metavar="JSON",
+                   help="token-tree keys of --method, e.g. '{\"speculative_token_tree\": \"[(0,), (1,), (0, 0)]\"}'; "
+                        "--k are then node counts N")
     p.add_argument("--device", default="cpu")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -177,6 +197,7 @@ def add_parser(kinds) -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         run(a.model, [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")], a.backend,
-            a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir, a.head)
+            a.method, a.device, a.reps, a.prompt_len, not a.no_warm, a.out_dir, a.head,
+            json.loads(a.tree) if a.tree else None)
 
     p.set_defaults(func=go)

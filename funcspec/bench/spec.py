@@ -8,7 +8,12 @@ One run measures, on the same checkpoint and prompts:
   and ``assistant_model`` = the draft_model checkpoint (a constant K per round),
 - token trees (``trees``: a method and its tree keys), each beside its method's
   chain at equal verify width (K = N, so K + 1 = N + 1 tokens per row): the rows
-  report the tree's speedup and τ over that chain, measured in the same run.
+  report the tree's speedup and τ over that chain, measured in the same run;
+- each tree also cut to every node count of ``tree_sizes`` (the engine's
+  ``num_speculative_tokens_per_batch_size`` at N, so every step drafts N nodes):
+  rows with ``k`` = N, the whole tree's keys in ``tree``, and the per-depth
+  acceptance and τ that ``funcspec tune-k --tree`` reads (a smaller tree's
+  acceptance is not a prefix of a bigger one's, so each N is measured).
 
 By default the model is the zoo target, the neural methods use the zoo's heads
 and the prompts are the first 128 tokens of the zoo's held-out stdlib files
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from funcspec.bench.capture import RESULTS, device_name
+from funcspec.bench.capture import RESULTS, device_name, tree_size
 
 
 def repetitive_prompts(n: int, tokenizer=None) -> list:
@@ -59,11 +64,15 @@ def load_prompts(source: str, tokenizer, num: int, prompt_tokens: int) -> list[l
     return [tokenizer(t)["input_ids"] for t in texts if t][:num]
 
 
-def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None):
+def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None, nodes=None):
+    """One funcspec row: ``method`` at K = ``k`` (a tree: its node count), or the tree cut to ``nodes``."""
     from funcspec import Engine, SamplingParams
     from funcspec.zoo import speculative_config
 
-    spec = None if method == "ar" else speculative_config(method, k, head, **(tree or {}))
+    extra = dict(tree or {})
+    if nodes is not None:  # every batch size of this engine drafts the tree's first / best N nodes
+        extra["num_speculative_tokens_per_batch_size"] = [[1, batch, nodes]]
+    spec = None if method == "ar" else speculative_config(method, k, head, **extra)
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
                  max_model_len=max(len(p) for p in prompts) + max_tokens + 8)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -74,6 +83,7 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     st = eng.stats
+    k = k if nodes is None else nodes
     return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
             "tree": tree,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
@@ -150,15 +160,18 @@ def _head_paths(model: str, methods, heads: dict | None) -> dict:
     return out
 
 
-def tree_size(method: str, tree: dict) -> int:
-    """N, the node count of the token tree that ``tree`` (speculative_config keys) describes."""
-    from funcspec.config import SpecConfig
+def check_tree_sizes(trees, sizes) -> None:
+    """Every node count of ``sizes`` is in 1..N of every tree (checked before anything runs)."""
+    for method, tree in trees:
+        n = tree_size(method, tree)
+        if any(isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= n for size in sizes):
+            raise ValueError(f"tree_sizes {list(sizes)} must be node counts in 1..{n}, the size of {method} "
+                             f"tree {tree}")
 
-    return SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False).num_speculative_tokens
 
-
-def _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains: dict) -> list[dict]:
-    """Each tree's row, with its speedup and τ over its method's chain at K = N (run here unless in ``chains``)."""
+def _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains: dict, sizes=()) -> list[dict]:
+    """Each tree's row, with its speedup and τ over its method's chain at K = N (run here unless in ``chains``),
+    then a row per node count of ``sizes`` below N: the tree cut to it."""
     rows = []
     for method, tree in trees:
         n = tree_size(method, tree)
@@ -170,26 +183,30 @@ def _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains: dict) -
         row["speedup_vs_chain"] = row["tokens_per_s"] / chain["tokens_per_s"]
         row["tau_vs_chain"] = row["tau"] / chain["tau"]
         rows.append(row)
+        rows += [_funcspec_run(model, ids, method, n, backend, b, max_tokens, heads.get(method), dict(tree), size)
+                 for size in sorted(set(sizes)) if size < n]
     return rows
 
 
 def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=(4,), backend: str = "eager",
         prompts: str = "heldout", num_prompts: int = 8, prompt_tokens: int = 128, max_tokens: int = 128,
-        heads: dict | None = None, hf: bool = True, out_dir=None, trees=()) -> dict:
+        heads: dict | None = None, hf: bool = True, out_dir=None, trees=(), tree_sizes=()) -> dict:
     """Benchmark AR, each method at each K and batch, and HF, on the same prompts; writes and returns the result.
 
     ``model`` defaults to the zoo target; ``heads`` maps neural methods to their
     checkpoints (the zoo's by default on the zoo target), ``heads["draft_model"]``
     is also HF's ``assistant_model``. ``trees``: ``(method, tree keys)`` pairs,
     e.g. ``("eagle3", {"speculative_token_tree": "[(0,), (1,)]"})``, each run
-    beside its chain at K = N. Every row records whether its outputs equal
-    funcspec AR greedy's, token for token.
+    beside its chain at K = N, and cut to each node count of ``tree_sizes``
+    (e.g. ``(4, 8)``). Every row records whether its outputs equal funcspec AR
+    greedy's, token for token.
     """
     from funcspec import zoo
     from funcspec.checkpoints import load_model
 
     model = str(model or zoo.model_path("target"))
     heads = _head_paths(model, list(methods) + [m for m, _ in trees], heads)
+    check_tree_sizes(trees, tree_sizes)
     ids = load_prompts(prompts, load_model(model).tokenizer, num_prompts, prompt_tokens)
     rows, ar = [], {}
     for b in batches:
@@ -200,7 +217,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
             for k in ks:
                 chains[m, k] = _funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m))
                 rows.append(chains[m, k])
-        rows += _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains)
+        rows += _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains, tree_sizes)
     if hf:
         rows.append(_hf_run(model, ids, max_tokens, "greedy", 0, None))
         rows += [_hf_run(model, ids, max_tokens, "greedy_batched", 0, None, b) for b in batches if b > 1]
@@ -222,7 +239,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
         del r["outputs"]
     result = {"model": model, "heads": heads, "backend": backend, "batches": list(batches), "ks": list(ks),
               "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-              "trees": [[m, dict(t)] for m, t in trees],
+              "trees": [[m, dict(t)] for m, t in trees], "tree_sizes": sorted(set(tree_sizes)),
               "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name("cpu"))
@@ -328,6 +345,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=JSON",
                    help='a token tree run beside its chain at K = N, e.g. eagle3=\'{"speculative_eagle_topk": 3, '
                         '"speculative_num_steps": 5, "speculative_num_draft_tokens": 17}\'')
+    p.add_argument("--tree-sizes", default="", help="comma-separated node counts N: each --tree also cut to N "
+                                                   "(rows for funcspec tune-k --tree)")
 
     def go(a):
         if a.threads:
@@ -335,6 +354,6 @@ def add_parser(kinds) -> None:
         heads = dict(h.split("=", 1) for h in a.head)
         run(a.model, [m for m in a.methods.split(",") if m], _ints(a.k), _ints(a.batch), a.backend, a.prompts,
             a.num_prompts, a.prompt_tokens, a.max_tokens, heads, not a.no_hf, a.out_dir,
-            [(m, json.loads(t)) for m, t in (x.split("=", 1) for x in a.tree)])
+            [(m, json.loads(t)) for m, t in (x.split("=", 1) for x in a.tree)], _ints(a.tree_sizes))
 
     p.set_defaults(func=go)

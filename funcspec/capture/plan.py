@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Optional, Sequence
 
 
 def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -42,12 +43,15 @@ class BucketPlan:
             step takes the smallest that holds every row's live tokens, so its
             cost follows the live context, not the cache's capacity. Empty: one
             bucket, the whole cache.
+        pairs: the sorted (B, K) buckets when only some B pair with some K (a
+            token tree with a node count N per batch size); empty: every B with every K.
     """
 
     batch_buckets: tuple[int, ...]
     ks: tuple[int, ...] = (0,)
     eager_capture: bool = False
     context_buckets: tuple[int, ...] = ()
+    pairs: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "context_buckets", tuple(self.context_buckets))
@@ -66,14 +70,22 @@ class BucketPlan:
             raise ValueError(f"BucketPlan.batch_buckets must be >= 1, got {list(self.batch_buckets)}")
         if self.ks[0] < 0:
             raise ValueError(f"BucketPlan.ks must be >= 0, got {list(self.ks)}")
+        object.__setattr__(self, "pairs", tuple(tuple(p) for p in self.pairs))
+        if list(self.pairs) != sorted(set(self.pairs)) or \
+                any(b not in self.batch_buckets or k not in self.ks for b, k in self.pairs):
+            raise ValueError(f"BucketPlan.pairs must be sorted, distinct (B, K) of batch_buckets and ks, "
+                             f"got {list(self.pairs)}")
 
     @staticmethod
     def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, eager_capture=False,
-                   t_max: int | None = None, context_buckets=None, tree: bool = False) -> "BucketPlan":
+                   t_max: int | None = None, context_buckets=None, tree: bool = False,
+                   tree_sizes: Optional[Sequence[int]] = None) -> "BucketPlan":
         """Default plan: power-of-two batches, K from 0 to ``max_k``, power-of-two contexts up to ``t_max``.
 
-        With a token ``tree`` of ``max_k`` = N nodes a bucket is (B, N): K is 0 or N
-        (a tree has one size), and a step verifies N + 1 tokens per row.
+        With a token ``tree`` of ``max_k`` nodes a bucket is (B, N), and a step
+        verifies N + 1 tokens per row. ``tree_sizes[n - 1]`` is the N that n active
+        rows draft (the batch-size table): the plan holds (B, N) for the N of each
+        n that pads to B, and (B, 0) for every B. Without ``tree_sizes``, N is ``max_k``.
         """
         buckets = default_batch_buckets(max_batch_size) if batch_buckets is None else tuple(batch_buckets)
         if context_buckets is None:
@@ -81,13 +93,16 @@ class BucketPlan:
         elif t_max is not None and (not context_buckets or max(context_buckets) != t_max):
             raise ValueError(f"context_buckets must end at the cache length {t_max} (max_model_len + K + 1), "
                              f"got {list(context_buckets)}")
-        ks = (0, max_k) if tree else tuple(range(max_k + 1))
-        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets))
+        if not tree:
+            return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture, tuple(context_buckets))
+        pairs = tree_pairs(sorted(buckets), [max_k] * max_batch_size if tree_sizes is None else tree_sizes)
+        ks = tuple(sorted({k for _, k in pairs}))
+        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets), pairs)
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
-        """Every (B, K) pair."""
-        return [(b, k) for b in self.batch_buckets for k in self.ks]
+        """Every (B, K) bucket: ``pairs``, or each B with each K."""
+        return list(self.pairs) if self.pairs else [(b, k) for b in self.batch_buckets for k in self.ks]
 
     def context_bucket(self, n: int):
         """The smallest context bucket of at least ``n`` positions (``None`` without context buckets)."""
@@ -107,4 +122,13 @@ class BucketPlan:
 
     def capture_sizes(self) -> dict[int, list[int]]:
         """Per K, the token counts n·(K+1) that FULL-graph capture sees (vLLM-Ascend's capture sizes)."""
-        return {k: [b * (k + 1) for b in self.batch_buckets] for k in self.ks}
+        return {k: [b * (k + 1) for b, kb in self.buckets if kb == k] for k in self.ks}
+
+
+def tree_pairs(buckets: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The sorted (B, N) a tree engine runs: (bucket of n, ``sizes[n - 1]``) for each active batch n
+    that a bucket holds, and (B, 0) for every bucket B (sorted ``buckets``)."""
+    pairs = {(b, 0) for b in buckets}
+    for n, size in enumerate(sizes[: buckets[-1]], start=1):
+        pairs.add((buckets[bisect.bisect_left(buckets, n)], size))
+    return tuple(sorted(pairs))

@@ -225,7 +225,8 @@ def _check_dynamic_spec(cfg: "SpecConfig") -> None:
 
 
 def _check_tree(cfg: "SpecConfig") -> None:
-    """A token tree needs a tree-drafting method, the lossless standard rule, and a fixed size per step."""
+    """A token tree needs a tree-drafting method and the lossless standard rule; a batch-size table
+    then gives the node count N per batch size (0 <= N <= the tree's size)."""
     static, dynamic = cfg.speculative_token_tree, cfg.dynamic_tree
     if static is None and dynamic is None:
         return
@@ -245,8 +246,17 @@ def _check_tree(cfg: "SpecConfig") -> None:
     if cfg.verifier_method != "standard":
         raise ValueError(f"{name} verifies with the lossless tree rule only, not {cfg.verifier_method!r} "
                          f"({SPEC}rejection_sample_method and {RS}enable_* must stay off)")
-    for field, value in (("num_speculative_tokens_per_batch_size", cfg.num_speculative_tokens_per_batch_size),
-                         ("dynamic_spec_config", cfg.dynamic_spec)):
-        if value is not None:
-            raise ValueError(f"{SPEC if field.startswith('num') else EXTRA}{field} cannot be combined with {name}: "
-                             "a tree's size is fixed per step")
+    if cfg.dynamic_spec is not None:
+        raise ValueError(f"{EXTRA}dynamic_spec_config cannot be combined with {name}: "
+                         "a tree's size comes from num_speculative_tokens_per_batch_size, not confidence")
+    _check_tree_sizes(cfg.num_speculative_tokens_per_batch_size, cfg.tree.size)
+
+
+def _check_tree_sizes(table: Optional[tuple[tuple[int, int, int], ...]], size: int) -> None:
+    """With a tree, each table entry's value is a node count N: a step drafts the tree cut to N
+    nodes (``token_tree.truncate``), which cannot exceed the tree. (A chain's K is clamped instead, as
+    in vLLM; refusing here says that a tree bigger than the one given was never measured.)"""
+    for start, end, n in table or ():
+        if n > size:
+            raise ValueError(f"{SPEC}num_speculative_tokens_per_batch_size entry {[start, end, n]}: with a token "
+                             f"tree the value is its node count N, which must be <= the tree's {size} nodes")

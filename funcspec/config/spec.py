@@ -38,7 +38,8 @@ class SpecConfig:
         prompt_lookup_min, prompt_lookup_max: the n-gram window (ngram only,
             else ``None``). vLLM's defaults: 5..5, or the given bound for both.
         num_speculative_tokens_per_batch_size: sorted ``(start_bs, end_bs, K)``
-            triples, or ``None``. See :meth:`k_for_batch_size`.
+            triples, or ``None``. See :meth:`k_for_batch_size`. With a token
+            tree K is the node count N that batch size drafts (<= the tree's size).
         rejection_sample_method: "standard", "block" or "synthetic".
         synthetic_acceptance_rates: the per-position unconditional rates for
             "synthetic" (a given ``synthetic_acceptance_length`` is resolved to
@@ -57,9 +58,11 @@ class SpecConfig:
             ranks like the target (``draft_model`` only; N must equal the
             engine's ``tensor_parallel_size``, which the engine checks).
         speculative_token_tree: vLLM's static token tree, breadth-first, or
-            ``None`` (a chain). ``num_speculative_tokens`` is its node count.
+            ``None`` (a chain). ``num_speculative_tokens`` is its node count; a
+            step that drafts N nodes (the batch-size table) uses its first N.
         dynamic_tree: an EAGLE-2 dynamic tree (SGLang's ``speculative_eagle_topk``,
-            ``speculative_num_steps``, ``speculative_num_draft_tokens``), or ``None``.
+            ``speculative_num_steps``, ``speculative_num_draft_tokens``), or ``None``;
+            a step that drafts N nodes keeps its best N (``token_tree.truncate``).
         ignored_keys: the given keys, as dotted paths, that vLLM accepts but
             that have no effect in funcspec. The caller warns about them once.
     """
@@ -120,6 +123,8 @@ class SpecConfig:
         A gap, or a batch size past the last range, inherits the K of the range
         before it. K is clamped to ``num_speculative_tokens``. K = 0 means no
         drafting. ``bs`` 0 gives 0. Without a table, K is ``num_speculative_tokens``.
+        With a token tree, K is the node count N the step drafts (the tree cut to
+        N nodes, :func:`funcspec.token_tree.truncate`).
         """
         check_int("bs", bs, lo=0)
         table = self.num_speculative_tokens_per_batch_size

@@ -24,8 +24,10 @@ kept at a static [B, max_k+1] shape.
 Token trees (``ChainConfig.tree``): after the catch-up the head drafts the tree
 level by level (:mod:`funcspec.proposers.tree_draft`, static or EAGLE-2
 dynamic), with tree attention over its own drafts; a chain-shaped tree drafts
-exactly what the chain loop does. The verified block is then the accepted root
-path (D + 1 positions), so the catch-up covers D + 1 positions, not max_k + 1.
+exactly what the chain loop does. A bucket of N nodes drafts the tree cut to N
+(``token_tree.truncate``, from its K = N). The verified block is then the accepted
+root path (at most D + 1 positions of the whole tree), so the catch-up covers D + 1
+positions, not max_k + 1.
 
 Each method's module loads its head and builds a :class:`ChainConfig` with
 :func:`chain_config`; the protocol functions below are then the method's own.
@@ -42,7 +44,7 @@ import torch
 
 from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import DynamicTree, TokenTree
+from funcspec.token_tree import DynamicTree, TokenTree, truncate
 from funcspec.tree import pytree_dataclass, tree_leaves
 from funcspec.types import Proposal
 
@@ -64,7 +66,8 @@ class ChainConfig:
         hidden_layers: the target hidden states it reads (concatenated: F = len · H_target).
         feat_dim: F.
         window: the draft KV window W, or ``None``.
-        tree: the token tree every speculative step drafts (static or EAGLE-2 dynamic), or ``None`` (a chain).
+        tree: the engine's token tree (static or EAGLE-2 dynamic), or ``None`` (a chain); a step of
+            K = N drafts it cut to N nodes, and its depth sizes the catch-up block.
     """
 
     head: Any
@@ -143,7 +146,7 @@ def prefill(cfg: ChainConfig, params, state: ChainState, tokens, slot: int, n: i
 def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     """Catch up on the last verified block, then K greedy draft steps; returns tokens [B, K].
 
-    With a tree, the K = N drafts are its nodes and the proposal carries their parents.
+    With a tree, the K = N drafts are the nodes of the tree cut to N, and the proposal carries their parents.
     Donates: state.kv.
     """
     slots, lens = ctx.slots, ctx.lens  # [B], [B]
@@ -159,7 +162,7 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
     if cfg.tree is not None and k > 0:
         draft = tree_draft.draft_static if isinstance(cfg.tree, TokenTree) else tree_draft.draft_dynamic
-        drafts, parents, kv = draft(cfg, params, kv, g, slots, lens, window, ctx.read)
+        drafts, parents, kv = draft(cfg, truncate(cfg.tree, k), params, kv, g, slots, lens, window, ctx.read)
         return Proposal(drafts, parents=parents), ChainState(kv, state.feats, state.count)
     drafts = []
     for i in range(k):

@@ -10,7 +10,8 @@ Draft KV window (``additional_config.draft_window_size`` W): every draft query
 of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
 the rule every head shares.
 
-Token trees (``DraftModelConfig.tree``, static only): the draft runs over the tree level by
+Token trees (``DraftModelConfig.tree``, static only; a K = N step drafts its first N nodes,
+``token_tree.truncate``): the draft runs over the tree level by
 level (``tree_draft``, with its logits as the "feature" each node passes to its
 children), its nodes written at the target's tree slots ``n + 1 + node``, and
 takes each node's top-k as children in every sampling mode (deterministic
@@ -31,6 +32,7 @@ from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import commit_path, window_start
 from funcspec.proposers import tree_draft
+from funcspec.token_tree import truncate
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
@@ -43,7 +45,7 @@ class DraftModelConfig:
 
     model: ModelConfig
     window: Optional[int] = None  # additional_config.draft_window_size W
-    tree: Any = None  # the static token tree each speculative step drafts, or None
+    tree: Any = None  # the engine's static token tree (a K = N step drafts its first N nodes), or None
 
 
 @pytree_dataclass
@@ -117,9 +119,9 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     logits = logits[:, -1]  # [B, V]
     if cfg.tree is not None and k > 0:
         # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
-        drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children, cfg.tree)
-        drafts, parents, kv = tree_draft.draft_static(drafter, params, kv, logits, ctx.slots, ctx.lens + 1, window,
-                                                      ctx.read)
+        drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children)
+        drafts, parents, kv = tree_draft.draft_static(drafter, truncate(cfg.tree, k), params, kv, logits, ctx.slots,
+                                                      ctx.lens + 1, window, ctx.read)
         return Proposal(drafts, parents=parents), DraftState(kv)
     s = ctx.sampling
     tokens, probs = [], []

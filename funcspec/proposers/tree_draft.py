@@ -1,8 +1,9 @@
 """Token-tree drafting for the feature-chain heads (``chain.py``; not a method itself).
 
-Both functions start from the head's feature g [B, H] at the root (the pending
-token's pair, after the catch-up; for a draft model, the pending token's logits)
-and return ``(tokens [B, N], parents [B, N], kv)``
+Both functions draft a given tree (the engine's, cut to the bucket's N nodes by
+``token_tree.truncate``), start from the head's feature g [B, H] at the root (the
+pending token's pair, after the catch-up; for a draft model, the pending token's
+logits) and return ``(tokens [B, N], parents [B, N], kv)``
 in the layout of ``funcspec.token_tree``. A head call over tree nodes feeds each
 node's token with its parent's feature, RoPE at ``n - 1 + depth`` (the chain's
 position for that depth) and tree attention over the context and the node's
@@ -30,20 +31,18 @@ from funcspec.token_tree import ancestors, static_parents, tree_parents
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    """What tree drafting calls (``chain.ChainConfig`` has the same fields).
+    """What tree drafting calls (``chain.ChainConfig`` has the same fields); the tree is an argument.
 
     Attributes:
         head: the network's static config.
         forward: ``(head, params, kv, tokens [B, T], feats [B, T, F], slots, starts, window, read, tree=TreeMask)
             -> (out [B, T, F], kv)``: each node's output, handed to its children as ``feats``.
         draft_top: ``(head, params, out [.., F], k) -> (tokens [.., k], log-probabilities [.., k])``.
-        tree: a ``TokenTree`` or ``DynamicTree``.
     """
 
     head: Any
     forward: Callable
     draft_top: Callable
-    tree: Any
 
 
 DEPTH_PENALTY = 1e-3
@@ -58,9 +57,8 @@ def _run_level(cfg, params, kv, tokens, feats, slots, lens, first, depth: int, a
     return cfg.forward(cfg.head, params, kv, tokens, feats, slots, lens + first, window, read, tree=mask)
 
 
-def draft_static(cfg, params, kv, g, slots, lens, window, read):
-    """Draft ``cfg.tree`` (a ``TokenTree``) from the root feature g [B, H]. Donates: kv."""
-    tree = cfg.tree
+def draft_static(cfg, tree, params, kv, g, slots, lens, window, read):
+    """Draft ``tree`` (a ``TokenTree``) from the root feature g [B, H]. Donates: kv."""
     parents = static_parents(tree, g.shape[0], g.device)  # [B, N]
     anc = ancestors(tree_parents(parents), tree.depth)[:, 1:, 1:]  # [B, N, N] among the nodes
     feats, prev = g.unsqueeze(1), range(-1, 0)  # [B, 1, H]: the root is level 0
@@ -78,14 +76,14 @@ def draft_static(cfg, params, kv, g, slots, lens, window, read):
     return torch.cat(drafts, 1), parents, kv
 
 
-def draft_dynamic(cfg, params, kv, g, slots, lens, window, read):
-    """Draft an EAGLE-2 tree (``cfg.tree``, a ``DynamicTree``) from the root feature g [B, H]. Donates: kv.
+def draft_dynamic(cfg, tree, params, kv, g, slots, lens, window, read):
+    """Draft an EAGLE-2 tree (``tree``, a ``DynamicTree``) from the root feature g [B, H]. Donates: kv.
 
     NOTE: the cut ranks ``score - DEPTH_PENALTY·depth``: a child's score never
     exceeds its parent's, but ties (a draft probability of exactly 1 in fp32)
     could keep a child without its parent; the penalty breaks them towards the parent.
     """
-    tr = cfg.tree
+    tr = tree
     k, b, dev = tr.topk, g.shape[0], g.device
     tok, score = cfg.draft_top(cfg.head, params, g, k)  # [B, k] depth 1
     pool_tok, pool_score, pool_parent = [tok], [score - DEPTH_PENALTY], [torch.full_like(tok, -1)]
