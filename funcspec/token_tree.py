@@ -102,10 +102,15 @@ def truncate(tree: TokenTree | DynamicTree, n: int) -> TokenTree | DynamicTree:
       with ``num_steps`` capped at ``n // topk + 1``: the head writes
       ``(num_steps - 1) · topk`` frontier nodes into the n slots a step reserves.
 
+    The whole size gives the tree itself (ngram and suffix trees may be deeper than
+    the frontier rule allows a head; cut, they take the cap too, which stays valid).
+
     Pure Python on static values: inside a captured step it runs once, at trace time.
     """
     if not 1 <= n <= tree.size:
         raise ValueError(f"a tree of {tree.size} nodes cannot be truncated to {n} nodes")
+    if n == tree.size:
+        return tree
     if isinstance(tree, TokenTree):
         return TokenTree(tree.paths[:n])
     return DynamicTree(tree.topk, min(tree.num_steps, n // tree.topk + 1), n + 1)

@@ -139,3 +139,15 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
     (graph,) = eng.graphs.values()
     assert graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
 
+
+
+def test_ngram_tree_size_per_batch_size(tiny_llama, reference):
+    """num_speculative_tokens_per_batch_size with an ngram tree: N = 8 nodes for one request, 3 for more
+    (the dynamic tree cut to its best 3); greedy output equals AR in both buckets."""
+    prompts, want = reference
+    spec = {**_spec("ngram", None), "speculative_eagle_topk": 2, "speculative_num_steps": 8,
+            "speculative_num_draft_tokens": 9, "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 4, 3]]}
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts[:1], GREEDY)) == want[:1]
+    assert _ids(eng.generate(prompts[1:], GREEDY)) == want[1:]
+    assert {"B1_K8", "B4_K3"} <= set(eng.stats["buckets_used"])

@@ -22,6 +22,7 @@ import torch
 
 from funcspec.proposers import keep_state, no_prefill
 from funcspec.suffix_tree import SuffixDecodingCache
+from funcspec.token_tree import truncate
 from funcspec.types import PLACEHOLDER, Proposal
 
 runs_on_host = True
@@ -85,7 +86,7 @@ class HostDrafter:
     def drafts(self, rows, b: int, k: int):
         """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with a token tree,
         (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
-        tree = self.cfg.tree if k > 0 else None
+        tree = truncate(self.cfg.tree, k) if self.cfg.tree is not None and k > 0 else None  # the bucket's N = k
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
         parents = torch.full((b, k), -1, dtype=torch.int64)
         depth = self.cfg.max_tree_depth
