@@ -166,23 +166,32 @@ def test_draft_model_tree_greedy_lossless(tiny_llama, tiny_draft, reference):
                  max_batch_size=4, max_model_len=96)
     assert _ids(eng.generate(prompts, GREEDY)) == want
     assert len(eng.stats["per_position_acceptance"]) == 3 and eng.stats["mean_acceptance_length"] > 1.0
-    with pytest.raises(ValueError, match="'draft_model' drafts static trees only"):
-        Engine(tiny_llama, speculative_config=_spec("draft_model", 3, tiny_draft, speculative_eagle_topk=1,
-                                                    speculative_num_steps=3, speculative_num_draft_tokens=4))
+    dyn = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 7}
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_draft, **dyn),
+                 max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+    assert len(eng.stats["per_position_acceptance"]) == 3 and eng.stats["mean_acceptance_length"] > 1.0
 
 
-def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama):
+DRAFT_MODEL_TREES = {"static": {"speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"},
+                     "dynamic": {"speculative_eagle_topk": 2, "speculative_num_steps": 3,
+                                 "speculative_num_draft_tokens": 8}}
+
+
+@pytest.mark.parametrize("shape", sorted(DRAFT_MODEL_TREES))
+def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama, shape):
     """After tree steps, the draft's cache holds its KV of the committed tokens at their positions: what
-    one fresh draft forward over them writes (a draft that drafts what the target says: the target itself)."""
+    one fresh draft forward over them writes (a draft that drafts what the target says: the target itself).
+    A dynamic tree's frontiers are written at other slots than its nodes: this fails without moving them."""
     from funcspec.nn import forward, init_kv_cache
 
-    tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
-    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 5, tiny_llama, speculative_token_tree=tree),
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_llama, **DRAFT_MODEL_TREES[shape]),
                  max_batch_size=1, max_model_len=96)
     prompt = _prompts(1)[0]
     seq = prompt + eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    # deep paths were accepted: (0,), (0, 0), (0, 0, 0) sit at tree slots 1, 3, 5, not at depths 1, 2, 3
-    assert eng.stats["per_position_acceptance"][2] > 0.5
+    # deep paths were accepted (static: (0,), (0, 0), (0, 0, 0) sit at tree slots 1, 3, 5, not at depths
+    # 1, 2, 3; dynamic: the flat tiny model keeps breadth first, so depth 3 is reached less often)
+    assert eng.stats["per_position_acceptance"][2] > (0.5 if shape == "static" else 0.1)
     n = len(seq) - 2  # positions the last step's first pass and path moves left final
     m = eng.proposer.cfg.model
     ref = init_kv_cache(m, 1, 128)
@@ -191,6 +200,47 @@ def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama):
     torch.testing.assert_close(got.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4, rtol=0)
     torch.testing.assert_close(got.v[:, 0, :, :n], ref.v[:, 0, :, :n], atol=1e-4, rtol=0)
 
+
+
+def test_draft_model_dynamic_tree_leaves_each_run_node_kv_at_its_node_slot(tiny_llama, tiny_draft):
+    """After a dynamic-tree proposal, every node with children (the draft ran it as a frontier node) holds,
+    at its node slot n + 1 + i, the KV that a fresh draft forward over the prompt and its root path writes.
+    Frontiers are written at other slots (frontier d at (d-1)·topk + j); without the move this fails."""
+    from funcspec import rng, sampling
+    from funcspec.nn import forward, init_kv_cache
+    from funcspec.proposers import draft_model
+    from funcspec.step import StepContext
+    from funcspec.types import Sampling
+
+    dyn = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 15}
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_draft, **dyn), max_batch_size=1,
+                 max_model_len=96)
+    h, params, tree = eng.proposer, eng.params["draft"], eng.spec.tree
+    prompt = [5, 17, 42, 8, 61, 23, 9]
+    p = len(prompt)
+    state = h.prefill(params, h.init_state(1, 128), torch.tensor([prompt]), 0, p, ())
+    history = torch.zeros(2, 128, dtype=torch.int64)
+    history[0, :p] = torch.tensor(prompt)
+    slots, lens = torch.tensor([0]), torch.tensor([p - 1])  # the last prompt token is the pending one
+    ctx = StepContext(slots, lens, history, rng.key(0).view(1), Sampling.full(1, 0.0), mode=sampling.GREEDY,
+                      tree=tree)
+    prop, state = draft_model.propose(h.cfg, params, state, ctx, tree.size)
+    tokens, parents = prop.tokens[0].tolist(), prop.parents[0].tolist()
+    m, checked = h.cfg.model, 0
+    for i in range(tree.size):
+        if i not in parents:
+            continue  # a leaf: the draft never ran it
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        ref = init_kv_cache(m, 1, 128)
+        forward(m, params, ref, torch.tensor([prompt + path]), slots, torch.tensor([0]))
+        at, want = p + i, p - 1 + len(path)  # node slot; the node's position (pending at p - 1, depth len(path))
+        torch.testing.assert_close(state.kv.k[:, 0, :, at], ref.k[:, 0, :, want], atol=1e-4, rtol=0)
+        torch.testing.assert_close(state.kv.v[:, 0, :, at], ref.v[:, 0, :, want], atol=1e-4, rtol=0)
+        checked += 1
+    assert checked >= 4  # the three depth-1 nodes and at least one depth-2 frontier node
 
 def test_sampled_tree_lossless_draft_model(tiny_llama):
     """Joint law of the first two tokens through a token tree (the target as its own top-k drafter, so

@@ -237,15 +237,23 @@ def commit_path(kv: KVCache, slots: torch.Tensor, lens: torch.Tensor, path: torc
     length, where nothing reads them; the rest of the tree is rolled back by the
     length alone. Donates: kv.k, kv.v.
     """
+    depth = torch.arange(path.shape[1], device=path.device)  # [D+1]
+    move_entries(kv, slots, lens.unsqueeze(1) + path, lens.unsqueeze(1) + depth)
+
+
+def move_entries(kv: KVCache, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy cache positions src [B, M] to dst [B, M] of each row's slot, in every layer and head.
+
+    All sources are read before any destination is written, so they may overlap;
+    destinations must be distinct per row. Donates: kv.k, kv.v.
+    """
     n_layers, _, n_heads = kv.k.shape[:3]
-    dev = path.device
+    dev = src.device
     idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
            torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
-    src = (lens.unsqueeze(1) + path).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
-    dst = (lens.unsqueeze(1) + torch.arange(path.shape[1], device=dev)).unsqueeze(0).unsqueeze(2)  # [1, B, 1, D+1]
+    src, dst = src.unsqueeze(0).unsqueeze(2), dst.unsqueeze(0).unsqueeze(2)  # [1, B, 1, M]
     for cache in (kv.k, kv.v):
-        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6);
-        # a path index is never below its depth, so no source is overwritten early.
+        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6).
         cache.index_put_((*idx, dst), cache[(*idx, src)])
 
 

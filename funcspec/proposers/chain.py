@@ -162,7 +162,8 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
     if cfg.tree is not None and k > 0:
         draft = tree_draft.draft_static if isinstance(cfg.tree, TokenTree) else tree_draft.draft_dynamic
-        drafts, parents, kv = draft(cfg, truncate(cfg.tree, k), params, kv, g, slots, lens, window, ctx.read)
+        # NOTE: the head re-runs the verified block next step, so where its tree KV was written does not matter.
+        drafts, parents, kv, _ = draft(cfg, truncate(cfg.tree, k), params, kv, g, slots, lens, window, ctx.read)
         return Proposal(drafts, parents=parents), ChainState(kv, state.feats, state.count)
     drafts = []
     for i in range(k):

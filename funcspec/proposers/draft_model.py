@@ -10,13 +10,16 @@ Draft KV window (``additional_config.draft_window_size`` W): every draft query
 of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
 the rule every head shares.
 
-Token trees (``DraftModelConfig.tree``, static only; a K = N step drafts its first N nodes,
-``token_tree.truncate``): the draft runs over the tree level by
-level (``tree_draft``, with its logits as the "feature" each node passes to its
-children), its nodes written at the target's tree slots ``n + 1 + node``, and
-takes each node's top-k as children in every sampling mode (deterministic
-drafts, as the tree verifier needs). ``commit`` moves the accepted path's draft
-KV into place, as the step does for the target.
+Token trees (``DraftModelConfig.tree``: a K = N step drafts the tree cut to N nodes,
+``token_tree.truncate``): the draft runs over the tree level by level, static
+(vLLM's) or EAGLE-2 dynamic (``tree_draft``, with its logits as the "feature"
+each node passes to its children), and takes each node's top-k as children in
+every sampling mode (deterministic drafts, as the tree verifier needs). Its
+nodes' KV ends at the target's tree slots ``n + 1 + node``: a static tree writes
+them there; a dynamic tree writes its frontiers at other slots, and moves the
+kept ones there after the cut. ``commit`` then moves the accepted path's draft
+KV into place, as the step does for the target. The path's deepest node may be
+a leaf the draft never ran: the next first pass re-feeds it (see :func:`propose`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from funcspec import rng, sampling
 from funcspec.checkpoints import load_model
 from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
-from funcspec.nn.llama import commit_path, window_start
+from funcspec.nn.llama import commit_path, move_entries, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import truncate
+from funcspec.token_tree import TokenTree, truncate
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
@@ -45,7 +48,7 @@ class DraftModelConfig:
 
     model: ModelConfig
     window: Optional[int] = None  # additional_config.draft_window_size W
-    tree: Any = None  # the engine's static token tree (a K = N step drafts its first N nodes), or None
+    tree: Any = None  # the engine's token tree, static or dynamic (a K = N step drafts it cut to N), or None
 
 
 @pytree_dataclass
@@ -59,11 +62,6 @@ def build(spec, target, ctx):
     """Load ``speculative_config["model"]`` in the target's dtype; it must share the target's vocabulary."""
     if not spec.model:
         raise ValueError("speculative_config.model: method 'draft_model' needs a draft checkpoint path")
-    if spec.dynamic_tree is not None:
-        # NOTE: a dynamic tree's frontiers sit at other draft-cache slots than its kept nodes, and the
-        # next first pass re-feeds two tokens only, so the accepted path's draft KV could not be moved.
-        raise ValueError("speculative_config.speculative_eagle_topk: method 'draft_model' drafts static trees "
-                         "only (speculative_token_tree)")
     draft = load_model(spec.model, dtype=target.params["model"]["embed_tokens"]["weight"].dtype, device=ctx.device)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(
@@ -120,8 +118,14 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     if cfg.tree is not None and k > 0:
         # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
         drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children)
-        drafts, parents, kv = tree_draft.draft_static(drafter, truncate(cfg.tree, k), params, kv, logits, ctx.slots,
-                                                      ctx.lens + 1, window, ctx.read)
+        tree, base = truncate(cfg.tree, k), ctx.lens + 1  # [B]: node i's slot is base + i
+        draft = tree_draft.draft_static if isinstance(tree, TokenTree) else tree_draft.draft_dynamic
+        drafts, parents, kv, written = draft(drafter, tree, params, kv, logits, ctx.slots, base, window, ctx.read)
+        if not isinstance(tree, TokenTree):
+            # NOTE: each kept frontier node's KV to its node slot; leaves copy their own slot (no-op moves).
+            node = torch.arange(tree.size, device=base.device)  # [N]
+            src = base.unsqueeze(1) + torch.where(written >= 0, written, node)  # [B, N]
+            move_entries(kv, ctx.slots, src, base.unsqueeze(1) + node)
         return Proposal(drafts, parents=parents), DraftState(kv)
     s = ctx.sampling
     tokens, probs = [], []

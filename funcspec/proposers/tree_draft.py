@@ -3,8 +3,10 @@
 Both functions draft a given tree (the engine's, cut to the bucket's N nodes by
 ``token_tree.truncate``), start from the head's feature g [B, H] at the root (the
 pending token's pair, after the catch-up; for a draft model, the pending token's
-logits) and return ``(tokens [B, N], parents [B, N], kv)``
-in the layout of ``funcspec.token_tree``. A head call over tree nodes feeds each
+logits) and return ``(tokens [B, N], parents [B, N], kv, written [B, N])``
+in the layout of ``funcspec.token_tree``; ``written`` is the head cache slot
+(offset from ``n``) where each node's own KV was written, -1 for nodes the
+head never ran (leaves), so that a draft model can move the accepted path's KV. A head call over tree nodes feeds each
 node's token with its parent's feature, RoPE at ``n - 1 + depth`` (the chain's
 position for that depth) and tree attention over the context and the node's
 ancestors, which the head wrote at their own cache slots earlier in this step.
@@ -73,7 +75,9 @@ def draft_static(cfg, tree, params, kv, g, slots, lens, window, read):
             feats, kv = _run_level(cfg, params, kv, drafts[-1], feats[:, local], slots, lens, level.start, d,
                                    anc[:, level.start:level.stop], window, read)  # [B, n_d, H]
         prev = level
-    return torch.cat(drafts, 1), parents, kv
+    ran = [i if len(p) < tree.depth else -1 for i, p in enumerate(tree.paths)]  # the last level never runs
+    written = torch.tensor(ran, dtype=torch.int64, device=g.device).expand(g.shape[0], tree.size)  # [B, N]
+    return torch.cat(drafts, 1), parents, kv, written
 
 
 def draft_dynamic(cfg, tree, params, kv, g, slots, lens, window, read):
@@ -89,8 +93,9 @@ def draft_dynamic(cfg, tree, params, kv, g, slots, lens, window, read):
     pool_tok, pool_score, pool_parent = [tok], [score - DEPTH_PENALTY], [torch.full_like(tok, -1)]
     front, feats = torch.arange(k, device=dev).expand(b, k), g.unsqueeze(1).expand(b, k, g.shape[-1])  # [B, k]
     anc = torch.eye(k, (tr.num_steps - 1) * k, dtype=torch.bool, device=dev).expand(b, k, -1)  # [B, k, (S-1)k]
-    size = k
+    size, ran = k, []  # ran: the pool indices of each frontier the head ran, [B, k] per depth
     for d in range(1, tr.num_steps):
+        ran.append(front)
         gf, kv = _run_level(cfg, params, kv, tok, feats, slots, lens, (d - 1) * k, d, anc, window, read)  # [B, k, H]
         child, lp = cfg.draft_top(cfg.head, params, gf, k)  # [B, k, k]
         cand = (score.unsqueeze(-1) + lp).reshape(b, k * k)  # [B, k²] cumulative log-probabilities
@@ -110,4 +115,9 @@ def draft_dynamic(cfg, tree, params, kv, g, slots, lens, window, read):
     parent = torch.gather(torch.cat(pool_parent, 1), 1, keep)  # [B, N] pool indices
     at = (parent.unsqueeze(-1) == keep.unsqueeze(1))  # [B, N, N]: where each parent sits among the kept
     parents = torch.where(parent < 0, -1, at.int().argmax(-1))
-    return torch.gather(torch.cat(pool_tok, 1), 1, keep), parents, kv
+    written = -torch.ones_like(keep)  # [B, N]
+    if ran:
+        # frontier d's node j sits at head slot (d-1)·k + j (see _run_level's ``first``)
+        hit = keep.unsqueeze(-1) == torch.cat(ran, 1).unsqueeze(1)  # [B, N, (S-1)k]
+        written = torch.where(hit.any(-1), hit.int().argmax(-1), -1)
+    return torch.gather(torch.cat(pool_tok, 1), 1, keep), parents, kv, written
