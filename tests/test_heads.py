@@ -349,6 +349,24 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     assert eng.stats["recompiles"] == 0
 
 
+@pytest.mark.parametrize("method, tree", [("eagle", TREE), ("mtp", DYNAMIC), ("draft_model", TREE),
+                                          ("draft_model", DYNAMIC)])
+def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree, monkeypatch):
+    """The other tree methods (eagle3's test is above; ngram and suffix: test_history_trees.py): one
+    fullgraph (4, 7) bucket, greedy output equal to AR, 0 recompiles after warm-up (traced codegen)."""
+    import torch._inductor.compile_fx as cfx
+
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
+    spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
+    eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor", batch_buckets=[4])
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
+    (key, graph), = eng.graphs.items()
+    assert key[:2] == (4, 7) and graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
+    assert eng.stats["recompiles"] == 0
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_dynamic_tree_greedy_equals_autoregressive(zoo, method):
     """EAGLE-2 dynamic trees (SGLang's topk / num_steps / num_draft_tokens): greedy output equals AR."""
