@@ -11,6 +11,10 @@ which runs KMP on the reversed history). For one row with valid tokens ``x[0:N]`
    continuation is read from the valid history only, so it may run into the suffix region
    and may be shorter than K.
 4. Rows with ``N < n_min``, no match, or ``m <= 0`` draft nothing.
+
+With a token tree (:func:`ngram_tree`), the continuations of the best several
+matches are merged into a trie, so the drafts branch where the history goes on
+in more than one way; the chain above is the tree's rank-0 path.
 """
 
 from __future__ import annotations
