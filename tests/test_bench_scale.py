@@ -59,6 +59,11 @@ def test_context_batch_and_profile(result):
     assert [r["context"] for r in res["context"]["rows"]] == [16, 32]
     assert res["context"]["max_model_len"] == 32 + 8 + 64  # one engine sized for the largest prompt
     assert all(r["ms_per_token"] > 0 for r in res["context"]["rows"])
+    for r in res["context"]["rows"]:  # two passes (ascending, descending), their mean, the ratio to the shortest
+        assert len(r["ms_per_token_passes"]) == 2
+        assert r["ms_per_token"] == pytest.approx(sum(r["ms_per_token_passes"]) / 2)
+    short, long_ = res["context"]["rows"]
+    assert short["vs_shortest"] == 1.0 and long_["vs_shortest"] == pytest.approx(long_["ms_per_token"] / short["ms_per_token"])
     assert [r["batch"] for r in res["batch"]["rows"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in res["batch"]["rows"])
     ops = res["profile"]["ops"]

@@ -15,7 +15,9 @@ or a tiny one for tests) and measures, in ``--phases`` order:
   ``synthetic`` verifier accepts position i with probability alpha**(i+1)) for
   each alpha x K, one engine per (alpha, K): measured τ, step cost at K over
   step cost at K = 0, achieved speedup over AR and the ideal τ / (cost K / cost 0);
-- ``context``: AR ms/token as the prompt grows, on ONE engine (one capacity);
+- ``context``: AR ms/token as the prompt grows, on ONE engine (one capacity),
+  in two passes (ascending, then descending: drift on a shared machine
+  cancels in their mean), and each length's ratio to the shortest;
 - ``batch``: AR tokens/s at each batch size, on one engine;
 - ``profile``: the top ops (self CPU time) of one eager AR decode step;
 - ``llamacpp``: llama.cpp (llama-cpp-python + gguf, optional) on the same weights.
@@ -272,8 +274,9 @@ def _bk(key) -> str:
     return f"B{key[0]}_K{key[1]}"
 
 
-def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1) -> dict:
-    """Warm up with the same run (captures every bucket it uses), then time ``reps`` greedy ``generate`` runs.
+def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: bool = True) -> dict:
+    """Warm up with the same run (captures every bucket it uses; ``warm=False`` skips it where an
+    earlier run did), then time ``reps`` greedy ``generate`` runs.
 
     Returns decode ms/token (``(e2e - ttft) / (tokens - 1)``, median over
     requests, then over reps; and pooled over every request of every rep, the
@@ -286,7 +289,8 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1) -> dict
     from funcspec import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    eng.generate(prompts, sp)  # warm-up
+    if warm:
+        eng.generate(prompts, sp)
     eng.reset_stats()
     marks = {key: len(g.stats.replay_ms) for key, g in eng.graphs.items()}  # replays before the timed runs
     ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
@@ -361,14 +365,30 @@ def sweep_rows(ctx: dict, backend: str, k: int, alphas: list[float], base: dict)
 
 
 def context_rows(ctx: dict, backend: str, contexts: list[int]) -> dict:
-    """AR ms/token per prompt length on ONE engine sized for the largest (constant capacity)."""
+    """AR ms/token per prompt length on ONE engine sized for the largest (constant capacity).
+
+    Two passes, ascending (with warm-up) then descending (graphs already
+    captured): a machine whose speed drifts over the sweep biases the two in
+    opposite directions, so their mean is what each row reports, with its
+    ratio to the shortest prompt's.
+    """
     max_len = max(contexts) + ctx["n"] + 64
     eng = _engine(ctx["model"], ctx["dtype"], backend, 1, max_len)
+    passes = collections.defaultdict(list)  # context -> one timed_generate result per pass
+    order = [(c, True) for c in contexts] + [(c, False) for c in reversed(contexts)]
+    for c, warm in tqdm(order, desc="context", leave=False):
+        passes[c].append(timed_generate(eng, make_prompts(ctx["shape"], 1, c, ctx["seed"] + c), ctx["n"],
+                                        ctx["reps"], warm=warm))
     rows = []
-    for c in tqdm(contexts, desc="context", leave=False):
-        r = timed_generate(eng, make_prompts(ctx["shape"], 1, c, ctx["seed"] + c), ctx["n"], ctx["reps"])
-        rows.append({"context": c, "ms_per_token": r["ms_per_token"], "prefill_s": r["prefill_s"],
-                     "step_ms": _step_ms(r, 1, 0)})
+    for c in contexts:
+        ms = [r["ms_per_token"] for r in passes[c]]
+        steps = [_step_ms(r, 1, 0) for r in passes[c] if _step_ms(r, 1, 0) is not None]
+        rows.append({"context": c, "ms_per_token": statistics.fmean(ms), "ms_per_token_passes": ms,
+                     "prefill_s": statistics.fmean(r["prefill_s"] for r in passes[c]),
+                     "step_ms": statistics.fmean(steps) if steps else None})
+    for row in rows:
+        row["vs_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
+    r = passes[contexts[-1]][-1]
     cfg = eng.model.cfg
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * eng.t_max * cfg.head_dim * DTYPES[ctx["dtype"]].itemsize
     return {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": kv, "rows": rows,
@@ -795,9 +815,12 @@ def _md_context(r: dict) -> list[str]:
         return []
     title = (f"## Context sweep ({c['backend']}, one engine, max_model_len {c['max_model_len']}: "
              f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n")
-    rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"]
-            for x in c["rows"]]
-    return _md_table(title, ["prompt tokens", "ms/token", "step ms", "prefill s"], rows)
+    first = c["rows"][0]["context"]
+    rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}",
+             " / ".join(f"{v:.2f}" for v in x.get("ms_per_token_passes", [])) or "-",
+             f"{_f(x.get('vs_shortest'))}x", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"] for x in c["rows"]]
+    return _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
+                             f"vs {first}", "step ms", "prefill s"], rows)
 
 
 def _md_batch(r: dict) -> list[str]:
