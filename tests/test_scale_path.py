@@ -121,8 +121,10 @@ def reference_attention(q, keys, vals, visible):
     return torch.einsum("bhtj,bhjd->bthd", torch.softmax(s, -1), v).reshape(b, t, h * d)
 
 
+@pytest.mark.parametrize("path", ["sdpa", "gemm"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_attend_equals_the_masked_reference_with_window(heads, kv_heads):
+def test_attend_equals_the_masked_reference_with_window(heads, kv_heads, path, monkeypatch):
+    monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
     torch.manual_seed(0)
     b, t, tr, d = 3, 4, 20, 8
     q = torch.randn(b, t, heads, d)
@@ -132,6 +134,40 @@ def test_attend_equals_the_masked_reference_with_window(heads, kv_heads):
     j = torch.arange(tr).view(1, 1, -1)
     visible = (j <= pos.unsqueeze(-1)) & (j >= window.view(-1, 1, 1))
     torch.testing.assert_close(attend(q, keys, vals, visible), reference_attention(q, keys, vals, visible))
+
+
+@pytest.mark.parametrize("path", ["sdpa", "gemm"])
+def test_attend_gives_a_query_the_same_bits_whatever_the_queries_beside_it(path, monkeypatch):
+    """AR (one query per row) and verification (K+1) must agree bitwise: a token's attention output may not
+    depend on how many tokens come with it, on either path (bf16, GQA 8/2, 300 positions read)."""
+    monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
+    torch.manual_seed(0)
+    tr, d = 300, 64
+    q = torch.randn(1, 5, 8, d).bfloat16()
+    keys, vals = torch.randn(1, 2, tr, d).bfloat16(), torch.randn(1, 2, tr, d).bfloat16()
+    pos = 250 + torch.arange(5).view(1, 5)
+    visible = torch.arange(tr).view(1, 1, -1) <= pos.unsqueeze(-1)  # [1, 5, T_read]
+    five = attend(q, keys, vals, visible)  # [1, 5, 512]
+    for t in (1, 2):
+        assert torch.equal(attend(q[:, :t], keys, vals, visible[:, :t]), five[:, :t])
+    torch.testing.assert_close(five.float(), reference_attention(q.float(), keys.float(), vals.float(), visible),
+                               atol=0.02, rtol=0.02)
+
+
+def test_gemm_attention_keeps_speculation_equal_to_ar(tiny_llama, monkeypatch):
+    """Long context buckets take the GEMM attention (here from 32 positions): greedy ngram speculation
+    still equals AR token for token, across buckets below and above the switch."""
+    monkeypatch.setattr(llama, "MATH_READ_MIN", 32)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[5, 17, 33, 8, 9] * 2, [40, 41, 42, 43] * 2]
+    # NOTE: every row stays below 64 live tokens, so the last buckets (the cache lengths) are never read
+    ar = Engine(tiny_llama, max_batch_size=2, max_model_len=96, context_buckets=[16, 32, 64, 97])
+    spec = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                               "prompt_lookup_max": 3}, max_batch_size=2, max_model_len=96,
+                  context_buckets=[16, 32, 64, 100])
+    want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert {key[2] for key in spec.graphs} >= {16, 32, 64}
 
 
 def test_aligned_read_is_a_view_of_the_slots_and_gather_reads_any_slot():

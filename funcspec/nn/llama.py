@@ -304,6 +304,28 @@ def read_cache(cache: torch.Tensor, layer: int, slots: torch.Tensor, read: KVRea
     return cache[layer, :, :, :t][slots]
 
 
+MATH_READ_MIN = 2048
+"""CPU reads of at least this many positions use :func:`_gemm_attention` instead of SDPA's CPU flash kernel.
+
+Measured on a 2-core Zen 4 EPYC, bf16, 8 KV heads of 64, 4352 positions read:
+0.70 ms per layer against 1.0 ms for one token, 2.2 against 2.5 ms for five; at
+256 positions SDPA takes 115 us and the GEMMs 270 us. Both give each query row
+the same bits whatever the number of rows, so AR and verification still agree."""
+
+
+MATH_TOKENS_MAX = 128
+"""The GEMM attention serves blocks of up to this many tokens: every decode and verify step (a tree
+verifies at most 65), never a long prefill."""
+
+
+def _gemm_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for qg [B, H_kv, Q, D] over keys/vals [B, H_kv, T, D] where mask [B, 1, Q, T]."""
+    s = torch.matmul(qg, keys.transpose(-1, -2)).float() * qg.shape[-1] ** -0.5  # [B, H_kv, Q, T] fp32
+    # NOTE: a finite floor, not -inf: a row that sees nothing (never a real one) stays finite.
+    p = s.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
+    return torch.matmul(p.to(vals.dtype), vals)  # [B, H_kv, Q, D]
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [B, T, H, D] over keys/vals [B, H_kv, T_read, D] where visible [B, T, T_read]; -> [B, T, H·D].
 
@@ -318,7 +340,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: tor
     g = h // hkv
     qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, H_kv, G·T, D]
     mask = visible.unsqueeze(1).expand(b, g, t, tr).reshape(b, 1, g * t, tr)  # [B, 1, G·T, T_read]
-    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)  # [B, H_kv, G·T, D]
+    keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+    # static: the device, the bucket's read length and the token count. A decode or verify step (any K,
+    # any tree) takes the same path as AR in its bucket; a long prefill keeps the flash kernel, whose
+    # [G·T, T_read] scores never materialise.
+    if keys.device.type == "cpu" and tr >= MATH_READ_MIN and t <= MATH_TOKENS_MAX:
+        out = _gemm_attention(qg, keys, vals, mask)  # [B, H_kv, G·T, D]
+    else:
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)  # [B, H_kv, G·T, D]
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
