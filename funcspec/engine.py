@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, sampling
+from funcspec import distributed, methods, sampling
 from funcspec.capture import BucketPlan, resolve_backend
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
@@ -163,7 +163,8 @@ class Engine:
             self.runner = Runner(self.model, self.proposer, verify,
                                  self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
                                  spec.synthetic_acceptance_rates if spec else None, hooks,
-                                 spec.tree if spec else None)
+                                 spec.tree if spec else None,
+                                 tree_frontiers=spec is None or methods.lookup(spec.method).model != methods.NONE)
             if eager_capture:
                 # NOTE: up front, only the general mode, which serves any request;
                 # the runner then never captures at run time.

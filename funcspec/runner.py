@@ -103,15 +103,18 @@ class Runner:
             of those layers (``extract_hidden_states`` is one).
         tree: the token tree of the engine, or ``None`` for chains. A bucket
             with K = N > 0 drafts and verifies it cut to N nodes (``token_tree.truncate``).
+        tree_frontiers: whether a draft network expands the tree's frontiers
+            (``False`` for ngram and suffix), which caps the depth of a cut dynamic tree.
     """
 
     def __init__(self, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
-                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = (), tree=None):
+                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = (), tree=None,
+                 tree_frontiers: bool = True):
         self.model, self.proposer, self.verify, self.plan, self.backend = model, proposer, verify, plan, backend
         self.num_slots, self.t_max, self.device, self.dyn = num_slots, t_max, torch.device(device), dyn
         self.synthetic_rates = synthetic_rates
         self.prefill_hooks = tuple(prefill_hooks)
-        self.tree = tree
+        self.tree, self.tree_frontiers = tree, tree_frontiers
         self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> captured step
@@ -131,7 +134,7 @@ class Runner:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
         verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
-        tree = truncate(self.tree, k) if self.tree is not None and k > 0 else None  # the N = k nodes it drafts
+        tree = truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None  # N = k
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
                           KVRead(t, aligned=True), mode, tree)

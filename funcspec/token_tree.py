@@ -93,7 +93,7 @@ class DynamicTree:
         return self.num_steps
 
 
-def truncate(tree: TokenTree | DynamicTree, n: int) -> TokenTree | DynamicTree:
+def truncate(tree: TokenTree | DynamicTree, n: int, frontiers: bool = True) -> TokenTree | DynamicTree:
     """The tree a step drafts when it may verify only ``n`` nodes (1 <= n <= ``tree.size``).
 
     - static: the first n nodes in breadth-first order. A prefix of that order is
@@ -102,8 +102,9 @@ def truncate(tree: TokenTree | DynamicTree, n: int) -> TokenTree | DynamicTree:
       with ``num_steps`` capped at ``n // topk + 1``: the head writes
       ``(num_steps - 1) · topk`` frontier nodes into the n slots a step reserves.
 
-    The whole size gives the tree itself (ngram and suffix trees may be deeper than
-    the frontier rule allows a head; cut, they take the cap too, which stays valid).
+    The whole size gives the tree itself. ``frontiers=False`` (ngram and suffix,
+    which run no network over frontiers) caps ``num_steps`` at n instead: no
+    path of n nodes is deeper.
 
     Pure Python on static values: inside a captured step it runs once, at trace time.
     """
@@ -113,7 +114,8 @@ def truncate(tree: TokenTree | DynamicTree, n: int) -> TokenTree | DynamicTree:
         return tree
     if isinstance(tree, TokenTree):
         return TokenTree(tree.paths[:n])
-    return DynamicTree(tree.topk, min(tree.num_steps, n // tree.topk + 1), n + 1)
+    cap = n // tree.topk + 1 if frontiers else n
+    return DynamicTree(tree.topk, min(tree.num_steps, cap), n + 1)
 
 
 def tree_parents(parents: torch.Tensor) -> torch.Tensor:

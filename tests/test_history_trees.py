@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from funcspec import Engine, SamplingParams
+from funcspec import Engine, SamplingParams, sampling
 from funcspec.proposers.ngram import ngram_propose, ngram_tree
 from funcspec.suffix_tree import SuffixDecodingCache
-from funcspec.token_tree import DynamicTree, TokenTree, chain
+from funcspec.token_tree import DynamicTree, TokenTree, chain, truncate
 from funcspec.types import PLACEHOLDER
 
 from test_spec import GREEDY, _ids, _prompts, _spec
@@ -151,3 +151,6 @@ def test_ngram_tree_size_per_batch_size(tiny_llama, reference):
     assert _ids(eng.generate(prompts[:1], GREEDY)) == want[:1]
     assert _ids(eng.generate(prompts[1:], GREEDY)) == want[1:]
     assert {"B1_K8", "B4_K3"} <= set(eng.stats["buckets_used"])
+    # ngram expands no frontiers: the tree cut to 3 nodes may stay 3 deep (a head's cut is 3 // 2 + 1 = 2)
+    assert eng.runner.step_config(3, 96, sampling.GREEDY).tree == DynamicTree(2, 3, 4)
+    assert truncate(DynamicTree(2, 8, 9), 3) == DynamicTree(2, 2, 4)

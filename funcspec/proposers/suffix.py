@@ -86,7 +86,7 @@ class HostDrafter:
     def drafts(self, rows, b: int, k: int):
         """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with a token tree,
         (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
-        tree = truncate(self.cfg.tree, k) if self.cfg.tree is not None and k > 0 else None  # the bucket's N = k
+        tree = truncate(self.cfg.tree, k, frontiers=False) if self.cfg.tree is not None and k > 0 else None  # N = k
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
         parents = torch.full((b, k), -1, dtype=torch.int64)
         depth = self.cfg.max_tree_depth
