@@ -296,11 +296,15 @@ def throughput_table(costs: Mapping[int, Mapping[int, float]], acceptance: Seque
                 f"capture bucket B={b} has no K in {min(measured)}..{top} (K measured: {sorted(measured)}, "
                 f"per_position_acceptance positions: {len(acceptance)}, max_k: {max_k})"
             )
-        for k in range(min(measured), top + 1):
-            ms, e = interpolate_cost(measured, k, b), expected_tokens(acceptance, k)
-            rows.append({"B": b, "K": k, "cost_ms": ms, "interpolated": k not in measured,
-                         "expected_tokens": e, "tokens_per_s": b * e / ms * 1e3})
+        rows += [_row(b, measured, k, expected_tokens(acceptance, k)) for k in range(min(measured), top + 1)]
     return rows
+
+
+def _row(b: int, measured: Mapping[int, float], k: int, expected: float) -> dict:
+    """One table row: bucket B at K (a tree: N), its (interpolated) cost and expected tokens/s."""
+    ms = interpolate_cost(measured, k, b)
+    return {"B": b, "K": k, "cost_ms": ms, "interpolated": k not in measured,
+            "expected_tokens": expected, "tokens_per_s": b * expected / ms * 1e3}
 
 
 def tree_throughput_table(costs: Mapping[int, Mapping[int, float]], expected: Mapping[int, float],
@@ -320,10 +324,7 @@ def tree_throughput_table(costs: Mapping[int, Mapping[int, float]], expected: Ma
         if not ns:
             raise ValueError(f"capture bucket B={b} has no N in {lo}..{hi} with measured acceptance "
                              f"(tree sizes measured: {sorted(expected)}, max_k: {max_n})")
-        for n in ns:
-            ms, e = interpolate_cost(measured, n, b), expected.get(n, 1.0)
-            rows.append({"B": b, "K": n, "cost_ms": ms, "interpolated": n not in measured,
-                         "expected_tokens": e, "tokens_per_s": b * e / ms * 1e3})
+        rows += [_row(b, measured, n, expected.get(n, 1.0)) for n in ns]
     return rows
 
 

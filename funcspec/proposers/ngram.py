@@ -29,6 +29,11 @@ from funcspec.token_tree import TokenTree, static_parents
 from funcspec.types import PLACEHOLDER, Proposal
 
 
+def _check_window(n_min: int, n_max: int) -> None:
+    if not 1 <= n_min <= n_max:
+        raise ValueError(f"n_min/n_max: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+
+
 def match_runs(history: torch.Tensor, n_tok: torch.Tensor, n_max: int) -> torch.Tensor:
     """run [B, T]: how many tokens ending at each position e equal the row's last ones, capped at ``n_max``.
 
@@ -90,8 +95,7 @@ def ngram_propose(
         drafts: [B, K] int64, ``PLACEHOLDER`` after the first ``num_valid[b]`` entries.
         num_valid: [B] int64 number of real drafts per row.
     """
-    if not 1 <= n_min <= n_max:
-        raise ValueError(f"n_min/n_max: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+    _check_window(n_min, n_max)
     if k < 0:
         raise ValueError(f"k: must be >= 0, got {k}")
     B, T = history.shape
@@ -194,8 +198,7 @@ def ngram_tree(history: torch.Tensor, lens: torch.Tensor, tree, n_min: int, n_ma
         tokens: [B, N] int64 drafts.
         parents: [B, N] int64 parent node (-1: the pending token).
     """
-    if not 1 <= n_min <= n_max:
-        raise ValueError(f"n_min/n_max: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+    _check_window(n_min, n_max)
     B, T = history.shape
     n, d = tree.size, tree.depth
     m = min(T, MATCHES_PER_NODE * n)

@@ -88,7 +88,7 @@ class HostDrafter:
         (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
         tree = truncate(self.cfg.tree, k, frontiers=False) if self.cfg.tree is not None and k > 0 else None  # N = k
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
-        parents = torch.full((b, k), -1, dtype=torch.int64)
+        parents = torch.full((b, k), -1, dtype=torch.int64) if tree is not None else None
         depth = self.cfg.max_tree_depth
         for i, req in enumerate(rows):
             self._sync(req)
@@ -97,15 +97,16 @@ class HostDrafter:
             room = self.max_model_len - req.total_len
             if room <= 0:
                 continue
-            d = self.cache.speculate(req.request_id, context, max_spec_tokens=k if tree else min(k, room),
+            d = self.cache.speculate(req.request_id, context, max_spec_tokens=k if tree is not None else min(k, room),
                                      max_spec_factor=self.cfg.max_spec_factor,
                                      min_token_prob=self.cfg.min_token_prob, tree=tree,
-                                     max_depth=room if tree else None)
+                                     max_depth=room if tree is not None else None)
             if not d.token_ids:
                 continue
             at = torch.tensor(d.nodes, dtype=torch.int64)  # [n] each token's node (static trees skip absent ones)
             out[i, at] = torch.tensor(d.token_ids, dtype=torch.int64)
-            parents[i, at] = torch.tensor([d.nodes[p] if p >= 0 else -1 for p in d.parents], dtype=torch.int64)
+            if tree is not None:
+                parents[i, at] = torch.tensor([d.nodes[p] if p >= 0 else -1 for p in d.parents], dtype=torch.int64)
         if tree is None:
             return out.to(self.device)
         return out.to(self.device), parents.to(self.device)
