@@ -1,6 +1,7 @@
 """The benchmarks run end to end and write what they promise (eager backend, tiny model: fast)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,23 @@ def test_bench_spec_puts_each_tree_beside_its_chain_at_equal_n(tiny_llama, tmp_p
     assert row["tau_vs_chain"] == row["tau"] / chain["tau"] and row["matches_ar_greedy"]
     assert spec.label(row) == "funcspec eagle tree N3 B2"
     assert "| eagle | 3 | 2 |" in next((tmp_path / "out").glob("*.md")).read_text()
+
+
+def test_package_prompts_are_a_second_corpus_outside_the_stdlib():
+    import numpy
+
+    from funcspec import load_model
+    from funcspec.train import data
+    from funcspec.zoo import model_path
+
+    tok = load_model(model_path("target")).tokenizer
+    prompts = spec.load_prompts("package:numpy", tok, 3, 16)
+    files = data.package_files("numpy")
+    root = Path(numpy.__file__).parent
+    assert files == sorted(files) and all(root in f.parents and "tests" not in f.parts for f in files)
+    assert [len(p) for p in prompts] == [16] * 3 and all(p[0] == tok.bos_token_id for p in prompts)
+    first = next(f for f in files if len(tok.encode(data.read_text(f), add_special_tokens=False)) >= 15)
+    assert prompts[0][1:] == tok.encode(data.read_text(first), add_special_tokens=False)[:15]
+    assert spec._corpus("package:numpy") == f"numpy {numpy.__version__} (installed package, outside the stdlib)"
+    with pytest.raises(ValueError, match="prompts: package 'no_such_pkg' is not an installed package"):
+        spec.load_prompts("package:no_such_pkg", tok, 1, 8)

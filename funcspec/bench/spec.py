@@ -48,20 +48,33 @@ def repetitive_prompts(n: int, tokenizer=None) -> list:
 
 def load_prompts(source: str, tokenizer, num: int, prompt_tokens: int) -> list[list[int]]:
     """Prompt token ids from ``source``: ``heldout`` (the zoo's held-out stdlib files, first
-    ``prompt_tokens`` tokens each), ``repetitive`` (code-editing prompts), or a path to a
-    ``.json`` list of strings or a text file with one prompt per line."""
-    if source == "heldout":
-        from funcspec.train.data import heldout_prompts
+    ``prompt_tokens`` tokens each), ``package:NAME`` (the same from an installed package's
+    files: code outside the stdlib, the zoo's second corpus), ``repetitive`` (code-editing
+    prompts), or a path to a ``.json`` list of strings or a text file with one prompt per line."""
+    from funcspec.train import data
 
-        return heldout_prompts(tokenizer, num, prompt_tokens)
+    if source == "heldout":
+        return data.heldout_prompts(tokenizer, num, prompt_tokens)
+    if source.startswith("package:"):
+        return data.file_prompts(tokenizer, data.package_files(source.split(":", 1)[1]), num, prompt_tokens)
     if source == "repetitive":
         texts = repetitive_prompts(num, tokenizer)
         return [tokenizer(t)["input_ids"] for t in texts] if tokenizer is not None else texts
     path = Path(source)
     if not path.exists():
-        raise ValueError(f"prompts: {source!r} is neither 'heldout', 'repetitive' nor an existing file")
+        raise ValueError(f"prompts: {source!r} is neither 'heldout', 'package:NAME', 'repetitive' nor an existing file")
     texts = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text().splitlines()
     return [tokenizer(t)["input_ids"] for t in texts if t][:num]
+
+
+def _corpus(source: str) -> str:
+    """What the prompts came from, with the installed version for ``package:NAME`` (its files change with it)."""
+    if source.startswith("package:"):
+        from importlib.metadata import version
+
+        name = source.split(":", 1)[1]
+        return f"{name} {version(name)} (installed package, outside the stdlib)"
+    return {"heldout": "held-out stdlib files"}.get(source, source)
 
 
 def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None, nodes=None):
@@ -239,7 +252,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
         del r["outputs"]
     result = {"model": model, "heads": heads, "backend": backend, "batches": list(batches), "ks": list(ks),
               "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-              "trees": [[m, dict(t)] for m, t in trees], "tree_sizes": sorted(set(tree_sizes)),
+              "corpus": _corpus(prompts), "trees": [[m, dict(t)] for m, t in trees], "tree_sizes": sorted(set(tree_sizes)),
               "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name("cpu"))
@@ -333,7 +346,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--k", default="4", help="comma-separated K values")
     p.add_argument("--batch", default="4", help="comma-separated batch sizes (engine slots)")
     p.add_argument("--backend", default="eager")
-    p.add_argument("--prompts", default="heldout", help="heldout | repetitive | a .json list or a text file")
+    p.add_argument("--prompts", default="heldout", help="heldout | package:NAME (an installed package's files, e.g. package:numpy) | "
+                   "repetitive | a .json list or a text file")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for --prompts heldout")
     p.add_argument("--max-tokens", type=int, default=128)
