@@ -9,7 +9,8 @@ def test_missed_goals_are_written_from_the_files(tmp_path):
     models = tmp_path / "models"
     (models / "medusa").mkdir(parents=True)
     (models / "medusa" / "train.json").write_text(json.dumps(
-        {"params": 1e6, "steps": 123, "tokens": 4.56e5, "final_loss": 1.0, "wall_s": 600}))
+        {"params": 1e6, "steps": 123, "tokens": 4.56e5, "final_loss": 1.0, "wall_s": 600,
+         "history": "resumed once with --steps 123"}))
     bench = tmp_path / "spec.json"
     rows = [{"engine": "funcspec", "method": "medusa", "tau": 1.5, "per_position_acceptance": [0.4, 0.2, 0.1, 0.05],
              "matches_ar_greedy": True},
@@ -22,3 +23,27 @@ def test_missed_goals_are_written_from_the_files(tmp_path):
     assert ("- **medusa**: τ 1.50 against ≥ 1.8; trained 123 steps, 0.46 M tokens, 10 min; acceptance 0.40 at "
             "position 1 and 0.05 at position 4.") in text
     assert "**mtp**" not in text.split("Where goals are missed")[1]
+    assert "Run: resumed once with --steps 123." in text
+
+
+def _bench(path, rows, corpus=None):
+    path.write_text(json.dumps({"rows": [{"engine": "funcspec", "matches_ar_greedy": True, **r} for r in rows],
+                                "num_prompts": 2, "prompt_tokens": 8, "max_tokens": 8, "ks": [4], "batches": [1],
+                                "backend": "eager", **({"corpus": corpus} if corpus else {})}))
+    return path
+
+
+def test_block_drafters_must_also_reach_their_rivals_and_every_corpus_gets_a_table(tmp_path):
+    (tmp_path / "models").mkdir()
+    acc = [0.8, 0.6, 0.4, 0.2]
+    first = _bench(tmp_path / "a.json", [{"method": "eagle3", "tau": 2.9, "per_position_acceptance": acc},
+                                         {"method": "dflash", "tau": 2.7, "per_position_acceptance": acc},
+                                         {"method": "dspark", "tau": 2.95, "per_position_acceptance": acc}])
+    second = _bench(tmp_path / "b.json", [{"method": "dflash", "tau": 1.9, "per_position_acceptance": acc}],
+                    corpus="numpy 2.4.6 (installed package, outside the stdlib)")
+    text = card.render(tmp_path / "models", [first, second])
+    # DFlash clears its floor of 2.5 but not EAGLE-3's 2.9 on the same prompts
+    assert "| dflash | 2.70 | ≥ 2.5, ≥ eagle3 (2.90) ✗ (short by 0.20) |" in text
+    assert "| dspark | 2.95 | ≥ 2.5, ≥ eagle3 (2.90), ≥ dflash (2.70) ✓ |" in text
+    tail = text.split("## Measured acceptance on a second corpus: numpy 2.4.6")[1]
+    assert "| dflash | 1.90 | - | 0.80, 0.60, 0.40, 0.20 | True |" in tail and "✗" not in tail

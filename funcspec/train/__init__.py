@@ -42,7 +42,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="funcspec train", description=__doc__.splitlines()[0])
     ap.add_argument("roles", nargs="+", choices=ROLES + ("all", "card"),
                     help="roles to train in order; 'card' rewrites models/README.md")
-    ap.add_argument("--bench", type=Path, default=None, help="bench spec JSON for the cards' acceptance table")
+    ap.add_argument("--bench", type=Path, action="append", default=[],
+                    help="bench spec JSON for the cards' acceptance table (repeat: the first on the held-out stdlib, "
+                         "where goals are judged, then other corpora)")
     ap.add_argument("--models", type=Path, default=MODELS)
     ap.add_argument("--work", type=Path, default=MODELS / ".work")
     ap.add_argument("--seed", type=int, default=0)
