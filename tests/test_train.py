@@ -125,3 +125,77 @@ def test_block_rows_equal_a_block_drafted_after_its_context(method, target4, tmp
             block = torch.tensor([[int(x[b, o])] + [95] * 4])
             ref, _ = dflash.block_forward(cfg, params, kv, block, zero, torch.tensor([o]))
             torch.testing.assert_close(ref[0], h[b, n], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_continue_equals_the_engines_greedy_decoding(target4):
+    from funcspec import Engine, SamplingParams
+
+    prompts = torch.randint(3, 95, (3, 12), generator=torch.Generator().manual_seed(2))
+    rows = data.greedy_continue(target4, prompts, 9)
+    assert rows.shape == (3, 21) and torch.equal(rows[:, :12], prompts)
+    eng = Engine(target4.path, max_batch_size=3, max_model_len=32)
+    outs = eng.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    assert rows[:, 12:].tolist() == [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_rows_are_cached_per_chunk_and_regenerate_identically(target4, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "GREEDY_PROMPT", 8)
+    monkeypatch.setattr(data, "GREEDY_NEW", 4)
+    monkeypatch.setattr(data, "GREEDY_CHUNK", 3)
+    stream = (torch.arange(500) % 90 + 3).numpy().astype("int32")
+    rows = data.greedy_rows(target4, stream, 5, 7, tmp_path)
+    assert rows.shape == (7, 12) and rows.dtype.name == "int32"
+    files = sorted(tmp_path.glob("greedy-*.npy"))
+    assert len(files) == 3  # ceil(7 / 3) chunks, no temporary left behind
+    for c in range(3):  # chunk c: the stream windows of (seed, c), continued by the target
+        want = data.greedy_continue(target4, data.batch(stream, 5, c, 3, 8), 4)[:7 - 3 * c]
+        assert torch.equal(torch.from_numpy(rows[3 * c:3 * c + 3]).long(), want)
+    stamp = files[0].stat().st_mtime_ns
+    files[1].unlink()  # as if the run stopped before chunk 1 was written
+    again = data.greedy_rows(target4, stream, 5, 7, tmp_path)
+    assert (again == rows).all() and files[1].exists() and files[0].stat().st_mtime_ns == stamp
+    assert not (data.greedy_rows(target4, stream, 6, 3, tmp_path / "other") == rows[:3]).all()
+
+
+def test_row_batch_is_a_pure_function_of_seed_and_step():
+    rows = torch.arange(40).view(10, 4).numpy()
+    a = data.row_batch(rows, 0, 3, 5)
+    assert torch.equal(a, data.row_batch(rows, 0, 3, 5)) and a.shape == (5, 4) and a.dtype == torch.int64
+    assert torch.equal(a[:, 1:] - a[:, :1], torch.tensor([1, 2, 3]).expand(5, 3))  # whole rows
+    assert not torch.equal(a, data.row_batch(rows, 0, 4, 5))
+
+
+def test_block_losses_decay_by_row():
+    w = torch.exp(-torch.arange(3.0) / drafters.BLOCK_DECAY)
+    assert float(drafters.decayed(torch.ones(2, 3))) == pytest.approx(1.0)
+    assert float(drafters.decayed(torch.tensor([[0.0, 0.0, 3.0], [0.0, 0.0, 1.0]]))) == pytest.approx(
+        float(2 * w[2] / w.sum()))
+
+
+def test_a_drafter_run_leaves_the_zoo_whole_until_it_saves(target4, tmp_path, monkeypatch):
+    from funcspec.checkpoints import medusa as medusa_ckpt
+
+    monkeypatch.setattr(data, "token_stream", lambda *_: (torch.arange(3000) % 90 + 3).numpy().astype("int32"))
+    monkeypatch.setattr(data, "GREEDY_PROMPT", 8)
+    monkeypatch.setattr(data, "GREEDY_NEW", 8)
+    monkeypatch.setattr(data, "GREEDY_CHUNK", 4)
+    monkeypatch.setattr(drafters, "GREEDY_ROWS", 8)
+    monkeypatch.setattr(drafters, "BATCH", 2)
+    monkeypatch.setattr(drafters, "SEQ", 16)
+    out = tmp_path / "models" / "medusa"
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"the committed head")
+    seen, real_train = [], drafters.train
+
+    def spy(*args, **kwargs):  # what the zoo holds while the head trains
+        seen.append((out / "model.safetensors").read_bytes())
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(drafters, "train", spy)
+    drafters.run("medusa", target4.path, out, tmp_path / "work", steps=2)
+    assert seen == [b"the committed head"]
+    _, params = medusa_ckpt.load_params(out, target4)  # the trained head, whole
+    state = torch.load(tmp_path / "work" / "medusa" / "state.pt", weights_only=True)
+    name = "medusa_head.0.1.weight"
+    assert torch.equal(params["medusa_head"][0][1]["weight"], state["params"][name].to(torch.bfloat16).float())
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

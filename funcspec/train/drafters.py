@@ -4,6 +4,12 @@ Each head is trained through the *same* pure functions that draft at inference
 (``funcspec.nn.*``), so what is trained is exactly what runs. The label at every
 position is the target's next-token distribution there (soft cross-entropy).
 
+Medusa, DFlash and DSpark guess several positions from one state, so they train
+on the target's own greedy continuations of training windows
+(:func:`funcspec.train.data.greedy_rows`), with losses on the continuation only:
+there, the label of every position is what verification will accept. The others
+train on raw windows of the split.
+
 - ``draft_model``: a 1-layer HF Llama sharing the tokenizer; logits vs the target's.
 - ``medusa``: head k on h_t vs the target's distribution at t+k+1.
 - ``mtp`` and ``eagle3``: training-time test. Step 0 runs the head over the whole
@@ -11,7 +17,8 @@ position is the target's next-token distribution there (soft cross-entropy).
   their own KV slot (a copy of step 0's cache) at position a+j, fed their own
   previous output, exactly as drafting does after a catch-up.
 - ``dflash`` / ``dspark``: blocks [x_a, MASK...] at sampled anchors a, each in its
-  own copy of the context K/V, as ``draft_block`` runs them. DSpark adds its
+  own copy of the context K/V, as ``draft_block`` runs them (2 layers; rows weighted
+  exp(-k/4) as in DFlash). DSpark adds its
   Markov bias (teacher-forced on the true previous token) and a confidence head
   trained by BCE on whether the corrected argmax equals the target's.
 """
@@ -43,14 +50,20 @@ DFLASH_LAYERS = [1, 3]
 DFLASH_BLOCK = 8       # block rows: anchor + 7 masks (drafts K <= 7)
 DSPARK_BLOCK = 7
 MARKOV_RANK = 64
+BLOCK_LAYERS = 2       # one layer leaves mask rows 3+ nearly blind to the anchor (their query is MASK + RoPE)
+BLOCK_DECAY = 4.0      # DFlash's row weights exp(-k / BLOCK_DECAY): a miss at row k voids every row after it
+GREEDY_ROWS = 6144     # distillation rows (GREEDY_PROMPT + GREEDY_NEW tokens each) for the roles below
+ON_TARGET_TEXT = ("medusa", "dflash", "dspark")
+"""Roles trained on the target's own greedy continuations (:func:`data.greedy_rows`) rather than raw text:
+the drafters that guess several positions at once, whose labels past the first differ most between the two."""
 
 SCHEDULES = {
     "draft_model": Schedule(steps=300, lr=2e-3, warmup=30),
-    "medusa": Schedule(steps=250, lr=2e-3, warmup=30),
+    "medusa": Schedule(steps=1200, lr=2e-3, warmup=30),
     "mtp": Schedule(steps=200, lr=2e-3, warmup=30),
     "eagle3": Schedule(steps=600, lr=2e-3, warmup=30),
-    "dflash": Schedule(steps=250, lr=2e-3, warmup=30),
-    "dspark": Schedule(steps=250, lr=2e-3, warmup=30),
+    "dflash": Schedule(steps=3000, lr=2e-3, warmup=30),
+    "dspark": Schedule(steps=2000, lr=2e-3, warmup=30),
 }
 
 
@@ -59,7 +72,18 @@ SCHEDULES = {
 
 def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -Σ p log softmax(logits); logits, p [.., V]."""
-    return -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+    return soft_ce_rows(logits, p).mean()
+
+
+def soft_ce_rows(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """-Σ p log softmax(logits) per row: logits, p [.., V] -> [..]."""
+    return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
+def decayed(losses: torch.Tensor) -> torch.Tensor:
+    """Block rows' losses [N, K] averaged with weights exp(-k / BLOCK_DECAY) over the K rows."""
+    w = torch.exp(-torch.arange(losses.shape[1], dtype=losses.dtype) / BLOCK_DECAY)
+    return (losses * w).sum(1).mean() / w.sum()
 
 
 def agree(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -147,10 +171,11 @@ def medusa_setup(target, out: Path, seed: int, stream):
 
     def loss_fn(x, p, hid, _seed, _step):
         h, t, loss, metrics = hid[0], x.shape[1], 0.0, {}
+        s = data.GREEDY_PROMPT - 1  # the last prompt position and on: every later token is the target's
         for k in range(cfg.num_heads):  # head k at t predicts x_{t+k+2}: the target's p at t+k+1
-            logits = medusa.head_logits(cfg, params, h[:, :t - k - 1], k)
-            loss = loss + 0.8 ** k * soft_ce(logits, p[:, k + 1:])
-            metrics[f"agree{k}"] = agree(logits, p[:, k + 1:])
+            logits = medusa.head_logits(cfg, params, h[:, s:t - k - 1], k)
+            loss = loss + 0.8 ** k * soft_ce(logits, p[:, s + k + 1:])
+            metrics[f"agree{k}"] = agree(logits, p[:, s + k + 1:])
         return loss, metrics
 
     # NOTE: bfloat16 on disk: four V×H matrices would be a quarter of the zoo's size (the loader casts back).
@@ -237,7 +262,7 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
     """dflash / dspark: blocks at sampled anchors, each in its own copy of the context K/V."""
     rows_per_block = DFLASH_BLOCK if role == "dflash" else DSPARK_BLOCK
     init_draft_head(role, target, out, seed, target_layer_ids=DFLASH_LAYERS, block_size=rows_per_block,
-                    mask_token_id=target.tokenizer.mask_token_id, markov_rank=MARKOV_RANK)
+                    mask_token_id=target.tokenizer.mask_token_id, markov_rank=MARKOV_RANK, num_layers=BLOCK_LAYERS)
     cfg, params = dflash_ckpt.load_params(out, target, role)
     names = list(read_safetensors(out))
     layers = tuple(i + 1 for i in cfg.target_layer_ids)
@@ -247,7 +272,8 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
         # NOTE: drafting runs blocks of K+1 (dflash) or K (dspark) rows for the bucket's K, and the mask rows
         # see each other; cycling the block length over K = 1..block_size-shift trains every K it allows.
         rows = 1 + shift + step % (rows_per_block - shift)
-        a = origins(seed, step, x.shape[0], 1, x.shape[1] - rows, ORIGINS)  # [B, N] anchors
+        # anchors from the last prompt token on: the block's labels are then the target's own continuation
+        a = origins(seed, step, x.shape[0], data.GREEDY_PROMPT - 1, x.shape[1] - rows, ORIGINS)  # [B, N]
         h = block_rows(cfg, params, x, torch.cat(hid, -1), a, rows).flatten(0, 1)  # [B·N, R, H]
         a = a.flatten()
         r = torch.arange(x.shape[0]).repeat_interleave(ORIGINS).unsqueeze(1)  # [B·N, 1] each block's sequence
@@ -255,16 +281,17 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
         base = dflash.logits(params, h[:, shift:])  # [N', K, V]: the row at position a+c guesses x_{a+c+1-shift}
         target_p = p[r, a.unsqueeze(1) + cols - shift]  # [N', K, V]
         if role == "dflash":
-            return soft_ce(base, target_p), {"agree": agree(base, target_p)}
+            return decayed(soft_ce_rows(base, target_p)), {"agree": agree(base, target_p)}
         prev = x[r, a.unsqueeze(1) + cols]  # teacher-forced x_{k-1}: the anchor, then the true tokens
         emb = params["markov_head"]["markov_w1"]["weight"][prev]  # [N', K, r]
         corrected = base + F.linear(emb, params["markov_head"]["markov_w2"]["weight"])
         hit = (corrected.argmax(-1) == target_p.argmax(-1)).float()
         conf = dflash.confidence(cfg, params, h, emb)
         bce = F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit)
-        return soft_ce(corrected, target_p) + 0.1 * bce, {"agree": hit.mean(), "bce": bce}
+        return decayed(soft_ce_rows(corrected, target_p)) + 0.1 * bce, {"agree": hit.mean(), "bce": bce}
 
-    return head_params(params, names), layers, loss_fn, lambda: save_head(out, params, names)
+    # NOTE: bfloat16 on disk keeps the 2-layer blocks inside the zoo's budget (the loader casts back).
+    return head_params(params, names), layers, loss_fn, lambda: save_head(out, params, names, torch.bfloat16)
 
 
 def block_rows(cfg, params, x: torch.Tensor, raw: torch.Tensor, a: torch.Tensor, rows: int) -> torch.Tensor:
@@ -292,21 +319,39 @@ SETUPS = {"draft_model": draft_model_setup, "medusa": medusa_setup,
           "dflash": functools.partial(block_setup, "dflash"), "dspark": functools.partial(block_setup, "dspark")}
 
 
+def publish(stage: Path, out: Path) -> None:
+    """Copy a saved checkpoint's files into ``out``, each written whole (a temporary file, then a rename)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in stage.iterdir():
+        shutil.copyfile(f, out / f"{f.name}.tmp")
+        (out / f"{f.name}.tmp").replace(out / f.name)
+
+
 def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: int | None = None,
         stop_after: int | None = None) -> dict:
     """Distil ``role`` from the target at ``target`` into ``out``; returns the model card's facts."""
     tgt = load_model(target)
-    out.mkdir(parents=True, exist_ok=True)
     stream = data.token_stream(tgt.tokenizer, "train", work / "tokens")
-    trainable, layers, loss_of, save = SETUPS[role](tgt, out, seed, stream)
+    # NOTE: a setup writes a freshly initialised head before the trained state is loaded; staging it under
+    # ``work`` keeps ``out`` (the committed zoo) whole while a resumed run trains.
+    stage = work / role / "checkpoint"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    trainable, layers, loss_of, save = SETUPS[role](tgt, stage, seed, stream)
     schedule = dataclasses.replace(SCHEDULES[role], steps=steps or SCHEDULES[role].steps)
+    rows = data.greedy_rows(tgt, stream, seed + 1, GREEDY_ROWS, work / "greedy") if role in ON_TARGET_TEXT else None
 
     def loss_fn(step):
-        x = data.batch(stream, seed + 1, step, BATCH, SEQ)  # NOTE: seed + 1: not the target's own batches
+        # NOTE: seed + 1: not the target's own batches
+        if rows is None:
+            x = data.batch(stream, seed + 1, step, BATCH, SEQ)
+        else:
+            x = data.row_batch(rows, seed + 1, step, BATCH)
         p, hid = target_pass(tgt, x, layers)
         return loss_of(x, p, hid, seed, step)
 
     summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after)
     save()
+    publish(stage, out)
     return {**summary, "params": sum(v.numel() for v in trainable.values()),
             "corpus": data.manifest("train"), "batch": [BATCH, SEQ], "seed": seed, "distilled_from": "target"}
