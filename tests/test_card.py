@@ -18,7 +18,7 @@ def test_missed_goals_are_written_from_the_files(tmp_path):
              "matches_ar_greedy": True}]
     bench.write_text(json.dumps({"rows": rows, "num_prompts": 2, "prompt_tokens": 8, "max_tokens": 8, "ks": [4],
                                  "batches": [1], "backend": "eager"}))
-    text = card.render(models, bench)
+    text = card.render(models, [bench])
     assert "| medusa | 1.50 | ≥ 1.8 ✗ (short by 0.30) |" in text and "| mtp | 2.00 | ≥ 1.8 ✓ |" in text
     assert ("- **medusa**: τ 1.50 against ≥ 1.8; trained 123 steps, 0.46 M tokens, 10 min; acceptance 0.40 at "
             "position 1 and 0.05 at position 4.") in text

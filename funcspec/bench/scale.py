@@ -382,7 +382,7 @@ def context_rows(ctx: dict, backend: str, contexts: list[int]) -> dict:
     rows = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
-        steps = [_step_ms(r, 1, 0) for r in passes[c] if _step_ms(r, 1, 0) is not None]
+        steps = [s for s in (_step_ms(r, 1, 0) for r in passes[c]) if s is not None]
         rows.append({"context": c, "ms_per_token": statistics.fmean(ms), "ms_per_token_passes": ms,
                      "prefill_s": statistics.fmean(r["prefill_s"] for r in passes[c]),
                      "step_ms": statistics.fmean(steps) if steps else None})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from funcspec.train.target import heldout_loss
 
@@ -51,10 +52,9 @@ def _tau_rows(bench: dict | None) -> dict[str, dict]:
     return out
 
 
-def render(models: Path, bench_paths=()) -> str:
+def render(models: Path, bench_paths: Sequence[Path] = ()) -> str:
     """The model cards as markdown; ``bench_paths``: bench spec results, the first on the held-out
     stdlib (where goals are judged), any others on corpora no model was trained on."""
-    bench_paths = [bench_paths] if isinstance(bench_paths, Path) else list(bench_paths or ())
     benches = [(p, json.loads(p.read_text())) for p in bench_paths]
     lines = ["# The funcspec model zoo", "",
              "Every checkpoint here was trained on this repository's CPU machine (2 cores) from the Python "
@@ -154,7 +154,7 @@ it fastest. The recipes are resumable (`funcspec train <role> --steps N`), and l
 EAGLE-3's gap; for the block drafters, z-lab and DeepSpec train on ~10^8 tokens with several layers."""
 
 
-def write(models: Path, bench_paths=()) -> Path:
+def write(models: Path, bench_paths: Sequence[Path] = ()) -> Path:
     """Write ``models/README.md``; returns its path."""
     out = models / "README.md"
     out.write_text(render(models, bench_paths))

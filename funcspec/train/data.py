@@ -149,8 +149,8 @@ def greedy_rows(target, stream: np.ndarray, seed: int, num_rows: int, cache: Pat
     from tqdm import tqdm
 
     cache.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(f"{len(stream)}:{int(stream[:4096].sum())}:{seed}:{GREEDY_PROMPT}:{GREEDY_NEW}".encode()
-                         + target.params["model"]["embed_tokens"]["weight"][:64].numpy().tobytes()).hexdigest()[:12]
+    key = _digest([np.ascontiguousarray(stream).tobytes(), f"{seed}:{GREEDY_PROMPT}:{GREEDY_NEW}".encode(),
+                   *(f.read_bytes() for f in sorted(Path(target.path).glob("*.safetensors")))])
     chunks = []
     for c in tqdm(range(-(-num_rows // GREEDY_CHUNK)), desc="greedy rows", mininterval=5):
         f = cache / f"greedy-{key}-{c:04d}.npy"
@@ -160,6 +160,14 @@ def greedy_rows(target, stream: np.ndarray, seed: int, num_rows: int, cache: Pat
             f.with_suffix(".tmp.npy").replace(f)
         chunks.append(np.load(f))
     return np.concatenate(chunks)[:num_rows]
+
+
+def _digest(parts) -> str:
+    """A short cache key over byte strings (the stream, the settings, the target's weight files)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()[:12]
 
 
 def row_batch(rows: np.ndarray, seed: int, step: int, batch_size: int) -> torch.Tensor:
