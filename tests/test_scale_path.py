@@ -15,7 +15,7 @@ import funcspec
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
-from funcspec.nn import llama
+from funcspec.nn import llama, stream
 from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, project, read_cache
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
@@ -44,22 +44,27 @@ class OpLog(TorchDispatchMode):
 # ----------------------------------------------------------------------------- products
 
 
-PATHS = {"fused-rows": (False, False, False), "blas": (True, True, False), "packed": (True, True, True)}
+PATHS = {"fused-rows": (False, False, False, False), "blas": (True, True, False, False),
+         "packed": (True, True, True, False), "stream": (False, True, True, True)}
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
-    """Every skinny-product path (fused row reductions, (W @ x.T).T, bf16 upcast, BLAS, packed oneDNN) is x @ W.T + b."""
-    blas, half_gemm, packed = PATHS[path]
+    """Every product path (fused row reductions, (W @ x.T).T, bf16 upcast, BLAS, packed oneDNN, streaming) is x @ W.T + b."""
+    blas, half_gemm, packed, streamed = PATHS[path]
     if packed and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 kernels on this CPU, so project never packs here")
+    if streamed and not stream.available():
+        pytest.skip("no AVX512-BF16 here: the streaming kernel is never built")
     monkeypatch.setattr(llama, "CPU_BLAS_SKINNY", blas)
     monkeypatch.setattr(llama, "CPU_HALF_GEMM", half_gemm)
     monkeypatch.setattr(llama, "CPU_PACKED_BF16", packed)
+    monkeypatch.setattr(llama, "CPU_STREAM", streamed)
     torch.manual_seed(0)
     w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
-    xs = tuple(torch.randn(1, r, 40).to(dtype) for r in (1, 5, llama.STACKED_ROWS + 1, llama.SKINNY_ROWS + 1))
+    rows = (1, 5, llama.STACKED_ROWS + 1, llama.SKINNY_ROWS + 1, llama.STREAM_ROWS + 1)
+    xs = tuple(torch.randn(1, r, 40).to(dtype) for r in rows)
 
     def products(xs):
         return tuple(project(x, w, b) for x in xs)
@@ -71,7 +76,92 @@ def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
             torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), **tol)
     with OpLog() as log:
         products(xs)
+    # prefill-sized products (more than STREAM_ROWS rows) keep oneDNN / BLAS
+    assert ("stream_linear" in log.names()) == streamed
     assert ("packed_linear" in log.names()) == (packed and dtype == torch.bfloat16)
+
+
+needs_stream = pytest.mark.skipif(not stream.supported(), reason="no AVX512-BF16 here: the streaming kernel never runs")
+
+
+@needs_stream
+def test_the_streaming_kernel_builds_here():
+    """On an AVX512-BF16 CPU (CI's included) the kernel must build: a silent fallback would hide a broken build."""
+    assert stream.available()
+    assert llama.CPU_STREAM == (not torch.cpu._is_amx_tile_supported())
+
+
+@needs_stream
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(8192, 2048), (200, 2050), (130, 33), (64, 7), (3, 1)])
+def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n, k):
+    """Any shape (N off the 64-column blocks, K off the bf16 pairs, bias or not) equals x @ W.T + b, and
+    a row's bits are the same alone, among 5, or among 13 (several passes per block): AR equals verify."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(13, k, generator=g).to(dtype)
+    got = stream.stream_linear(x, w, b)  # [13, n]
+    assert got.shape == (13, n) and got.dtype == dtype
+    want = x.double() @ w.double().T + b.double()
+    # one fp32 accumulator per output over k in order: its rounding error grows with k
+    tol = {"atol": 1e-6 * k, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
+    torch.testing.assert_close(got.double(), want, **tol)
+    for lo, hi in ((0, 1), (0, 5), (4, 5), (7, 13), (12, 13)):
+        assert torch.equal(stream.stream_linear(x[lo:hi], w, b), got[lo:hi])
+    assert torch.equal(stream.stream_linear(x[:5].view(1, 5, k), w), stream.stream_linear(x[:5], w).view(1, 5, n))
+
+
+@needs_stream
+def test_stream_linear_repacks_after_an_in_place_update_and_rounds_to_nearest():
+    """The packed copy follows in-place updates; bf16 outputs are fp32 sums rounded to nearest even."""
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    before = stream.stream_linear(x, w)
+    w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
+    assert torch.equal(stream.stream_linear(x, w), 2 * before)  # doubling is exact in bf16
+    exact = (x.double() @ w.double().T).float()  # bf16 products summed in fp64: within fp32 of the kernel's sum
+    assert (stream.stream_linear(x, w).float() != exact.bfloat16().float()).float().mean() < 0.02
+
+
+@needs_stream
+def test_stream_linear_rejects_what_it_cannot_read():
+    """The kernel reads raw memory, so a bad dtype or shape is a ValueError naming it, before any read."""
+    x, w = torch.randn(2, 40), torch.randn(24, 40)
+    with pytest.raises(ValueError, match="bfloat16 or float32.*torch.float16"):
+        stream.stream_linear(x.half(), w.half())
+    with pytest.raises(ValueError, match="weight must be"):
+        stream.stream_linear(x, torch.randn(24, 41))
+    with pytest.raises(ValueError, match="bias must be"):
+        stream.stream_linear(x, w, torch.randn(23))
+
+
+@needs_stream
+def test_project_keeps_autograd_and_a_missing_kernel_off_the_stream(monkeypatch):
+    """Training (grad through W) keeps F.linear; where the kernel could not be built, project falls back."""
+    monkeypatch.setattr(llama, "CPU_STREAM", True)
+    w = torch.randn(24, 40, requires_grad=True)
+    x = torch.randn(3, 40)
+    with OpLog() as log:
+        project(x, w).sum().backward()
+    assert "stream_linear" not in log.names() and w.grad.shape == (24, 40)
+    monkeypatch.setattr(stream, "available", lambda: False)
+    with OpLog() as log, torch.no_grad():
+        y = project(x, w)
+    assert "stream_linear" not in log.names()
+    torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_build_is_cached_and_names_a_missing_compiler(tmp_path, monkeypatch):
+    """The library is built once per source and flags (a second build is a cache hit); no compiler is a clear error."""
+    if not stream.supported():
+        pytest.skip("the kernel needs AVX512-BF16 flags this compiler may lack")
+    lib = stream.build(tmp_path)
+    stamp = lib.stat().st_mtime_ns
+    assert stream.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary left behind
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no-such-compiler-xyz"):
+        stream.build(tmp_path / "other")
 
 
 @pytest.mark.skipif(not llama.CPU_PACKED_BF16, reason="no bf16 instructions here: project never packs")
@@ -97,7 +187,7 @@ def test_packed_linear_rows_are_independent_and_weights_repack_on_update():
     del big
     w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
     torch.testing.assert_close(packed.packed_linear(x, w).float(), 2 * full.float(), atol=0.1, rtol=0.02)
-    key = (w.data_ptr(), tuple(w.shape), w.stride())
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), packed._onednn_pack)
     assert key in packed._PACKED
     del w
     gc.collect()

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from funcspec.nn import stream
 from funcspec.nn.packed import packed_linear
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass
@@ -138,13 +139,30 @@ CPU_BLAS_SKINNY = torch.cpu._is_amx_tile_supported()
 not on AMD EPYCs (Zen 4's AVX-512 included); read once, at import."""
 
 
+CPU_STREAM = stream.supported() and not torch.cpu._is_amx_tile_supported()
+"""Whether decode products take the weight-streaming kernel (:mod:`funcspec.nn.stream`):
+x86 with AVX512-BF16 and no AMX (on AMX, oneDNN and MKL were measured to stream well);
+read once, at import. It is built on first use; :func:`project` checks that it was."""
+
+STREAM_ROWS = 72
+"""Products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
+kernel where :data:`CPU_STREAM`; more rows (prefill) are compute-bound and keep the BLAS paths."""
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``x @ W.T (+ b)`` for x [..., in] and W [out, in]: every linear layer and LM head.
 
     NOTE: decode multiplies a few rows (B·(K+1)) by big weights, and which CPU
     product streams W fastest depends on the CPU, so the choice is made per ISA
-    (measured on three 2-core machines, Qwen2.5-0.5B-shaped weights beyond the
-    caches):
+    (measured on three 2-core machines, Qwen2.5-0.5B and Llama-3.2-1B-shaped
+    weights beyond the caches):
+    - bf16 or fp32, up to :data:`STREAM_ROWS` rows, outside autograd, on x86
+      with AVX512-BF16 and no AMX (:data:`CPU_STREAM`, AMD EPYC Zen 4): the
+      weight-streaming kernel (:func:`~funcspec.nn.stream.stream_linear`). On
+      the 113 linears of a Llama-3.2-1B shape (2.47 GB in bf16) it streamed
+      33 GB/s at 1 and 5 rows, where oneDNN's packed GEMM streamed 27 and 30;
+      in fp32 28 GB/s at 1 row and 25 at 5, where MKL streamed 16 and 6. A
+      row's result does not depend on the rows beside it.
     - bf16 on a CPU with bf16 instructions (AVX512-BF16 or AMX), outside
       autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
       Its cost is flat in the row count, so verifying K+1 tokens costs about
@@ -154,7 +172,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     - fp32 on a CPU with AMX (the Xeon measured): ``F.linear`` (MKL). At 1 row
       it streamed 21 GB/s against 12 GB/s for the fused reductions. MKL on the
       AMD EPYC (Zen 4, AVX-512) streamed 13 GB/s, the fused reductions 31 GB/s.
-    - otherwise (AMD EPYC, AVX2 or AVX-512; fp16 anywhere):
+    - otherwise (AVX2 or AVX-512 without AVX512-BF16; fp16 anywhere):
       - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
         ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
         into one vectorised, threaded pass over W that keeps r accumulators, so W
@@ -177,8 +195,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if (CPU_STREAM and rows <= STREAM_ROWS and not autograd and x.dtype == weight.dtype
+            and weight.dtype in stream.DTYPES and stream.available()):
+        return stream.stream_linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and CPU_HALF_GEMM:
-        autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         return F.linear(x, weight, bias) if autograd or not CPU_PACKED_BF16 else packed_linear(x, weight, bias)
     if weight.dtype == torch.float32 and CPU_BLAS_SKINNY:
         return F.linear(x, weight, bias)

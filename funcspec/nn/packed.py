@@ -35,23 +35,36 @@ PACK_ROWS = 4
 """The row-count hint oneDNN packs for; 1, 4, 5, 16 and 64 timed the same within noise."""
 
 _PACKED: dict[tuple, tuple[int, torch.Tensor]] = {}
-"""(address, shape, strides) -> (version, packed weight)."""
+"""(address, shape, strides, pack function) -> (version, packed weight)."""
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of a bf16 weight [out, in], made on first use and after any in-place update."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+def cached_pack(weight: torch.Tensor, pack) -> torch.Tensor:
+    """``pack(weight)``, made on first use and after any in-place update of the weight, then kept.
+
+    The side table serves every packed layout (oneDNN's here, the streaming
+    kernel's in :mod:`funcspec.nn.stream`): ``pack`` is part of the key.
+    """
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), pack)
     version = _version(weight)
     hit = _PACKED.get(key)
     if hit is not None and hit[0] == version:
         return hit[1]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+    packed = pack(weight)
     if hit is None:
         # NOTE: a view (a tied head, a reinterpreted graph input) dies each call;
         # its base owns the memory, so the entry lives and dies with the base.
         weakref.finalize(weight if weight._base is None else weight._base, _PACKED.pop, key, None)
     _PACKED[key] = (version, packed)
     return packed
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a bf16 weight [out, in], made on first use and after any in-place update."""
+    return cached_pack(weight, _onednn_pack)
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -79,7 +92,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+def linear_meta(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """The shape of ``x @ W.T``: the Meta kernel of every custom linear op."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -88,7 +102,7 @@ def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Te
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.impl("packed_linear", _packed_linear, "CPU")
-_LIB.impl("packed_linear", _packed_linear_meta, "Meta")
+_LIB.impl("packed_linear", linear_meta, "Meta")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
