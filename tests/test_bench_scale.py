@@ -176,7 +176,21 @@ def test_llamacpp_phase_with_a_fake_binding(tmp_path, monkeypatch):
     assert lc["status"] == "ran" and lc["tokens"] == res["hf"]["tokens"] and lc["tokens_equal_hf"] is True
     assert lc["ms_per_token"] > 0 and lc["funcspec_over_llamacpp"] > 0
     assert seen["type_k"] == 0 and seen["type_v"] == 0 and seen["logits_all"] is False  # f32 KV for f32 weights
-    assert "| llama.cpp |" in next((tmp_path / "o").glob("*.md")).read_text()
+    backends = [a["backend"] for a in res["ar"]]
+    assert sorted(lc["paired"]) == sorted(TINY["backends"].split(","))
+    for p in lc["paired"].values():  # each AR engine timed again, alternating with llama.cpp
+        assert p["rounds"] == 3 and len(p["ours_ms"]) == len(p["theirs_ms"]) == 3 and p["ratio"] > 0
+    md = next((tmp_path / "o").glob("*.md")).read_text()
+    assert "| llama.cpp |" in md and md.count("Paired (3 alternating runs") == len(backends)
+
+
+def test_paired_ratios_cancel_drift():
+    """A machine slowing down 3x over the runs: separate medians mislead, the pairs' ratio does not."""
+    speed = iter([1.0, 1.0, 2.0, 2.0, 3.0, 3.0])  # each run is slower than the last pair's
+    ours = lambda: 2.0 * next(speed)  # noqa: E731
+    theirs = lambda: 1.0 * next(speed)  # noqa: E731
+    p = scale.paired_ratios(ours, theirs, 3)
+    assert p["ours_ms"] == [2.0, 4.0, 6.0] and p["theirs_ms"] == [1.0, 2.0, 3.0] and p["ratio"] == 2.0
 
 
 def test_gguf_file_round_trips(tmp_path):

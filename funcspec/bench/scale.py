@@ -20,7 +20,9 @@ or a tiny one for tests) and measures, in ``--phases`` order:
   cancels in their mean), and each length's ratio to the shortest;
 - ``batch``: AR tokens/s at each batch size, on one engine;
 - ``profile``: the top ops (self CPU time) of one eager AR decode step;
-- ``llamacpp``: llama.cpp (llama-cpp-python + gguf, optional) on the same weights.
+- ``llamacpp``: llama.cpp (llama-cpp-python + gguf, optional) on the same weights,
+  then each AR engine and llama.cpp in alternating runs: the median of the
+  per-pair ratios is the comparison that holds on a machine whose speed drifts.
 
 Decode times exclude prefill: a request's ms/token is ``(e2e - ttft) / (tokens - 1)``,
 the median of ``--reps`` timed runs after a warm-up run. On a machine shared with
@@ -330,6 +332,7 @@ def ar_row(ctx: dict, backend: str) -> dict:
         row = timed_generate(eng, [ctx["prompt"]], ctx["n"], ctx["reps"])
         ctx["ar_cache"][backend] = {"backend": eng.backend, **row, "step_ms": _step_ms(row, 1, 0),
                                     "capture_s_cold": row["capture_s"].get("B1_K0")}
+        ctx.setdefault("ar_engines", {})[backend] = eng  # warm: the llama.cpp phase times it again, paired
     return ctx["ar_cache"][backend]
 
 
@@ -530,10 +533,10 @@ def _add_vocab(w, gguf, cfg) -> None:
     w.add_add_bos_token(False)
 
 
-def llamacpp_greedy(gguf_path: Path, prompt: list[int], n: int, threads: int, reps: int = 1,
-                    f32_kv: bool = True) -> dict:
-    """llama.cpp greedy (temp 0, top_k 1, no penalties): tokens and decode ms/token after its first token.
+def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f32_kv: bool = True):
+    """A loaded llama.cpp model and its greedy run (temp 0, top_k 1, no penalties) on ``prompt``.
 
+    The run returns ``(tokens, prefill_s, decode ms/token after the first token)``.
     ``f32_kv``: an f32 KV cache (llama.cpp defaults to f16), so f32 weights can match HF's tokens.
     """
     import llama_cpp
@@ -543,23 +546,39 @@ def llamacpp_greedy(gguf_path: Path, prompt: list[int], n: int, threads: int, re
                           n_ctx=len(prompt) + n + 16, logits_all=False, verbose=False, **kv)
 
     def gen():
+        llm.reset()
         toks, t0, t_first = [], time.perf_counter(), None
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             t_first = t_first or time.perf_counter()
             toks.append(int(tok))
             if len(toks) == n:
                 break
-        return toks, t_first - t0, time.perf_counter() - t_first
+        return toks, t_first - t0, (time.perf_counter() - t_first) / max(n - 1, 1) * 1e3
 
+    return gen
+
+
+def llamacpp_greedy(gguf_path: Path, prompt: list[int], n: int, threads: int, reps: int = 1,
+                    f32_kv: bool = True) -> dict:
+    """llama.cpp greedy: tokens and decode ms/token after its first token (median of ``reps`` after a warm-up)."""
+    gen = llamacpp_session(gguf_path, prompt, n, threads, f32_kv)
     gen()  # warm-up
-    runs = []
-    for _ in range(reps):
-        llm.reset()
-        runs.append(gen())
-    tokens = runs[0][0]
-    return {"tokens": tokens, "prefill_s": statistics.median(r[1] for r in runs),
-            "ms_per_token": statistics.median(r[2] for r in runs) / max(n - 1, 1) * 1e3,
-            "threads": threads, "gguf": str(gguf_path)}
+    runs = [gen() for _ in range(reps)]
+    return {"tokens": runs[0][0], "prefill_s": statistics.median(r[1] for r in runs),
+            "ms_per_token": statistics.median(r[2] for r in runs), "threads": threads, "gguf": str(gguf_path),
+            "session": gen}
+
+
+def paired_ratios(ours, theirs, rounds: int) -> dict:
+    """``rounds`` alternating runs of two decoders (each returns ms/token): the median of the per-pair
+    ratios ours / theirs. This VM's speed drifts by tens of percent within minutes; drift hits
+    both runs of a pair alike, so the pairs' ratio holds where two separate medians do not."""
+    pairs = []
+    for _ in range(rounds):
+        a, b = ours(), theirs()
+        pairs.append((a, b))
+    return {"rounds": rounds, "ours_ms": [a for a, _ in pairs], "theirs_ms": [b for _, b in pairs],
+            "ratio": statistics.median(a / b for a, b in pairs)}
 
 
 def llamacpp_phase(ctx: dict) -> dict:
@@ -576,6 +595,7 @@ def llamacpp_phase(ctx: dict) -> dict:
         return {"status": "skipped", "note": "skipped: the GGUF export here is for llama-arch shapes only"}
     r = llamacpp_greedy(write_gguf(ctx["path"], ctx["dtype"]), ctx["prompt"], ctx["n"], torch.get_num_threads(),
                         ctx["reps"], f32_kv=ctx["dtype"] == "float32")
+    session = r.pop("session")
     ref = ctx["hf"]["tokens"] if ctx.get("hf") else None
     r["status"] = "ran"
     r["tokens_equal_hf"] = None if ref is None else r["tokens"] == ref
@@ -583,6 +603,10 @@ def llamacpp_phase(ctx: dict) -> dict:
     if ctx["ar_cache"]:
         best = min(a["ms_per_token"] for a in ctx["ar_cache"].values())
         r["funcspec_over_llamacpp"] = best / r["ms_per_token"]  # > 1: funcspec slower
+    r["paired"] = {
+        backend: paired_ratios(lambda eng=eng: timed_generate(eng, [ctx["prompt"]], ctx["n"], warm=False)["ms_per_token"],
+                               lambda: session()[2], max(ctx["reps"], 3))
+        for backend, eng in ctx.get("ar_engines", {}).items()}
     return r
 
 
@@ -781,6 +805,11 @@ def _md_decode(r: dict) -> list[str]:
     if lc:
         ratio = f"funcspec AR (best backend) / llama.cpp ms/token = {_f(lc.get('funcspec_over_llamacpp'))}"
         lines.append(f"\nllama.cpp: {lc.get('note') or ratio}")
+        for backend, p in lc.get("paired", {}).items():
+            lines.append(f"\nPaired ({p['rounds']} alternating runs, median of the pair ratios): funcspec AR "
+                         f"{backend} / llama.cpp ms/token = {p['ratio']:.2f} (funcspec "
+                         f"{', '.join(f'{x:.1f}' for x in p['ours_ms'])}; llama.cpp "
+                         f"{', '.join(f'{x:.1f}' for x in p['theirs_ms'])})")
     return lines + [""]
 
 
