@@ -160,9 +160,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
       with AVX512-BF16 and no AMX (:data:`CPU_STREAM`, AMD EPYC Zen 4): the
       weight-streaming kernel (:func:`~funcspec.nn.stream.stream_linear`). On
       the 113 linears of a Llama-3.2-1B shape (2.47 GB in bf16) it streamed
-      33 GB/s at 1 and 5 rows, where oneDNN's packed GEMM streamed 27 and 30;
-      in fp32 28 GB/s at 1 row and 25 at 5, where MKL streamed 16 and 6. A
-      row's result does not depend on the rows beside it.
+      33-40 GB/s at 1 row and 31-33 at 5, where oneDNN's packed GEMM streamed
+      27 and 30; in fp32 25-28 GB/s at 1 row and 25-27 at 5, where MKL
+      streamed 14-16 and 6. A row's result does not depend on the rows beside it.
     - bf16 on a CPU with bf16 instructions (AVX512-BF16 or AMX), outside
       autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
       Its cost is flat in the row count, so verifying K+1 tokens costs about

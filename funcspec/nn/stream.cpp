@@ -11,8 +11,11 @@
 // so a step of k reads 256 contiguous bytes (4 zmm: 64 outputs) and multiplies
 // them by the broadcast x[m, k] (or k pair) of up to MAX_MB rows at once: the
 // accumulators are outputs, with no horizontal sums. Each thread takes whole
-// column blocks and walks them front to back, prefetching ahead. More rows than
-// MAX_MB take several passes over a chunk of KC steps, which stays in L2.
+// column blocks and walks them front to back. No software prefetch: on a Zen 4
+// EPYC the hardware prefetcher alone streamed the blocks at 40 GB/s against
+// 30-33 GB/s with prefetches 1-4 KB ahead (the loads compete for the same
+// ports). More rows than MAX_MB take several passes over a chunk of KC steps,
+// which stays in L2.
 //
 // out[m, n] is one fp32 accumulator over k in order (its partial sums parked
 // exactly in fp32 between chunks), whatever M is and however the rows are split
@@ -33,7 +36,6 @@ constexpr int64_t BLOCK = 64;     // outputs per column block: 4 zmm of fp32 acc
 constexpr int64_t STEP_BYTES = 256;  // weight bytes per k step (BLOCK outputs)
 constexpr int64_t MAX_MB = 6;     // rows per pass: 6 x 4 accumulators + 4 weights = 28 zmm
 constexpr int64_t KC = 256;       // k steps per chunk: 64 KB of a block, L2-resident for the next pass
-constexpr int64_t AHEAD = 2048;   // bytes prefetched ahead of the stream
 
 struct BF16 {
   using T = uint16_t;
@@ -85,8 +87,6 @@ inline void tile(const typename E::T* x, int64_t K, const typename E::T* wb, int
     for (int j = 0; j < 4; ++j) a[m][j] = _mm512_loadu_ps(acc + m * BLOCK + 16 * j);
   for (int64_t s = s0; s < s1; ++s) {
     const T* w = wb + s * step;
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)w + AHEAD + 64 * j, _MM_HINT_T0);
     __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + step / 4),
             w2 = _mm512_loadu_si512(w + step / 2), w3 = _mm512_loadu_si512(w + 3 * step / 4);
 #pragma GCC unroll 8

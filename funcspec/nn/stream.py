@@ -2,26 +2,33 @@
 
 Decode multiplies a few rows (B·(K+1)) by weights far beyond the caches, so a
 step costs what reading the weights once costs. oneDNN's bf16 GEMM and MKL's
-sgemv do not reach that here: on a 2-core Zen 4 EPYC, the 112 linears of a
-Llama-3.2-1B shape (1.94 GB of bf16) streamed 22-29 GB/s through oneDNN's
-pre-packed GEMM (:mod:`funcspec.nn.packed`), where llama.cpp's AVX512-BF16 dot
-products stream 35 GB/s over the same cores. :file:`stream.cpp` is the same
-kind of kernel: each thread reads its share of W's rows once, front to back,
-prefetching ahead, and dots 4 rows of W with up to 4 rows of x per pass
-(``vdpbf16ps`` for bf16, ``vfmadd`` for fp32, fp32 accumulation in both).
+fp32 products do not reach that here: on a 2-core Zen 4 EPYC, the 113 linears
+of a Llama-3.2-1B shape (2.47 GB in bf16) streamed 27-30 GB/s through oneDNN's
+pre-packed GEMM (:mod:`funcspec.nn.packed`) and 6-16 GB/s through MKL in fp32,
+where llama.cpp streams about 35 GB/s over the same cores.
+
+:file:`stream.cpp` packs W once (:func:`pack_weight`) into column blocks of 64
+outputs, each one contiguous stream, and multiplies each block by up to 6
+broadcast rows of x per pass (``vdpbf16ps`` for bf16, ``vfmadd`` for fp32, fp32
+accumulators that are outputs: no horizontal sums). Interleaved with oneDNN on
+the same weights it streamed 33.5 GB/s at 1 and 5 rows against oneDNN's 27 and
+30; dropping its software prefetch later took it to 40 and 31 GB/s.
 
 Every output element sums over k in one fixed order whatever the row count, so
 a row's result does not depend on the rows beside it: AR (1 row) and
 verification (K+1 rows, B·(K+1) in a batch) agree bit for bit, and greedy
-speculation equals greedy AR. It also reads W in place: no packed second copy.
+speculation equals greedy AR.
 
-The kernel is compiled on first use with ``$CXX`` (default ``g++``, which
-inductor needs on the CPU anyway; about 2 s), cached under ``~/.cache/funcspec/kernels``
-keyed by the source and flags, and called through ``ctypes``; OpenMP links to
-torch's own ``libgomp``, so it runs on torch's threads
-(``torch.set_num_threads``). Where it cannot be built (no compiler, another ISA),
-:func:`available` is false and :func:`~funcspec.nn.llama.project` keeps its
-other paths. :func:`stream_linear` is a custom op, opaque to ``torch.compile``.
+The packed copy lives in :mod:`funcspec.nn.packed`'s side table (keyed by the
+weight's address and version, so params stay plain tensors): like oneDNN's, it
+doubles the model's memory. The kernel is compiled on first use with ``$CXX``
+(default ``g++``, which inductor needs on the CPU anyway; about 2 s), cached
+under ``~/.cache/funcspec/kernels`` keyed by the source, compiler and flags, and
+called through ``ctypes``; OpenMP links to torch's own ``libgomp``, so it runs
+on torch's threads (``torch.set_num_threads``). Where it cannot be built (no
+compiler, another ISA), :func:`available` is false and
+:func:`~funcspec.nn.llama.project` keeps its other paths. :func:`stream_linear`
+is a custom op, opaque to ``torch.compile``.
 """
 
 from __future__ import annotations
