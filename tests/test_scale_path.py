@@ -76,9 +76,11 @@ def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
             torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), **tol)
     with OpLog() as log:
         products(xs)
-    # prefill-sized products (more than STREAM_ROWS rows) keep oneDNN / BLAS
+    # fp32 prefill-sized products (more than STREAM_ROWS rows) keep BLAS; bf16 streams at any row count
     assert ("stream_linear" in log.names()) == streamed
-    assert ("packed_linear" in log.names()) == (packed and dtype == torch.bfloat16)
+    assert ("packed_linear" in log.names()) == (packed and not streamed and dtype == torch.bfloat16)
+    if streamed and dtype == torch.bfloat16:  # every product, the 73-row one included
+        assert not log.names() & {"mm", "addmm", "linear"}
 
 
 needs_stream = pytest.mark.skipif(not stream.supported(), reason="no AVX512-BF16 here: the streaming kernel never runs")
@@ -109,6 +111,7 @@ def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n,
     for lo, hi in ((0, 1), (0, 5), (4, 5), (7, 13), (12, 13)):
         assert torch.equal(stream.stream_linear(x[lo:hi], w, b), got[lo:hi])
     assert torch.equal(stream.stream_linear(x[:5].view(1, 5, k), w), stream.stream_linear(x[:5], w).view(1, 5, n))
+    assert torch.equal(stream.stream_linear(x, w.t().contiguous().t(), b), got)  # any layout of W packs the same
 
 
 @needs_stream

@@ -145,8 +145,10 @@ x86 with AVX512-BF16 and no AMX (on AMX, oneDNN and MKL were measured to stream 
 read once, at import. It is built on first use; :func:`project` checks that it was."""
 
 STREAM_ROWS = 72
-"""Products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
-kernel where :data:`CPU_STREAM`; more rows (prefill) are compute-bound and keep the BLAS paths."""
+"""fp32 products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
+kernel where :data:`CPU_STREAM`; more rows (prefill) are compute-bound and keep MKL. bf16 takes
+it at any row count: at 128 and 512 rows it ran as fast as oneDNN (89-102 against 95-105
+GMAC/s, all compute-bound), and oneDNN's packed copy would be a third copy of the weights."""
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -156,7 +158,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     product streams W fastest depends on the CPU, so the choice is made per ISA
     (measured on three 2-core machines, Qwen2.5-0.5B and Llama-3.2-1B-shaped
     weights beyond the caches):
-    - bf16 or fp32, up to :data:`STREAM_ROWS` rows, outside autograd, on x86
+    - bf16, or fp32 up to :data:`STREAM_ROWS` rows, outside autograd, on x86
       with AVX512-BF16 and no AMX (:data:`CPU_STREAM`, AMD EPYC Zen 4): the
       weight-streaming kernel (:func:`~funcspec.nn.stream.stream_linear`). On
       the 113 linears of a Llama-3.2-1B shape (2.47 GB in bf16) it streamed
@@ -196,8 +198,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if (CPU_STREAM and rows <= STREAM_ROWS and not autograd and x.dtype == weight.dtype
-            and weight.dtype in stream.DTYPES and stream.available()):
+    if (CPU_STREAM and not autograd and x.dtype == weight.dtype and weight.dtype in stream.DTYPES
+            and (rows <= STREAM_ROWS or weight.dtype == torch.bfloat16) and stream.available()):
         return stream.stream_linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and CPU_HALF_GEMM:
         return F.linear(x, weight, bias) if autograd or not CPU_PACKED_BF16 else packed_linear(x, weight, bias)

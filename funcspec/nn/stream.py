@@ -130,7 +130,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     w = F.pad(weight.detach(), (0, -k % pair, 0, -n % BLOCK))  # [N', K']
-    w = w.view(w.shape[0] // BLOCK, BLOCK, w.shape[1] // pair, pair)  # [N'/64, 64, K'/P, P]
+    w = w.reshape(w.shape[0] // BLOCK, BLOCK, w.shape[1] // pair, pair)  # [N'/64, 64, K'/P, P]
     return w.permute(0, 2, 1, 3).contiguous()  # [N'/64, K'/P, 64, P]
 
 
