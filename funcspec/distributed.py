@@ -210,7 +210,13 @@ class Followers:
             while not c.poll(ACK_POLL_S):
                 if not p.is_alive():
                     self.fail(cause)
-            status, msg = c.recv()
+            try:
+                status, msg = c.recv()
+            except (EOFError, OSError):
+                # NOTE: a pipe whose rank died reads as ready, then ends; reap the rank so that
+                # fail() names its exit code instead of letting the EOFError escape.
+                p.join(timeout=ACK_POLL_S)
+                self.fail(cause)
             if status != expect:
                 self.fail(cause, (rank, status, msg))
 

@@ -267,3 +267,27 @@ def test_only_rank_0_writes_extracted_hidden_states(tmp_path):
     assert not list(tmp_path.iterdir())
     HiddenStateDump((0,), tmp_path)(reqs, tokens, [2], hiddens)
     assert [p.name for p in tmp_path.iterdir()] == ["7.safetensors"]
+
+
+def test_a_rank_dying_between_poll_and_recv_is_named_not_an_eoferror():
+    """A dead rank's pipe polls ready and then ends: rank 0 reports the rank's exit, not a bare EOFError."""
+    from funcspec.distributed import Followers
+
+    class DeadRank:
+        exitcode = -9
+
+        def is_alive(self):
+            return False
+
+        def join(self, timeout=None):
+            pass
+
+    class ClosedPipe:
+        def poll(self, timeout=0):
+            return True
+
+        def recv(self):
+            raise EOFError
+
+    with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
+        Followers([DeadRank()], [ClosedPipe()])._acks()
