@@ -96,6 +96,10 @@ def test_phases_subset_and_bad_options(tmp_path):
     res = scale.run(cache_dir=str(tmp_path / "c"), out=str(tmp_path / "o"), **{**TINY, "phases": "hf,ar"})
     assert "sweep" not in res and "bandwidth" not in res and res["ar"][0]["pct_of_bound"] is None
     assert res["ar"][0]["tokens_equal_hf"] is True
+    res = scale.run(cache_dir=str(tmp_path / "c"), out=str(tmp_path / "p"), **{**TINY, "phases": "ar"})
+    row = next(line for line in next((tmp_path / "p").glob("*.md")).read_text().splitlines()
+               if line.startswith("| funcspec AR"))
+    assert row.split(" | ")[5] == "-"  # no hf phase: no ratio to HF, and no stray "x"
     with pytest.raises(ValueError, match="phases"):
         scale.run(**{**TINY, "phases": "nope"})
     with pytest.raises(ValueError, match="shape"):

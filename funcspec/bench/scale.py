@@ -794,14 +794,14 @@ def _md_decode(r: dict) -> list[str]:
         eq = "-" if a["tokens_equal_hf"] is None else ("yes" if a["tokens_equal_hf"] else
                                                        f"no (first at {a['first_mismatch_hf']})")
         lines.append(f"| funcspec AR | {a['backend']} | {a['ms_per_token']:.2f} | {1e3 / a['ms_per_token']:.1f} | "
-                     f"{_pct(bw, a)} | {_f(a['speedup_vs_hf'])}x | {eq} | {_f(a['step_ms'])} | "
+                     f"{_pct(bw, a)} | {_times(a['speedup_vs_hf'])} | {eq} | {_f(a['step_ms'])} | "
                      f"{_f(a['capture_s_cold'])} |")
     lc = r.get("llamacpp")
     if lc and lc.get("status") == "ran":
         eq = "-" if lc["tokens_equal_hf"] is None else ("yes" if lc["tokens_equal_hf"] else "no")
         vs = r["hf"]["ms_per_token"] / lc["ms_per_token"] if r.get("hf") else None
         lines.append(f"| llama.cpp | {lc['threads']} threads | {lc['ms_per_token']:.2f} | "
-                     f"{1e3 / lc['ms_per_token']:.1f} | {_pct(bw, lc)} | {_f(vs)}x | {eq} | - | - |")
+                     f"{1e3 / lc['ms_per_token']:.1f} | {_pct(bw, lc)} | {_times(vs)} | {eq} | - | - |")
     if lc:
         ratio = f"funcspec AR (best backend) / llama.cpp ms/token = {_f(lc.get('funcspec_over_llamacpp'))}"
         lines.append(f"\nllama.cpp: {lc.get('note') or ratio}")
@@ -811,6 +811,11 @@ def _md_decode(r: dict) -> list[str]:
                          f"{', '.join(f'{x:.1f}' for x in p['ours_ms'])}; llama.cpp "
                          f"{', '.join(f'{x:.1f}' for x in p['theirs_ms'])})")
     return lines + [""]
+
+
+def _times(x) -> str:
+    """A ratio as ``2.10x``, or ``-`` where the run has none (no ``hf`` phase)."""
+    return _f(x, none="-") + ("x" if x is not None else "")
 
 
 def _pct(bw, row) -> str:
