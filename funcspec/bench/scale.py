@@ -332,7 +332,7 @@ def ar_row(ctx: dict, backend: str) -> dict:
         row = timed_generate(eng, [ctx["prompt"]], ctx["n"], ctx["reps"])
         ctx["ar_cache"][backend] = {"backend": eng.backend, **row, "step_ms": _step_ms(row, 1, 0),
                                     "capture_s_cold": row["capture_s"].get("B1_K0")}
-        ctx.setdefault("ar_engines", {})[backend] = eng  # warm: the llama.cpp phase times it again, paired
+        ctx["ar_engines"][backend] = eng  # warm: the llama.cpp phase times it again, paired
     return ctx["ar_cache"][backend]
 
 
@@ -558,15 +558,13 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
     return gen
 
 
-def llamacpp_greedy(gguf_path: Path, prompt: list[int], n: int, threads: int, reps: int = 1,
-                    f32_kv: bool = True) -> dict:
-    """llama.cpp greedy: tokens and decode ms/token after its first token (median of ``reps`` after a warm-up)."""
-    gen = llamacpp_session(gguf_path, prompt, n, threads, f32_kv)
+def llamacpp_greedy(gen, reps: int = 1) -> dict:
+    """A llama.cpp session's (:func:`llamacpp_session`) tokens, prefill seconds and decode ms/token after
+    its first token: medians of ``reps`` runs after a warm-up."""
     gen()  # warm-up
     runs = [gen() for _ in range(reps)]
     return {"tokens": runs[0][0], "prefill_s": statistics.median(r[1] for r in runs),
-            "ms_per_token": statistics.median(r[2] for r in runs), "threads": threads, "gguf": str(gguf_path),
-            "session": gen}
+            "ms_per_token": statistics.median(r[2] for r in runs)}
 
 
 def paired_ratios(ours, theirs, rounds: int) -> dict:
@@ -593,9 +591,9 @@ def llamacpp_phase(ctx: dict) -> dict:
         return {"status": "skipped", "note": "skipped: gguf not installed"}
     if SHAPES[ctx["shape"]].arch != "llama":
         return {"status": "skipped", "note": "skipped: the GGUF export here is for llama-arch shapes only"}
-    r = llamacpp_greedy(write_gguf(ctx["path"], ctx["dtype"]), ctx["prompt"], ctx["n"], torch.get_num_threads(),
-                        ctx["reps"], f32_kv=ctx["dtype"] == "float32")
-    session = r.pop("session")
+    gguf_path, threads = write_gguf(ctx["path"], ctx["dtype"]), torch.get_num_threads()
+    session = llamacpp_session(gguf_path, ctx["prompt"], ctx["n"], threads, f32_kv=ctx["dtype"] == "float32")
+    r = {**llamacpp_greedy(session, ctx["reps"]), "threads": threads, "gguf": str(gguf_path)}
     ref = ctx["hf"]["tokens"] if ctx.get("hf") else None
     r["status"] = "ran"
     r["tokens_equal_hf"] = None if ref is None else r["tokens"] == ref
@@ -603,10 +601,11 @@ def llamacpp_phase(ctx: dict) -> dict:
     if ctx["ar_cache"]:
         best = min(a["ms_per_token"] for a in ctx["ar_cache"].values())
         r["funcspec_over_llamacpp"] = best / r["ms_per_token"]  # > 1: funcspec slower
-    r["paired"] = {
-        backend: paired_ratios(lambda eng=eng: timed_generate(eng, [ctx["prompt"]], ctx["n"], warm=False)["ms_per_token"],
-                               lambda: session()[2], max(ctx["reps"], 3))
-        for backend, eng in ctx.get("ar_engines", {}).items()}
+    def ours(eng):
+        return lambda: timed_generate(eng, [ctx["prompt"]], ctx["n"], warm=False)["ms_per_token"]
+
+    r["paired"] = {backend: paired_ratios(ours(eng), lambda: session()[2], max(ctx["reps"], 3))
+                   for backend, eng in ctx["ar_engines"].items()}
     return r
 
 
@@ -674,7 +673,8 @@ def _run(o: dict) -> dict:
     ctx = {"shape": o["shape"], "dtype": o["dtype"], "path": path, "n": o["new_tokens"], "p": o["prompt_tokens"],
            "seed": o["seed"], "reps": o["reps"],
            "prompt": make_prompts(o["shape"], 1, o["prompt_tokens"], o["seed"])[0],  # [P] ids
-           "max_len": o["prompt_tokens"] + o["new_tokens"] + 8, "ar_cache": {}, "model": None, "hf": None}
+           "max_len": o["prompt_tokens"] + o["new_tokens"] + 8, "ar_cache": {}, "ar_engines": {},
+           "model": None, "hf": None}
     result = {"shape": o["shape"], "dtype": o["dtype"], "arch": SHAPES[o["shape"]].arch,
               "config": SHAPES[o["shape"]].config, "checkpoint": str(path), "params": params, "weight_bytes": nbytes,
               "prompt_tokens": o["prompt_tokens"], "new_tokens": o["new_tokens"], "phases": o["phases"],

@@ -131,7 +131,8 @@ CPU_HALF_GEMM = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_
 
 CPU_PACKED_BF16 = (CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-"""Whether bf16 products take oneDNN's packed weights (:mod:`funcspec.nn.packed`); read once, at import."""
+"""Whether oneDNN can multiply bf16 on pre-packed weights (:mod:`funcspec.nn.packed`): the bf16 path
+on AMX CPUs, and where the streaming kernel (:data:`CPU_STREAM`) was not built; read once, at import."""
 
 
 CPU_BLAS_SKINNY = torch.cpu._is_amx_tile_supported()
@@ -165,8 +166,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
       33-40 GB/s at 1 row and 31-33 at 5, where oneDNN's packed GEMM streamed
       27 and 30; in fp32 25-28 GB/s at 1 row and 25-27 at 5, where MKL
       streamed 14-16 and 6. A row's result does not depend on the rows beside it.
-    - bf16 on a CPU with bf16 instructions (AVX512-BF16 or AMX), outside
-      autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
+    - otherwise bf16 on a CPU with bf16 instructions (AMX, or AVX512-BF16
+      without the kernel), outside autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
       Its cost is flat in the row count, so verifying K+1 tokens costs about
       one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB of weights at 1-9 rows,
       where ``F.linear`` took 62-111 ms and the fused reductions below 34 ms at

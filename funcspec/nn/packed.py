@@ -1,4 +1,5 @@
-"""bf16 linear layers on oneDNN's pre-packed weights (CPUs with AVX512-BF16 or AMX).
+"""bf16 linear layers on oneDNN's pre-packed weights (AMX CPUs, and AVX512-BF16 ones where
+the streaming kernel of :mod:`funcspec.nn.stream` could not be built).
 
 ``F.linear`` on bf16 CPU weights re-lays W out into oneDNN's blocked format on
 every call, so a decode step streams each weight about twice. Packing once and
