@@ -55,7 +55,8 @@ LAYERS: list[tuple[str, set[str]]] = [
 ALLOWED: dict[tuple[str, str], str] = {}
 
 # nn heads share math through nn.llama only; format helpers live in funcspec.checkpoints.
-NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.packed", "funcspec.nn.stream"}  # the decoder and its products
+NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.packed", "funcspec.nn.stream",
+             "funcspec.nn.decode_attention"}  # the decoder, its products and its attention kernel
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

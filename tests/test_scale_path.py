@@ -15,7 +15,7 @@ import funcspec
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
-from funcspec.nn import llama, stream
+from funcspec.nn import decode_attention, llama, stream
 from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, project, read_cache
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
@@ -115,6 +115,61 @@ def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n,
 
 
 @needs_stream
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_linears_of_one_input_are_each_weights_own_product_bit_for_bit(dtype):
+    """q/k/v or gate/up in one pass: each output (N off the blocks, bias or none, odd K) has the bits of its own
+    product, whatever the row count; an in-place update of one member repacks the group."""
+    g = torch.Generator().manual_seed(1)
+    k = 67
+    ws = [torch.randn(n, k, generator=g).to(dtype) for n in (100, 64, 30)]
+    bs = [torch.randn(100, generator=g).to(dtype), None, torch.randn(30, generator=g).to(dtype)]
+    x = torch.randn(2, 7, k, generator=g).to(dtype)
+    outs = stream.stream_linears(x, ws, bs)
+    assert [tuple(o.shape) for o in outs] == [(2, 7, 100), (2, 7, 64), (2, 7, 30)]
+    one_row = stream.stream_linears(x[:1, 3:4], ws, bs)
+    for o, w, b, r in zip(outs, ws, bs, one_row):
+        assert torch.equal(o, stream.stream_linear(x, w, b))
+        assert torch.equal(r, o[:1, 3:4])
+    assert [torch.equal(a, b) for a, b in zip(stream.stream_linears(x, ws), [stream.stream_linear(x, w) for w in ws])] \
+        == [True] * 3
+    ws[1].mul_(2)  # one member changes: the fused copy is rebuilt
+    assert torch.equal(stream.stream_linears(x, ws, bs)[1], 2 * outs[1])
+    with pytest.raises(ValueError, match="one bias \\(or None\\) each, got 3 weights and 2 biases"):
+        stream.stream_linears(x, ws, bs[:2])
+    with pytest.raises(ValueError, match="weight must be"):
+        stream.stream_linears(x, [ws[0], torch.randn(8, k + 1).to(dtype)])
+
+
+@needs_stream
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_decoder_layer_streams_qkv_and_gate_up_as_one_product_each(tmp_path, monkeypatch, backend):
+    """A layer makes 4 streaming calls (qkv, o, gate/up, down), not 7, and gives the bits of 7 calls (qwen2: q/k/v biases)."""
+    monkeypatch.setattr(llama, "CPU_STREAM", True)
+    make_hf_model(tmp_path, arch="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    model = funcspec.checkpoints.load_model(str(tmp_path), dtype=torch.bfloat16)
+    cfg, p = model.cfg, model.params["model"]["layers"][0]
+    assert "bias" in p["self_attn"]["k_proj"]
+    kv = init_kv_cache(cfg, 2, 16, dtype=torch.bfloat16)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    slots, pos = torch.tensor([0]), torch.arange(3).view(1, 3)
+    cos, sin = llama.rope_tables(cfg, pos, x.dtype)
+
+    def layer(x):
+        return llama.decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin)
+
+    def run(x):  # a fresh compile each time: the patch below changes what it traces
+        return torch.compile(layer, fullgraph=True)(x) if backend == "inductor" else layer(x)
+
+    fused = run(x)
+    with OpLog() as log:
+        layer(x)
+    assert [n for n, _ in log.ops].count("stream_linear") == 4
+    torch._dynamo.reset()
+    monkeypatch.setattr(llama, "linears", lambda x, ps: [llama.linear(x, q) for q in ps])
+    assert torch.equal(run(x), fused)
+
+
+@needs_stream
 def test_stream_linear_repacks_after_an_in_place_update_and_rounds_to_nearest():
     """The packed copy follows in-place updates; bf16 outputs are fp32 sums rounded to nearest even."""
     torch.manual_seed(0)
@@ -167,6 +222,28 @@ def test_stream_build_is_cached_and_names_a_missing_compiler(tmp_path, monkeypat
         stream.build(tmp_path / "other")
 
 
+def test_huge_empty_is_a_page_aligned_tensor_and_the_kv_cache_starts_at_zero():
+    """Packed weights and the KV cache sit 2 MiB-aligned (huge pages where Linux grants them), small ones stay plain."""
+    import sys
+
+    from funcspec.nn import packed
+
+    big = packed.huge_empty((3, 1 << 20), torch.bfloat16)  # 6 MiB
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    big.fill_(1.5)
+    assert big.sum().item() == 1.5 * 3 * (1 << 20)
+    if sys.platform == "linux":
+        assert big.data_ptr() % packed.HUGE_PAGE == 0
+    small = packed.huge_empty((4, 8), torch.float32)
+    assert small.shape == (4, 8) and small._base is None
+    cfg = ModelConfig("llama", 16, 8, 16, 2, 2, 1, 4)
+    kv = init_kv_cache(cfg, 3, 1 << 16)  # [2, 4, 1, 65536, 4] fp32: 4 MiB each
+    assert not kv.k.any() and not kv.v.any() and kv.k.shape == (2, 4, 1, 1 << 16, 4)
+    if stream.available():
+        w = torch.randn(2048, 1024).bfloat16()
+        assert stream.pack_weight(w).data_ptr() % packed.HUGE_PAGE == 0
+
+
 @pytest.mark.skipif(not llama.CPU_PACKED_BF16, reason="no bf16 instructions here: project never packs")
 def test_packed_linear_rows_are_independent_and_weights_repack_on_update():
     """A row's product does not depend on its batch (so AR and verify agree bitwise); in-place updates repack; freed weights leave the table."""
@@ -190,7 +267,7 @@ def test_packed_linear_rows_are_independent_and_weights_repack_on_update():
     del big
     w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
     torch.testing.assert_close(packed.packed_linear(x, w).float(), 2 * full.float(), atol=0.1, rtol=0.02)
-    key = (w.data_ptr(), tuple(w.shape), w.stride(), packed._onednn_pack)
+    key = packed.pack_key(w, packed._onednn_pack)
     assert key in packed._PACKED
     del w
     gc.collect()
@@ -214,10 +291,22 @@ def reference_attention(q, keys, vals, visible):
     return torch.einsum("bhtj,bhjd->bthd", torch.softmax(s, -1), v).reshape(b, t, h * d)
 
 
-@pytest.mark.parametrize("path", ["sdpa", "gemm"])
+ATTENTION_PATHS = ["kernel", "sdpa", "gemm"]
+
+
+def attention_path(monkeypatch, path: str) -> None:
+    """Send :func:`attend` down one path: the CPU decode kernel, SDPA, or the GEMM attention."""
+    if path == "kernel" and not stream.available():
+        pytest.skip("no AVX512-BF16 here: the decode attention kernel is never built (CI's Zen 4 has it)")
+    if path != "kernel":
+        monkeypatch.setattr(decode_attention, "supports", lambda *args: False)
+    monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_attend_equals_the_masked_reference_with_window(heads, kv_heads, path, monkeypatch):
-    monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
+    attention_path(monkeypatch, path)
     torch.manual_seed(0)
     b, t, tr, d = 3, 4, 20, 8
     q = torch.randn(b, t, heads, d)
@@ -229,11 +318,11 @@ def test_attend_equals_the_masked_reference_with_window(heads, kv_heads, path, m
     torch.testing.assert_close(attend(q, keys, vals, visible), reference_attention(q, keys, vals, visible))
 
 
-@pytest.mark.parametrize("path", ["sdpa", "gemm"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_attend_gives_a_query_the_same_bits_whatever_the_queries_beside_it(path, monkeypatch):
     """AR (one query per row) and verification (K+1) must agree bitwise: a token's attention output may not
-    depend on how many tokens come with it, on either path (bf16, GQA 8/2, 300 positions read)."""
-    monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
+    depend on how many tokens come with it, on any path (bf16, GQA 8/2, 300 positions read)."""
+    attention_path(monkeypatch, path)
     torch.manual_seed(0)
     tr, d = 300, 64
     q = torch.randn(1, 5, 8, d).bfloat16()
@@ -247,10 +336,58 @@ def test_attend_gives_a_query_the_same_bits_whatever_the_queries_beside_it(path,
                                atol=0.02, rtol=0.02)
 
 
+@needs_stream
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t,heads,kv_heads,d,tr", [(1, 1, 32, 8, 64, 300), (2, 5, 7, 1, 20, 37),
+                                                      (3, 2, 6, 2, 128, 70), (1, 3, 4, 4, 8, 16)])
+def test_decode_attention_kernel_is_masked_softmax_attention_over_the_cache_in_place(dtype, b, t, heads, kv_heads,
+                                                                                      d, tr):
+    """Any GQA grouping (G = 1, 3, 4, 7), head size (off the 16-lane chunks), mask (a tree's or a window's:
+    random here) and cache strides (a view of the slots); a token that sees nothing gets zeros."""
+    g = torch.Generator().manual_seed(b * 100 + d)
+    q = torch.randn(b, t, heads, d, generator=g).to(dtype)
+    cache = torch.randn(2, b + 1, kv_heads, tr + 9, d, generator=g).to(dtype)  # [2, S+1, H_kv, T_max, D]
+    keys, vals = cache[0, :b, :, :tr], cache[1, :b, :, :tr]  # views, as the aligned read gives them
+    visible = torch.rand(b, t, tr, generator=g) < 0.6
+    visible[0, 0] = False
+    got = decode_attention.decode_attention(q, keys, vals, visible)  # [B, T, H·D]
+    assert got.shape == (b, t, heads * d) and got.dtype == dtype
+    want = reference_attention(q.double(), keys.double(), vals.double(), visible).nan_to_num(0.0)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert not got[0, 0].any()
+    for i in range(t):  # one token alone: the same bits
+        assert torch.equal(decode_attention.decode_attention(q[:, i:i + 1], keys, vals, visible[:, i:i + 1]),
+                           got[:, i:i + 1])
+
+
+@needs_stream
+def test_decode_attention_rejects_what_it_cannot_read_and_attend_routes_only_decode_blocks_to_it():
+    """Bad dtypes or shapes are a ValueError naming them; prefill (more than MATH_TOKENS_MAX tokens) and
+    autograd keep SDPA."""
+    q, k, vis = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8), torch.ones(1, 2, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        decode_attention.decode_attention(q.half(), k.half(), k.half(), vis)
+    with pytest.raises(ValueError, match="keys and vals must be"):
+        decode_attention.decode_attention(q, torch.randn(1, 3, 10, 8), torch.randn(1, 3, 10, 8), vis)
+    with pytest.raises(ValueError, match="visible must be bool"):
+        decode_attention.decode_attention(q, k, k, vis[:, :, :9])
+    with pytest.raises(ValueError, match="D <= 256"):
+        decode_attention.decode_attention(torch.randn(1, 2, 4, 264), torch.randn(1, 2, 10, 264),
+                                          torch.randn(1, 2, 10, 264), vis)
+    for tokens, grad, kernel in ((llama.MATH_TOKENS_MAX, False, True), (llama.MATH_TOKENS_MAX + 1, False, False),
+                                 (2, True, False)):
+        qt = torch.randn(1, tokens, 4, 8, requires_grad=grad)
+        with OpLog() as log:
+            attend(qt, k, k, torch.ones(1, tokens, 10, dtype=torch.bool))
+        assert ("decode_attention" in log.names()) == kernel
+
+
 def test_gemm_attention_keeps_speculation_equal_to_ar(tiny_llama, monkeypatch):
     """Long context buckets take the GEMM attention (here from 32 positions): greedy ngram speculation
     still equals AR token for token, across buckets below and above the switch."""
     monkeypatch.setattr(llama, "MATH_READ_MIN", 32)
+    monkeypatch.setattr(decode_attention, "supports", lambda *args: False)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [[5, 17, 33, 8, 9] * 2, [40, 41, 42, 43] * 2]
     # NOTE: every row stays below 64 live tokens, so the last buckets (the cache lengths) are never read

@@ -30,6 +30,8 @@
 
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int64_t BLOCK = 64;     // outputs per column block: 4 zmm of fp32 accumulators
@@ -47,20 +49,8 @@ struct BF16 {
     return _mm512_set1_epi32(v);
   }
   static __m512 dot(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-  static float bias(const T* b, int64_t n) {
-    uint32_t u = (uint32_t)b[n] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  // Round to nearest even, NaN kept quiet: torch's float -> bfloat16.
-  static T out(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (T)(u >> 16);
-  }
+  static float bias(const T* b, int64_t n) { return funcspec::bf16_to_float(b[n]); }
+  static T out(float f) { return funcspec::float_to_bf16(f); }
 };
 
 struct F32 {

@@ -1,0 +1,25 @@
+// bf16 <-> fp32 helpers shared by the CPU kernels (stream.cpp, decode_attention.cpp).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+namespace funcspec {
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: torch's float -> bfloat16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+}  // namespace funcspec
