@@ -143,7 +143,8 @@ def test_stream_linears_of_one_input_are_each_weights_own_product_bit_for_bit(dt
 @needs_stream
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_a_decoder_layer_streams_qkv_and_gate_up_as_one_product_each(tmp_path, monkeypatch, backend):
-    """A layer makes 4 streaming calls (qkv, o, gate/up, down), not 7, and gives the bits of 7 calls (qwen2: q/k/v biases)."""
+    """A layer makes 4 streaming calls (qkv, o, gate/up, down), not 7, and gives the bits of 7 calls
+    (qwen2: q/k/v biases)."""
     monkeypatch.setattr(llama, "CPU_STREAM", True)
     make_hf_model(tmp_path, arch="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=1)
     model = funcspec.checkpoints.load_model(str(tmp_path), dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Attention of a few query tokens over the KV cache as it lies: the CPU decode kernel behind :func:`~funcspec.nn.llama.attend`.
+"""Attention of a few query tokens over the KV cache as it lies: the CPU decode kernel behind
+:func:`~funcspec.nn.llama.attend`.
 
 A decode or verify step has 1-65 query tokens and reads the live cache once per
 layer, so it should cost about what streaming K and V costs. On a 2-core Zen 4

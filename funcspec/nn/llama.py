@@ -383,8 +383,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: tor
     the CPU decode kernel where it was built (:mod:`funcspec.nn.decode_attention`):
     it reads the cache in place and skips what a query cannot see: 35 us a
     layer against SDPA's 110-120 at 256 positions, 0.21 against 1.0-2.0 ms at
-    4352 (bf16, 32 heads over 8). Otherwise GQA is folded into the query length: the G = H / H_kv query heads that
-    share a KV head become G·T queries of that head. SDPA then runs one plain
+    4352 (bf16, 32 heads over 8). Otherwise GQA is folded into the query
+    length: the G = H / H_kv query heads that share a KV head become G·T
+    queries of that head. SDPA then runs one plain
     multi-head attention over the cache as it lies, with no repeated or copied
     keys, and the G·T queries make a GEMM where T = 1 would be a GEMV.
     """

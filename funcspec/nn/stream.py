@@ -180,8 +180,10 @@ def _check(x: torch.Tensor, weights, biases) -> None:
 
 def _group_bias(weights, biases, dtype) -> torch.Tensor | None:
     """The biases side by side as the group's outputs lie (zeros for a weight without one), or ``None``."""
-    if biases.count(None) == len(biases):
+    if all(b is None for b in biases):
         return None
+    if len(biases) == 1:
+        return biases[0].to(dtype).contiguous()  # [n]
     parts = [torch.zeros(w.shape[0], dtype=dtype) if b is None else b.to(dtype) for w, b in zip(weights, biases)]
     pads = [_padded(w.shape[0]) - w.shape[0] for w in weights[:-1]] + [0]
     return torch.cat([F.pad(b, (0, p)) for b, p in zip(parts, pads)])  # [out_features]
