@@ -70,8 +70,7 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     take no memory. Interleaved over the same bf16 weights, huge pages streamed
     5.5% faster (30.9 against 29.0 GB/s, 2-core Zen 4 EPYC).
     """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)

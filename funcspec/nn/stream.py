@@ -151,15 +151,14 @@ def pack_weights(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.cat(parts, out=huge_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype))
 
 
-def _padded(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
+def _widths(weights) -> list[int]:
+    """The columns each weight's outputs take in the group's product: padded to whole blocks, the last one not."""
+    return [-(-w.shape[0] // BLOCK) * BLOCK for w in weights[:-1]] + [weights[-1].shape[0]]
 
 
 def out_features(weights) -> int:
-    """Columns of the group's product: every weight's outputs padded to whole blocks, the last one's not."""
-    if len(weights) == 1:
-        return weights[0].shape[0]
-    return sum(_padded(w.shape[0]) for w in weights[:-1]) + weights[-1].shape[0]
+    """Columns of the group's product (:func:`_widths`)."""
+    return weights[0].shape[0] if len(weights) == 1 else sum(_widths(weights))
 
 
 def _check(x: torch.Tensor, weights, biases) -> None:
@@ -185,8 +184,7 @@ def _group_bias(weights, biases, dtype) -> torch.Tensor | None:
     if len(biases) == 1:
         return biases[0].to(dtype).contiguous()  # [n]
     parts = [torch.zeros(w.shape[0], dtype=dtype) if b is None else b.to(dtype) for w, b in zip(weights, biases)]
-    pads = [_padded(w.shape[0]) - w.shape[0] for w in weights[:-1]] + [0]
-    return torch.cat([F.pad(b, (0, p)) for b, p in zip(parts, pads)])  # [out_features]
+    return torch.cat([F.pad(b, (0, n - b.shape[0])) for b, n in zip(parts, _widths(weights))])  # [out_features]
 
 
 def _stream_linear(x: torch.Tensor, weights: list, biases: list) -> torch.Tensor:
@@ -246,6 +244,5 @@ def stream_linears(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     weights = list(weights)
     biases = [None] * len(weights) if biases is None else list(biases)
     out = torch.ops.funcspec.stream_linear(x, weights, biases)  # [..., out_features]
-    sizes = [_padded(w.shape[0]) for w in weights[:-1]] + [weights[-1].shape[0]]
-    parts = out.split(sizes, -1)  # one call for all the views; then drop any block padding
+    parts = out.split(_widths(weights), -1)  # one call for all the views; then drop any block padding
     return [p if p.shape[-1] == w.shape[0] else p[..., :w.shape[0]] for p, w in zip(parts, weights)]
