@@ -98,17 +98,18 @@ def test_the_streaming_kernel_builds_here():
 @pytest.mark.parametrize("n,k", [(8192, 2048), (200, 2050), (130, 33), (64, 7), (3, 1)])
 def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n, k):
     """Any shape (N off the 64-column blocks, K off the bf16 pairs, bias or not) equals x @ W.T + b, and
-    a row's bits are the same alone, among 5, or among 13 (several passes per block): AR equals verify."""
+    a row's bits are the same alone or among others, whatever the passes the rows take (up to 6 rows: one
+    pass; 6 and more prefetch; 7-12: one pass in two column halves; 13 and more: several): AR equals verify."""
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
-    x = torch.randn(13, k, generator=g).to(dtype)
-    got = stream.stream_linear(x, w, b)  # [13, n]
-    assert got.shape == (13, n) and got.dtype == dtype
+    x = torch.randn(27, k, generator=g).to(dtype)
+    got = stream.stream_linear(x, w, b)  # [27, n]: passes of 9 + 9 + 9
+    assert got.shape == (27, n) and got.dtype == dtype
     want = x.double() @ w.double().T + b.double()
     # one fp32 accumulator per output over k in order: its rounding error grows with k
     tol = {"atol": 1e-6 * k, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
     torch.testing.assert_close(got.double(), want, **tol)
-    for lo, hi in ((0, 1), (0, 5), (4, 5), (7, 13), (12, 13)):
+    for lo, hi in ((0, 1), (0, 5), (4, 5), (0, 6), (0, 8), (7, 19), (12, 25), (26, 27)):
         assert torch.equal(stream.stream_linear(x[lo:hi], w, b), got[lo:hi])
     assert torch.equal(stream.stream_linear(x[:5].view(1, 5, k), w), stream.stream_linear(x[:5], w).view(1, 5, n))
     assert torch.equal(stream.stream_linear(x, w.t().contiguous().t(), b), got)  # any layout of W packs the same
