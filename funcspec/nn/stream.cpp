@@ -11,7 +11,8 @@
 // so a step of k reads 256 contiguous bytes (4 zmm: 64 outputs) and multiplies
 // them by the broadcast x[m, k] (or k pair) of several rows at once: the
 // accumulators are outputs, with no horizontal sums. Each thread takes whole
-// column blocks and walks them front to back, in chunks of KC steps (64 KB).
+// column blocks (runs of them, handed out as the threads free up) and walks
+// them front to back, in chunks of KC steps (64 KB).
 //
 // Rows per pass. Up to 6 rows take all 64 columns in one pass (6 x 4
 // accumulators + 4 weights = 28 zmm). 7 to 12 rows take the chunk's columns in
@@ -41,7 +42,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <atomic>
 #include <vector>
+
+#include <omp.h>
 
 #include "bf16.h"
 
@@ -137,10 +142,11 @@ inline void pass_rows(int64_t mb, const typename E::T* x, int64_t K, const typen
   pass<E, MB>(x, K, wb, s0, s1, acc, pf);
 }
 
-// One column block [n0, n0 + 64) for all M rows; acc is [M][64] scratch.
+// One column block [n0, n0 + 64) for all M rows; acc is [M][64] scratch. follows: the thread's next
+// block comes right after this one, so its last chunk prefetches that block's first.
 template <class E>
 void block(const typename E::T* x, const typename E::T* wb, const typename E::T* bias, typename E::T* out, int64_t M,
-           int64_t N, int64_t K, int64_t n0, float* acc) {
+           int64_t N, int64_t K, int64_t n0, float* acc, bool follows) {
   const int64_t steps = K / E::P;
   // Rows spread evenly over the fewest passes (5 rows: one pass of 5, not 4 + 1; 14 rows: 7 + 7).
   const int64_t most = M <= FULL_MB ? FULL_MB : HALF_MB;
@@ -149,8 +155,7 @@ void block(const typename E::T* x, const typename E::T* wb, const typename E::T*
   memset(acc, 0, sizeof(float) * M * BLOCK);
   for (int64_t s0 = 0; s0 < steps; s0 += KC) {
     const int64_t s1 = s0 + KC < steps ? s0 + KC : steps;
-    // NOTE: past the block's end this prefetches the thread's next block (or nothing: prefetches never fault)
-    const char* next = reinterpret_cast<const char*>(wb + s1 * step);
+    const char* next = s1 < steps || follows ? reinterpret_cast<const char*>(wb + s1 * step) : nullptr;
     for (int64_t p = 0, m0 = 0; p < passes; ++p) {
       const int64_t mb = M / passes + (p < M % passes);
       pass_rows<E>(mb, x + m0 * K, K, wb, s0, s1, acc + m0 * BLOCK, p == 0 ? next : nullptr);
@@ -168,12 +173,24 @@ void linear(const typename E::T* x, const typename E::T* w, const typename E::T*
             int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
   const int64_t block_elems = BLOCK * K;  // K is a multiple of P (stream.py pads it)
+  std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const int64_t team = omp_get_num_threads();
     std::vector<float> acc(M * BLOCK);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b)
-      block<E>(x, w + b * block_elems, bias, out, M, N, K, b * BLOCK, acc.data());
+    // Guided self-scheduling: each thread takes runs of contiguous blocks, a share of what is left that shrinks
+    // to one block at the end. On a VM the cores' speeds differ from moment to moment, and equal static shares
+    // left the faster one waiting at the join (libgomp's spin took 13% of a bf16 decode's samples).
+    for (;;) {
+      int64_t b0 = taken.load(std::memory_order_relaxed), run = 0;
+      do {
+        run = std::max<int64_t>(1, (blocks - b0) / (2 * team));
+      } while (b0 < blocks && !taken.compare_exchange_weak(b0, b0 + run, std::memory_order_relaxed));
+      if (b0 >= blocks) break;
+      const int64_t b1 = std::min(b0 + run, blocks);
+      for (int64_t b = b0; b < b1; ++b)
+        block<E>(x, w + b * block_elems, bias, out, M, N, K, b * BLOCK, acc.data(), b + 1 < b1);
+    }
   }
 }
 
