@@ -27,6 +27,7 @@ def test_writes_json_markdown_and_png(result):
     assert stem.startswith("scale-tiny-float32-")
     assert json.loads(next(out.glob("*.json")).read_text())["shape"] == "tiny"
     md = next(out.glob("*.md")).read_text()
+    assert "alternating runs of batch 1 and batch 2" in md
     for heading in ("## Decode ms/token", "## Synthetic-acceptance sweep", "## Context sweep", "## Batch sweep",
                     "top ops by self CPU time", "## Machine"):
         assert heading in md
@@ -66,6 +67,9 @@ def test_context_batch_and_profile(result):
     assert short["vs_shortest"] == 1.0 and long_["vs_shortest"] == pytest.approx(long_["ms_per_token"] / short["ms_per_token"])
     assert [r["batch"] for r in res["batch"]["rows"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in res["batch"]["rows"])
+    p = res["batch"]["paired"]  # batch 2 against batch 1, alternating on the warm engine
+    assert p["batch"] == 2 and p["rounds"] == 3 and len(p["ours_ms"]) == len(p["theirs_ms"]) == 3
+    assert p["tokens_per_s_ratio"] == pytest.approx(2 * p["ratio"]) and p["ratio"] > 0
     ops = res["profile"]["ops"]
     assert 0 < len(ops) <= 12 and all(o["op"] and o["calls_per_step"] > 0 for o in ops)
     assert ops == sorted(ops, key=lambda o: -o["ms_per_step"]) and sum(o["pct"] for o in ops) <= 100.0 + 1e-6

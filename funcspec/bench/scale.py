@@ -18,7 +18,8 @@ or a tiny one for tests) and measures, in ``--phases`` order:
 - ``context``: AR ms/token as the prompt grows, on ONE engine (one capacity),
   in two passes (ascending, then descending: drift on a shared machine
   cancels in their mean), and each length's ratio to the shortest;
-- ``batch``: AR tokens/s at each batch size, on one engine;
+- ``batch``: AR tokens/s at each batch size, on one engine, and the largest batch over batch 1 from
+  alternating runs;
 - ``profile``: the top ops (self CPU time) of one eager AR decode step;
 - ``llamacpp``: llama.cpp (llama-cpp-python + gguf, optional) on the same weights,
   then each AR engine and llama.cpp in alternating runs: the median of the
@@ -399,16 +400,28 @@ def context_rows(ctx: dict, backend: str, contexts: list[int]) -> dict:
 
 
 def batch_rows(ctx: dict, backend: str, batches: list[int]) -> dict:
-    """AR tokens/s per batch size: B same-length prompts on one engine with max(batches) slots."""
+    """AR tokens/s per batch size: B same-length prompts on one engine with max(batches) slots.
+
+    With batch 1 and a larger one, also the largest batch's tokens/s over batch 1's from
+    :func:`paired_ratios` (alternating runs on the warm engine), the ratio this VM's drift leaves alone.
+    """
     eng = _engine(ctx["model"], ctx["dtype"], backend, max(batches), ctx["max_len"])
-    rows = []
+    rows, prompts = [], {}
     for b in tqdm(batches, desc="batch", leave=False):
-        prompts = make_prompts(ctx["shape"], b, ctx["p"], ctx["seed"] + 1000 + b)  # B prompts of P tokens
-        r = timed_generate(eng, prompts, ctx["n"], ctx["reps"])
+        prompts[b] = make_prompts(ctx["shape"], b, ctx["p"], ctx["seed"] + 1000 + b)  # B prompts of P tokens
+        r = timed_generate(eng, prompts[b], ctx["n"], ctx["reps"])
         step = r["replay_ms"].get(f"B{eng.plan.batch_bucket(b)}_K0")
         rows.append({"batch": b, "tokens_per_s": b * 1e3 / r["ms_per_token"],
                      "ms_per_token": r["ms_per_token"], "step_ms": step})
-    return {"backend": eng.backend, "rows": rows}
+    out = {"backend": eng.backend, "rows": rows}
+    top = max(batches)
+    if 1 in batches and top > 1:
+        def ms(b):  # decode ms/token of each request (all decode together)
+            return lambda: timed_generate(eng, prompts[b], ctx["n"], warm=False)["ms_per_token"]
+
+        p = paired_ratios(ms(1), ms(top), max(ctx["reps"], 3))
+        out["paired"] = {**p, "batch": top, "tokens_per_s_ratio": top * p["ratio"]}  # B x (ms at 1 / ms at B)
+    return out
 
 
 def profile_step(ctx: dict, steps: int, top: int = 12) -> dict:
@@ -863,7 +876,11 @@ def _md_batch(r: dict) -> list[str]:
         return []
     rows = [[str(x["batch"]), f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.2f}", _f(x["step_ms"])]
             for x in b["rows"]]
-    return _md_table(f"## Batch sweep ({b['backend']})\n", ["batch", "tokens/s", "ms/token per row", "step ms"], rows)
+    out = _md_table(f"## Batch sweep ({b['backend']})\n", ["batch", "tokens/s", "ms/token per row", "step ms"], rows)
+    if p := b.get("paired"):
+        out.append(f"\nPaired ({p['rounds']} alternating runs of batch 1 and batch {p['batch']}, median of the pair "
+                   f"ratios): batch {p['batch']} gives **{p['tokens_per_s_ratio']:.2f}x** the tokens/s of batch 1.\n")
+    return out
 
 
 def _md_profile(r: dict) -> list[str]:
