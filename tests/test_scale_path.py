@@ -99,11 +99,12 @@ def test_the_streaming_kernel_builds_here():
 def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n, k):
     """Any shape (N off the 64-column blocks, K off the bf16 pairs, bias or not) equals x @ W.T + b, and
     a row's bits are the same alone or among others, whatever the passes the rows take (up to 6 rows: one
-    pass; 6 and more prefetch; 7-12: one pass in two column halves; 13 and more: several): AR equals verify."""
+    pass; 6 and more prefetch; 7-12: one pass in two column halves; 13-24: two such; more: passes of up to 6):
+    AR equals verify."""
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     x = torch.randn(27, k, generator=g).to(dtype)
-    got = stream.stream_linear(x, w, b)  # [27, n]: passes of 9 + 9 + 9
+    got = stream.stream_linear(x, w, b)  # [27, n]: passes of 6 + 6 + 5 + 5 + 5
     assert got.shape == (27, n) and got.dtype == dtype
     want = x.double() @ w.double().T + b.double()
     # one fp32 accumulator per output over k in order: its rounding error grows with k

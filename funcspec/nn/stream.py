@@ -8,11 +8,16 @@ pre-packed GEMM (:mod:`funcspec.nn.packed`) and 6-16 GB/s through MKL in fp32,
 where llama.cpp streams about 35 GB/s over the same cores.
 
 :file:`stream.cpp` packs W once (:func:`pack_weight`) into column blocks of 64
-outputs, each one contiguous stream, and multiplies each block by up to 6
-broadcast rows of x per pass (``vdpbf16ps`` for bf16, ``vfmadd`` for fp32, fp32
-accumulators that are outputs: no horizontal sums). Interleaved with oneDNN on
-the same weights it streamed 33.5 GB/s at 1 and 5 rows against oneDNN's 27 and
-30; dropping its software prefetch later took it to 40 and 31 GB/s.
+outputs, each one contiguous stream, and multiplies each block by broadcast
+rows of x (``vdpbf16ps`` for bf16, ``vfmadd`` for fp32, fp32 accumulators that
+are outputs: no horizontal sums): up to 6 rows per pass over all 64 columns,
+7-12 in two halves of 32. Interleaved with oneDNN on the same weights it
+streamed 33.5 GB/s at 1 and 5 rows against oneDNN's 27 and 30; dropping its
+software prefetch later took it to 40 and 31 GB/s. From 6 rows on the compute
+holds the loads back, so those passes prefetch the next chunk (8 rows then
+cost 0.52-0.72x what two passes of 4 did). The threads take runs of blocks as
+they free up (guided), not equal shares: this VM's cores differ in speed from
+moment to moment.
 
 Linears that read the same input (q/k/v, gate/up) can be one call over their
 packed weights side by side (:func:`stream_linears`): a Llama decode step then
