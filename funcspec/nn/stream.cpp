@@ -24,7 +24,7 @@
 //
 // Prefetch. At 1-4 rows the hardware prefetcher alone streams the blocks best
 // (40 GB/s on a 2-core Zen 4 EPYC, against 30-33 GB/s with software prefetches
-// 1-4 KB ahead: the loads compete for the same ports). From 5 rows on, the
+// 1-4 KB ahead: the loads compete for the same ports). With more rows, the
 // multiply-adds hold the loads back and the memory sits idle while the chunk
 // is computed (and wholly idle during the L2 passes), so the first pass over a
 // chunk of 6 rows or more also prefetches the next chunk into L2, at the pace
