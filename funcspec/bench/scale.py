@@ -416,10 +416,8 @@ def batch_rows(ctx: dict, backend: str, batches: list[int]) -> dict:
     out = {"backend": eng.backend, "rows": rows}
     top = max(batches)
     if 1 in batches and top > 1:
-        def ms(b):  # decode ms/token of each request (all decode together)
-            return lambda: timed_generate(eng, prompts[b], ctx["n"], warm=False)["ms_per_token"]
-
-        p = paired_ratios(ms(1), ms(top), max(ctx["reps"], 3))
+        p = paired_ratios(decode_ms(eng, prompts[1], ctx["n"]), decode_ms(eng, prompts[top], ctx["n"]),
+                          max(ctx["reps"], 3))
         out["paired"] = {**p, "batch": top, "tokens_per_s_ratio": top * p["ratio"]}  # B x (ms at 1 / ms at B)
     return out
 
@@ -580,6 +578,11 @@ def llamacpp_greedy(gen, reps: int = 1) -> dict:
             "ms_per_token": statistics.median(r[2] for r in runs)}
 
 
+def decode_ms(eng, prompts: list[list[int]], n: int):
+    """One timed run of a warm engine as a callable for :func:`paired_ratios`: its decode ms/token."""
+    return lambda: timed_generate(eng, prompts, n, warm=False)["ms_per_token"]
+
+
 def paired_ratios(ours, theirs, rounds: int) -> dict:
     """``rounds`` alternating runs of two decoders (each returns ms/token): the median of the per-pair
     ratios ours / theirs. This VM's speed drifts by tens of percent within minutes; drift hits
@@ -614,10 +617,8 @@ def llamacpp_phase(ctx: dict) -> dict:
     if ctx["ar_cache"]:
         best = min(a["ms_per_token"] for a in ctx["ar_cache"].values())
         r["funcspec_over_llamacpp"] = best / r["ms_per_token"]  # > 1: funcspec slower
-    def ours(eng):
-        return lambda: timed_generate(eng, [ctx["prompt"]], ctx["n"], warm=False)["ms_per_token"]
-
-    r["paired"] = {backend: paired_ratios(ours(eng), lambda: session()[2], max(ctx["reps"], 3))
+    r["paired"] = {backend: paired_ratios(decode_ms(eng, [ctx["prompt"]], ctx["n"]), lambda: session()[2],
+                                          max(ctx["reps"], 3))
                    for backend, eng in ctx["ar_engines"].items()}
     return r
 
