@@ -1,4 +1,5 @@
-"""Command line: ``funcspec generate``, ``funcspec bench capture``, ``funcspec bench spec``, ``funcspec tune-k``.
+"""Command line: ``funcspec generate``, ``funcspec bench capture``, ``funcspec bench spec``, ``funcspec tune-k``,
+``funcspec inspect``.
 
 ``funcspec run-default`` is what ``make run`` calls: generate with the zoo
 target and a zoo drafter, and print tokens/s and acceptance stats.
@@ -77,6 +78,19 @@ def _tune_k(args) -> None:
     print(f"wrote {out}")
 
 
+def _inspect(args) -> None:
+    """`funcspec inspect HEAD [--target TARGET]`: the head's layout, shapes and fit; exit 1 if it does not load."""
+    from funcspec.checkpoints.report import inspect
+
+    try:
+        report = inspect(args.head, args.target)
+    except (ValueError, FileNotFoundError) as err:  # the target itself does not load
+        raise SystemExit(f"funcspec inspect: --target: {err}") from err
+    print(report)
+    if not report.fits:
+        raise SystemExit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="funcspec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -116,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune a token tree's node count N per batch size from the method's tree rows "
                         "(bench spec --tree-sizes) and tree buckets (bench capture --tree); JSON: which tree")
     p.add_argument("--out", default=None, help="default: tuned-k.json beside the capture result")
+    p = sub.add_parser("inspect", help="a draft head's published layout, method, shapes, and whether it fits a target")
+    p.add_argument("head", help="the draft head's directory (as speculative_config['model'])")
+    p.add_argument("--target", default=None, help="the target model's directory: load the head for it")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     from funcspec.bench import add_bench_parser
 
@@ -138,6 +155,8 @@ def main(argv=None) -> None:
         _run_default(args)
     elif args.command == "tune-k":
         _tune_k(args)
+    elif args.command == "inspect":
+        _inspect(args)
     else:
         args.func(args)
 

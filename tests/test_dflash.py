@@ -310,7 +310,7 @@ def test_load_round_trip(target, heads):
         assert dflash_proposer.hidden_layers(dflash_proposer.DFlashProposerConfig(cfg, 3)) == (1, 2)
     dspark_cfg, _ = ckpt.load_params(heads["dspark"], target, "dspark")
     assert (dspark_cfg.markov_rank, dspark_cfg.confidence, dspark_cfg.block_size) == (16, "hidden_markov", 7)
-    with pytest.raises(ValueError, match="DSpark checkpoint; use method 'dspark'"):
+    with pytest.raises(ValueError, match="a dspark checkpoint .*DSpark.*use method 'dspark', not 'dflash'"):
         ckpt.load_params(heads["dspark"], target, "dflash")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from funcspec import Engine, SamplingParams, load_model, zoo
-from funcspec.checkpoints import init_draft_head, read_safetensors
+from funcspec.checkpoints import init_draft_head, read_weights
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.train.data import heldout_prompts
 
@@ -66,7 +66,7 @@ def test_target_and_draft_model_agree_with_transformers(role, prompts):
     ("dspark", ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"]),
 ])
 def test_heads_are_saved_in_their_published_layouts(role, keys):
-    tensors = read_safetensors(zoo.model_path(role))
+    tensors = read_weights(zoo.model_path(role))
     assert set(keys) <= set(tensors)
     if role == "eagle3":
         d2t, t2d = tensors["d2t"], tensors["t2d"]

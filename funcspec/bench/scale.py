@@ -485,7 +485,7 @@ def write_gguf(ckpt: Path, dtype: str) -> Path:
     """The checkpoint as ``model-<dtype>.gguf`` beside it (llama arch, placeholder SPM vocab), built once."""
     import gguf
 
-    from funcspec.checkpoints import model_config, read_config, read_safetensors
+    from funcspec.checkpoints import model_config, read_config, read_weights
 
     path = ckpt / f"model-{dtype}.gguf"
     if path.exists():
@@ -509,7 +509,7 @@ def write_gguf(ckpt: Path, dtype: str) -> Path:
     f32 = dtype == "float32"
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_BF16)
     _add_vocab(w, gguf, cfg)
-    for name, t in gguf_tensors(cfg, read_safetensors(ckpt)).items():
+    for name, t in gguf_tensors(cfg, read_weights(ckpt)).items():
         if f32 or t.dim() == 1:  # norms and rope factors stay f32, as convert_hf_to_gguf keeps them
             w.add_tensor(name, t.float().contiguous().numpy())
         else:  # bf16 bits as int16, tagged BF16

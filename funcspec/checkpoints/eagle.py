@@ -1,7 +1,11 @@
 """EAGLE-1 and EAGLE-3 head checkpoints: config, key layout, loading and random heads.
 
-The published layouts are described in :mod:`funcspec.nn.eagle`, which holds
-the math; this module reads and writes them.
+Four published layouts are read (:mod:`funcspec.checkpoints.layouts`):
+SafeAILab's EAGLE-1 and EAGLE-3 heads (``pytorch_model.bin`` or
+``model.safetensors``), vLLM's EAGLE-3 names, and speculators' EAGLE-3
+(``speculators_config``, a nested ``transformer_layer_config``). The math is
+:mod:`funcspec.nn.eagle`; this module turns each layout's config into an
+:class:`~funcspec.nn.eagle.EagleConfig` and checks its tensors.
 """
 
 from __future__ import annotations
@@ -11,16 +15,20 @@ import dataclasses
 import torch
 
 from funcspec import rng
-from funcspec.checkpoints.files import check_keys, drop_ignored, nest, read_config, read_safetensors, to_target
+from funcspec.checkpoints import layouts
+from funcspec.checkpoints.files import check_keys, nest, to_target
 from funcspec.checkpoints.init import random_tensors
 from funcspec.checkpoints.llama import hf_config_dict, layer_shapes, model_config
 from funcspec.nn.eagle import EagleConfig
 from funcspec.nn.llama import ModelConfig, lm_head
 
+WRITTEN = {1: "eagle-safeailab", 3: "eagle3-safeailab"}
+"""The layout :func:`init_params` writes for each EAGLE version: SafeAILab's, as published."""
 
-def _draft_model(hf: dict) -> ModelConfig:
-    """The head's decoder dims: EAGLE heads are Llama layers whatever the target family."""
-    return model_config({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+_SPECULATORS_FIELDS = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
+                       "norm_output", "eagle_aux_hidden_state_layer_ids")
+_DRAFT_TYPES = {"llama": "llama", "qwen3": "qwen3"}
+"""speculators' ``transformer_layer_config.model_type`` -> the draft layer family (vLLM's Eagle3 arch map)."""
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -41,6 +49,9 @@ def spread_aux_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
 def aux_layers(hf: dict, num_layers: int, override=None) -> tuple[int, ...]:
     """EAGLE-3's auxiliary layer ids: ``override``, else the head's config, else vLLM's default.
 
+    Ids are vLLM's capture ids: i is the input of decoder layer i, and i = L the
+    last layer's output before the final norm.
+
     NOTE: duplicates are refused, not accepted: vLLM collects one hidden state per
     distinct layer, so a duplicated id would feed its ``fc`` fewer features than
     the checkpoint expects. Small targets, where the default collides, need the
@@ -50,45 +61,83 @@ def aux_layers(hf: dict, num_layers: int, override=None) -> tuple[int, ...]:
         or (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
         or default_aux_layers(num_layers)
     ids = tuple(sorted(int(i) for i in ids))
-    if len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
+    if len(set(ids)) != len(ids) or not all(0 <= i <= num_layers for i in ids):
         raise ValueError(
-            f"eagle_aux_hidden_state_layer_ids must be distinct target layer indices in [0, {num_layers - 1}] "
-            f"(the input of decoder layer i), got {list(ids)}; set it in the head's config.json or in "
-            "speculative_config.draft_model_config.hf_config for a target this small, "
-            f"e.g. {list(spread_aux_layers(num_layers))}"
+            f"eagle_aux_hidden_state_layer_ids must be distinct target layer indices in [0, {num_layers}] "
+            f"(the input of decoder layer i; {num_layers}: the last layer's output), got {list(ids)}; set it in "
+            "the head's config.json or in speculative_config.draft_model_config.hf_config for a target this "
+            f"small, e.g. {list(spread_aux_layers(num_layers))}"
         )
     return ids
 
 
-def config_from_hf(hf: dict, version: int, target_cfg: ModelConfig, fc_bias: bool, override=None) -> EagleConfig:
-    """The static head config from its ``config.json`` dict."""
-    m = _draft_model(hf)
-    if version == 1:
-        return EagleConfig(1, m, (), m.vocab_size, fc_bias)
-    m = dataclasses.replace(m, num_layers=1)
+def head_config(head: layouts.Head) -> dict:
+    """The head's config as one flat dict, whatever its layout: speculators' nested
+    ``transformer_layer_config`` with its EAGLE-3 fields lifted as vLLM lifts them."""
+    hf = head.config
+    if head.layout.name != "eagle3-speculators":
+        return hf
+    layer = layouts.speculators_layers(hf, head.path)
+    kind = layer.get("model_type", "llama")
+    if kind not in _DRAFT_TYPES:
+        raise ValueError(f"{head.path / 'config.json'}: transformer_layer_config.model_type {kind!r} is not a draft "
+                         f"layer funcspec runs (Eagle3 speculators: {sorted(_DRAFT_TYPES)})")
+    flat = {**layer, **{k: hf[k] for k in _SPECULATORS_FIELDS if hf.get(k) is not None}}
+    # NOTE: vLLM's default when the key is absent; speculators always writes it.
+    flat.setdefault("norm_before_residual", True)
+    return flat
+
+
+def _draft_model(hf: dict, layout: str) -> ModelConfig:
+    """The head's decoder dims. SafeAILab heads are Llama layers whatever the target (an EAGLE-1 head's
+    q/k/v biases come from config ``qkv_bias``: Qwen2 heads); speculators' may be Qwen3 layers (q/k norms)."""
+    kind = hf.get("model_type", "llama") if layout == "eagle3-speculators" else "llama"
+    m = model_config({**hf, "architectures": [], "model_type": _DRAFT_TYPES.get(kind, "llama")})
+    if layout == "eagle-safeailab":
+        qkv = bool(hf.get("qkv_bias", False))  # cnets1: hasattr(config, "qkv_bias"); never attention_bias
+        return dataclasses.replace(m, arch="qwen2" if qkv else "llama", attention_bias=qkv, mlp_bias=False)
+    if layout == "eagle3-safeailab":  # cnets.py: one midlayer, no biases
+        return dataclasses.replace(m, num_layers=1, attention_bias=False, mlp_bias=False)
+    return m
+
+
+def config_from_hf(hf: dict, layout: str, target_cfg: ModelConfig, override=None) -> EagleConfig:
+    """The static head config from its (flat) config dict in ``layout``."""
+    m = _draft_model(hf, layout)
+    if layout == "eagle-safeailab":
+        return EagleConfig(1, m, (), m.vocab_size, bool(hf.get("bias", True)))
     return EagleConfig(3, m, aux_layers(hf, target_cfg.num_layers, override),
                        int(hf.get("draft_vocab_size") or m.vocab_size), False,
-                       bool(hf.get("norm_before_residual", False)))
+                       bool(hf.get("norm_before_residual", False)), bool(hf.get("norm_before_fc", False)),
+                       bool(hf.get("fc_norm", False)), bool(hf.get("norm_output", False)))
 
 
 def head_shapes(cfg: EagleConfig, target_hidden: int) -> dict:
-    """Every key of the head's checkpoint (without the optional ``embed_tokens.weight``) and its shape."""
+    """Every tensor of the head under funcspec's names (without the optional ``embed_tokens.weight``) and its
+    shape; ``target_hidden`` is H_t, the width of the target features EAGLE-3's ``fc`` reads."""
     m, h = cfg.model, cfg.model.hidden_size
     if cfg.version == 1:
         shapes = {"fc.weight": (h, 2 * h), **({"fc.bias": (h,)} if cfg.fc_bias else {})}
         for i in range(m.num_layers):
             shapes.update(layer_shapes(m, f"layers.{i}.", input_norm=i > 0))
         return shapes
-    shapes = {"fc.weight": (h, len(cfg.aux_layers) * target_hidden), "norm.weight": (h,),
-              "lm_head.weight": (cfg.draft_vocab_size, h), "d2t": (cfg.draft_vocab_size,), "t2d": (m.vocab_size,),
-              "midlayer.hidden_norm.weight": (h,)}
-    shapes.update(layer_shapes(m, "midlayer.", in_features=2 * h))
+    a = len(cfg.aux_layers)
+    shapes = {"fc.weight": (h, a * target_hidden), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+              "d2t": (cfg.draft_vocab_size,), "t2d": (m.vocab_size,), "layers.0.hidden_norm.weight": (h,)}
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (a * target_hidden,)
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (target_hidden,) for i in range(a)})
+    shapes.update(layer_shapes(m, "layers.0.", in_features=2 * h))
+    for i in range(1, m.num_layers):
+        shapes.update(layer_shapes(m, f"layers.{i}."))
     return shapes
 
 
 def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_layers: int = 1,
                 draft_vocab_size: int | None = None, aux_layers: tuple[int, ...] | None = None):
-    """A randomly initialised EAGLE-``version`` head for ``target_cfg``: ``(hf_config, params)``.
+    """A randomly initialised EAGLE-``version`` head for ``target_cfg`` in SafeAILab's layout:
+    ``(hf_config, params under the published names)``.
 
     EAGLE-3 heads draw a random reduced vocabulary of ``draft_vocab_size``
     target tokens (default V/2) for ``d2t`` / ``t2d``.
@@ -102,9 +151,12 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
         ids = aux_layers or spread_aux_layers(target_cfg.num_layers)  # written down: usable on any depth
         hf = hf_config_dict(base, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd,
                             eagle_aux_hidden_state_layer_ids=list(ids))
-    cfg = config_from_hf(hf, version, target_cfg, fc_bias=version == 1)
+    layout = next(l for l in layouts.LAYOUTS if l.name == WRITTEN[version])
+    cfg = config_from_hf(hf, layout.name, target_cfg)
     shapes = head_shapes(cfg, target_cfg.hidden_size)
-    tensors = random_tensors({k: s for k, s in shapes.items() if k not in ("d2t", "t2d")}, seed)
+    names = layouts.publish(layout, shapes, {})
+    # NOTE: drawn under the published names, in their sorted order (a seed keeps giving the same head).
+    tensors = random_tensors({names[k]: s for k, s in shapes.items() if k not in ("d2t", "t2d")}, seed)
     if version == 3:
         # NOTE: stream -1 of the seed: random_tensors uses 0, 1, ... for the weights.
         order = torch.argsort(rng.uniform(rng.fold_in(rng.key(seed), -1), target_cfg.vocab_size))
@@ -115,31 +167,39 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
 
 
 def load_params(path, target, version: int = 1, aux_layers=None):
-    """Load an EAGLE-``version`` head checkpoint for ``target`` (a loaded Model): ``(cfg, params)``.
+    """Load an EAGLE-``version`` head for ``target`` (a loaded Model): ``(cfg, params)`` under funcspec's names.
 
-    ``params`` holds the head's tensors under their published names plus the
-    target's shared tensors (same objects, no copies): ``embed_tokens.weight``
-    (unless an EAGLE-3 head ships its own) and, for EAGLE-1, ``lm_head.weight``.
-    Raises ``ValueError`` naming missing, unexpected or mis-shaped keys.
+    ``params`` holds the head's tensors plus the target's shared ones (same
+    objects, no copies): the embedding, unless the head ships a different one
+    (vLLM's rule), and, for EAGLE-1, the LM head. Raises ``ValueError`` naming
+    the file and the missing, unexpected, mis-shaped or unusable keys, or the
+    config field that does not fit the target.
     """
-    path, hf = read_config(path)
-    tensors = drop_ignored(read_safetensors(path))
+    head = layouts.read_head(path, "eagle", "eagle" if version == 1 else "eagle3")
+    hf, where, tensors = head_config(head), head.where, dict(head.tensors)
+    cfg = config_from_hf(hf, head.layout.name, target.cfg, aux_layers)
+    t, m = target.cfg, cfg.model
+    h_t = int(hf.get("target_hidden_size") or m.hidden_size) if version == 3 else m.hidden_size
     embed = tensors.pop("embed_tokens.weight", None)
-    cfg = config_from_hf(hf, version, target.cfg, "fc.bias" in tensors, aux_layers)
-    h = target.cfg.hidden_size
-    if cfg.model.hidden_size != h or cfg.model.vocab_size != target.cfg.vocab_size:
-        raise ValueError(f"{path}: head hidden_size/vocab_size ({cfg.model.hidden_size}, {cfg.model.vocab_size}) "
-                         f"must equal the target's ({h}, {target.cfg.vocab_size})")
-    if version == 3 and cfg.draft_vocab_size == cfg.model.vocab_size:  # vLLM: the maps are optional then
-        tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        tensors.setdefault("t2d", torch.ones(cfg.model.vocab_size, dtype=torch.bool))
-    shapes = head_shapes(cfg, h)
-    if version == 3 and embed is not None:  # an EAGLE-3 head may ship its own embedding
-        tensors["embed_tokens.weight"], shapes["embed_tokens.weight"] = embed, (cfg.model.vocab_size, h)
-    check_keys(tensors, shapes, str(path))
+    if (h_t, m.vocab_size) != (t.hidden_size, t.vocab_size):
+        raise ValueError(f"{where}: the head reads target features of width {h_t} and vocabulary {m.vocab_size} "
+                         f"(config {'target_hidden_size / ' if version == 3 else ''}hidden_size, vocab_size); "
+                         f"the target has hidden_size {t.hidden_size}, vocab_size {t.vocab_size}")
+    if version == 3 and m.hidden_size != t.hidden_size and embed is None:
+        raise ValueError(f"{where}: a head of hidden_size {m.hidden_size} on a target of {t.hidden_size} must ship "
+                         f"its own embed_tokens.weight [{m.vocab_size}, {m.hidden_size}]")
+    if version == 3 and cfg.draft_vocab_size == m.vocab_size:  # vLLM: no map then; the ids are the target's
+        tensors.pop("t2d", None)
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+        tensors["t2d"] = torch.ones(m.vocab_size, dtype=torch.bool)
+    shapes = head_shapes(cfg, h_t)
+    if embed is not None:
+        tensors["embed_tokens.weight"], shapes["embed_tokens.weight"] = embed, (m.vocab_size, m.hidden_size)
+    check_keys(tensors, shapes, where, maps=("d2t", "t2d"), published=head.published)
     target_embed = target.params["model"]["embed_tokens"]["weight"]
+    tensors.pop("embed_tokens.weight", None)
     params = nest(to_target(tensors, target_embed))
-    params.setdefault("embed_tokens", {"weight": target_embed})
+    params["embed_tokens"] = {"weight": layouts.share(embed, target_embed)}
     if version == 3:
         params["d2t"] = params["d2t"].long()
     else:

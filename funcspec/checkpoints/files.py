@@ -1,13 +1,21 @@
-"""HF checkpoint files, whatever the model: ``config.json``, safetensors and params nested on names.
+"""Checkpoint files, whatever the model: ``config.json``, the weight files and params nested on names.
 
-Every problem is reported with the file or key it concerns.
+Weights are read from safetensors (one file or shards with an index) and from
+PyTorch pickles (``pytorch_model.bin``, its shards, or a named file such as
+Medusa's ``medusa_lm_head.pt``) through ``torch.load(weights_only=True)``:
+tensors and containers only, never arbitrary Python objects. Every problem
+is reported with the file and key it concerns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
+import zipfile
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -15,6 +23,14 @@ from safetensors.torch import save_file
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers some exporters include that are not parameters."""
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+"""Where an HF checkpoint keeps its tensors, in the order transformers looks (the first that exists wins)."""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""Weight dtypes funcspec reads (cast to the model's dtype at load). float8 and integer weights are
+quantized formats, whose scales live elsewhere: they are refused, not misread."""
 
 
 def nest(flat: dict[str, torch.Tensor]) -> dict:
@@ -50,27 +66,100 @@ def flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def read_safetensors(path: Path, names=None) -> dict[str, torch.Tensor]:
-    """All tensors (or those in ``names``) of a single-file or sharded checkpoint in ``path``."""
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.exists():
-        files = [single]
-    elif index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    out = {}
-    for f in files:
-        if not f.exists():
-            raise FileNotFoundError(f"{f}: shard listed in model.safetensors.index.json is missing")
+# ----------------------------------------------------------------------------- reading weight files
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The weight files of a checkpoint directory, found but not yet read.
+
+    Attributes:
+        path: the checkpoint directory.
+        entry: the file that was found (a weight file, or a shard index).
+        files: the files holding tensors: ``entry``, or the shards its index names.
+    """
+
+    path: Path
+    entry: Path
+    files: tuple[Path, ...]
+
+    def __str__(self) -> str:
+        shards = f" ({len(self.files)} shards)" if self.entry not in self.files else ""
+        return f"{self.entry}{shards}"
+
+    def keys(self) -> dict[str, Path]:
+        """Every tensor name and the file holding it (key names only: safetensors reads no tensor data,
+        pickles are memory-mapped)."""
+        return {k: f for f in self.files for k in _read_file(f, names=None, data=False)
+                if not k.endswith(IGNORED_SUFFIXES)}
+
+    def read(self, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
+        """The tensors (those in ``names``, if given) of every file, exporters' buffers dropped."""
+        names = None if names is None else set(names)
+        out: dict[str, torch.Tensor] = {}
+        for f in self.files:
+            out.update(_read_file(f, names, data=True))
+        return drop_ignored(out)
+
+
+def find_weights(path: str | os.PathLike, names: Iterable[str] = WEIGHT_FILES) -> Weights:
+    """The first of ``names`` in checkpoint directory ``path`` (an ``.index.json`` brings its shards).
+
+    Raises ``FileNotFoundError`` naming what was looked for, or a shard its index lists that is missing;
+    ``ValueError`` for an index that is not valid JSON with a ``weight_map``.
+    """
+    path, names = Path(path), tuple(names)
+    entry = next((path / n for n in names if (path / n).is_file()), None)
+    if entry is None:
+        raise FileNotFoundError(f"{path}: no weight file; looked for {', '.join(names)}")
+    if not entry.name.endswith(".index.json"):
+        return Weights(path, entry, (entry,))
+    try:
+        weight_map = json.loads(entry.read_text())["weight_map"]
+        shards = tuple(sorted({path / f for f in weight_map.values()}))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{entry}: not a shard index (JSON with a 'weight_map' of key -> file): {e!r}") from e
+    for f in shards:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard listed in {entry.name} is missing")
+    return Weights(path, entry, shards)
+
+
+def _read_file(f: Path, names: Optional[set], data: bool) -> dict:
+    """The tensors of one file (``data=False``: the keys only, mapped to ``None``)."""
+    if f.suffix == ".safetensors":
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    if names is None or name in names:
-                        out[name] = sf.get_tensor(name)
+                keys = [k for k in sf.keys() if names is None or k in names]
+                return {k: sf.get_tensor(k) if data else None for k in keys}
         except SafetensorError as e:
             raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
-    return out
+    state = _load_pickle(f)
+    return {k: v if data else None for k, v in state.items() if names is None or k in names}
+
+
+def _load_pickle(f: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch state dict file, read with ``weights_only=True`` (memory-mapped when it is a zip archive).
+
+    NOTE: ``weights_only`` rebuilds tensors and plain containers only; a pickle
+    that names any other Python object is refused, never executed.
+    """
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{f}: holds Python objects that are not tensors; funcspec reads PyTorch files with "
+                         f"weights_only=True and never unpickles arbitrary objects") from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise ValueError(f"{f}: unreadable PyTorch file, truncated or corrupt ({str(e).splitlines()[0]})") from e
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{f}: expected a flat state dict of name -> tensor, got {type(state).__name__}")
+    return state
+
+
+def read_weights(path: str | os.PathLike, names=None) -> dict[str, torch.Tensor]:
+    """All tensors (or those in ``names``) of the standard weight files of ``path`` (:data:`WEIGHT_FILES`)."""
+    return find_weights(path).read(names)
 
 
 def drop_ignored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,19 +167,39 @@ def drop_ignored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
 
 
-def check_keys(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], where: str) -> None:
-    """Raise ``ValueError`` naming missing, unexpected or mis-shaped keys."""
+def check_keys(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], where: str,
+               maps: Iterable[str] = (), published: Optional[Callable[[str], str]] = None) -> None:
+    """Raise ``ValueError`` naming missing, unexpected, mis-shaped or unusable-dtype keys.
+
+    ``maps`` are the keys that hold integer or bool maps (every other tensor is a
+    weight and must have one of :data:`FLOAT_DTYPES`); ``published`` gives a
+    key's name in the file, for messages, where it differs from funcspec's.
+    """
+    maps = set(maps)
+
+    def shown(k):
+        name = published(k) if published else k
+        return k if name == k else f"{name} (as {k})"
+
     missing = sorted(set(shapes) - set(tensors))
     unexpected = sorted(set(tensors) - set(shapes))
-    bad = [f"{k}: expected {shapes[k]}, got {tuple(t.shape)}" for k, t in tensors.items()
+    bad = [f"{shown(k)}: expected {shapes[k]}, got {tuple(t.shape)}" for k, t in tensors.items()
            if k in shapes and tuple(t.shape) != shapes[k]]
+    dtypes = [f"{shown(k)}: {t.dtype}, expected " + ("an integer or bool map" if k in maps else
+                                                      "float32, bfloat16, float16 or float64")
+              for k, t in sorted(tensors.items()) if k in shapes
+              and not ((t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex())) if k in maps
+                       else t.dtype in FLOAT_DTYPES)]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        problems.append(f"missing keys {[shown(k) for k in missing[:8]]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"unexpected keys {[shown(k) for k in unexpected[:8]]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
     if bad:
         problems.append(f"mis-shaped keys {bad[:8]}")
+    if dtypes:
+        problems.append(f"keys of an unusable dtype {dtypes[:8]}")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
 
@@ -103,7 +212,13 @@ def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: missing config.json")
-    return path, json.loads(cfg_file.read_text())
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    return path, hf
 
 
 def load_tokenizer(path: Path):
@@ -115,13 +230,17 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def save_params(path: str | os.PathLike, params: dict, hf_config: dict) -> None:
-    """Write ``config.json`` and ``model.safetensors`` for a params pytree."""
+def save_params(path: str | os.PathLike, params: dict, hf_config: dict, file: str = "model.safetensors") -> None:
+    """Write ``config.json`` and ``file`` (safetensors, or a PyTorch pickle for ``.bin`` / ``.pt``) for a
+    params pytree."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     flat = {k: v.detach().contiguous().cpu() for k, v in flatten(params).items()}
-    save_file(flat, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if file.endswith(".safetensors"):
+        save_file(flat, str(path / file), metadata={"format": "pt"})
+    else:
+        torch.save(flat, path / file)
 
 
 def to_target(tensors: dict, ref: torch.Tensor) -> dict:

@@ -10,24 +10,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from funcspec.checkpoints.files import check_keys, drop_ignored, load_tokenizer, nest, read_config, read_safetensors
+from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config
 from funcspec.nn.llama import ModelConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MiMoForCausalLM": "qwen2",  # XiaomiMiMo: a Qwen2 decoder plus MTP layers (model.mtp_layers.*)
 }
 """HF ``architectures`` names and the decoder family (``ModelConfig.arch``) each one is."""
 
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+"""config.json fields every decoder needs."""
 
-def model_config(hf: dict[str, Any]) -> ModelConfig:
-    """Parse an HF config dict; unsupported architectures raise ``ValueError``."""
+
+def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Parse an HF config dict; unsupported architectures or missing fields raise ``ValueError`` naming them."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -35,14 +40,18 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
         arch = model_type
     if arch is None:
         raise ValueError(
-            f"config.json: unsupported architecture (architectures={archs}, "
+            f"{where}: unsupported architecture (architectures={archs}, "
             f"model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}"
         )
+    missing = [k for k in REQUIRED if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
+    if missing:
+        raise ValueError(f"{where}: missing or non-integer decoder fields {missing} (a decoder config needs "
+                         f"{list(REQUIRED)})")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
-        raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported")
+        raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported")
     scaling = () if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
@@ -158,24 +167,35 @@ class Model:
         return tuple(sorted(ids))
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
-    """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory.
+EMBEDDED_HEADS = (r"model\.layers\.(\d+)\.", r"model\.mtp_layers\.", r"medusa_head\.")
+"""Keys of draft heads saved inside a target's checkpoint, which the target skips: DeepSeek-style MTP modules
+after the last decoder layer (layer index >= L), MiMo's ``model.mtp_layers``, Medusa-2's ``medusa_head``."""
 
-    Raises ``FileNotFoundError`` for a missing directory or file and
-    ``ValueError`` for an unsupported architecture, a corrupt safetensors
-    file, or missing / unexpected / mis-shaped keys.
+
+def _embedded_head(key: str, num_layers: int) -> bool:
+    for pattern in EMBEDDED_HEADS:
+        m = re.match(pattern, key)
+        if m and (not m.groups() or int(m.group(1)) >= num_layers):
+            return True
+    return False
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
+    """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not).
+
+    Draft heads saved in the same checkpoint (:data:`EMBEDDED_HEADS`) are
+    skipped: they belong to their proposer. Raises ``FileNotFoundError`` for a
+    missing directory or file and ``ValueError`` for an unsupported
+    architecture, a corrupt file, or missing / unexpected / mis-shaped keys.
     """
     path, hf = read_config(path)
-    cfg = model_config(hf)
+    cfg = model_config(hf, str(path / "config.json"))
     shapes = expected_shapes(cfg)
-    tensors = drop_ignored(read_safetensors(path))
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some exporters save the tied copy
-    # NOTE: DeepSeek-style checkpoints append MTP layers after the last decoder
-    # layer; they belong to the mtp proposer, not the target.
-    extra = [k for k in tensors if k.startswith(f"model.layers.{cfg.num_layers}.")]
-    for k in extra:
-        tensors.pop(k)
-    check_keys(tensors, shapes, str(path))
+    weights = find_weights(path)
+    keys = [k for k in weights.keys() if not _embedded_head(k, cfg.num_layers)]
+    if cfg.tie_word_embeddings and "lm_head.weight" in keys:
+        keys.remove("lm_head.weight")  # some exporters save the tied copy
+    tensors = weights.read(keys)
+    check_keys(tensors, shapes, str(weights))
     params = nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
     return Model(cfg, params, load_tokenizer(path), str(path), hf)

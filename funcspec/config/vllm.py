@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from funcspec import methods
+from funcspec.checkpoints import layouts
 from funcspec.config import rules
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.checks import (EXTRA, RS, SPEC, check_int, check_mapping, is_int, no_unknown_keys,
@@ -85,7 +86,7 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
     if spec is None:
         return None
     no_unknown_keys(SPEC, spec, _KNOWN_SPEC_KEYS)
-    method = _resolve_method(spec)
+    method = _resolve_method(spec, check_paths)
     _check_ignored_values(spec, method)
     model = _resolve_model(spec, method, check_paths)
     static_tree, dynamic_tree = _trees(spec)
@@ -137,11 +138,11 @@ def _parse_json(name: str, value: Any) -> Optional[Mapping]:
     return check_mapping(name, value)
 
 
-def _resolve_method(spec: Mapping) -> str:
+def _resolve_method(spec: Mapping, check_paths: bool = True) -> str:
     """The canonical method: vLLM's aliases applied, or inferred from ``model`` as vLLM does."""
     method = spec.get("method")
     if method is None:
-        method = _infer_method(spec.get("model"))
+        method = _infer_method(spec.get("model"), check_paths)
     if not isinstance(method, str):
         raise ValueError(f"{SPEC}method must be a string, got {method!r}")
     method = METHOD_ALIASES.get(method, method)
@@ -150,18 +151,22 @@ def _resolve_method(spec: Mapping) -> str:
     return method
 
 
-def _infer_method(model: Any) -> str:
-    """vLLM's method detection from the draft model's name, used when ``method`` is missing."""
+def _infer_method(model: Any, check_paths: bool = True) -> str:
+    """vLLM's method detection, used when ``method`` is missing: the draft checkpoint's own layout
+    (speculators' algorithm, a Medusa or MTP config, an EAGLE head), else its name, else ``draft_model``."""
     if model is None:
         raise ValueError(f"{SPEC}method is required (or give {SPEC}model)")
     if model in ("ngram", "[ngram]"):
         return "ngram"
+    if check_paths and isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        try:
+            return layouts.detect(model)[0].method
+        except (ValueError, OSError):
+            pass  # not a head funcspec recognises (a draft model): vLLM's name rules below
     name = os.fspath(model).lower() if isinstance(model, (str, os.PathLike)) else ""
     for needle, method in (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark")):
         if needle in name:
             return method
-    # NOTE: vLLM also reads the draft's hf_config model_type (medusa, *_mtp). funcspec
-    # does not parse checkpoints here; give "method" for those.
     return "draft_model"
 
 
@@ -219,11 +224,14 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
 
 
 def _n_predict(model: str) -> Optional[int]:
-    """``n_predict`` from the draft's ``config.json``, if it has one."""
+    """The draft's own K, as vLLM reads it: speculators' first proposal method's ``speculative_tokens``,
+    else ``n_predict`` from its ``config.json``."""
     try:
         with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            n = json.load(f).get("n_predict")
-    except (OSError, ValueError, AttributeError):
+            hf = json.load(f)
+        methods_ = (hf.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        n = methods_[0].get("speculative_tokens", hf.get("n_predict"))
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     return n if is_int(n) else None
 

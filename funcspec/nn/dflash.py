@@ -20,6 +20,8 @@ DeepSpec ``Qwen3DSparkModel``)::
     layers.{i}.self_attn.{q,k}_norm.weight [D]      (Qwen3 layers, always)
     layers.{i}.mlp.{gate,up,down}_proj.weight   layers.{i}.{input,post_attention}_layernorm.weight
     embed_tokens.weight, lm_head.weight [V, H]       optional copies of the target's (DeepSpec ships them)
+    d2t [V_d] int64                                  speculators heads with a reduced draft vocabulary:
+                                                     lm_head [V_d, H], target id = d + d2t[d]
   dspark only:
     markov_head.markov_w1.weight [V, r]   markov_head.markov_w2.weight [V, r]
     confidence_head.proj.weight [1, H (+r)]   confidence_head.proj.bias [1]
@@ -55,6 +57,9 @@ class DFlashConfig:
         block_size: the block the checkpoint was trained with (informational).
         markov_rank: DSpark Markov head rank r; 0 for none (DFlash).
         confidence: DSpark confidence head input: "none", "hidden" or "hidden_markov".
+        hidden_layers: the target hidden indices read (``nn.llama.forward``'s ``hidden_layers``; z-lab's
+            id j is index j + 1).
+        draft_vocab: the LM head covers a reduced vocabulary, mapped to target ids through ``d2t``.
     """
 
     model: ModelConfig
@@ -63,6 +68,8 @@ class DFlashConfig:
     block_size: int = 16
     markov_rank: int = 0
     confidence: str = "none"
+    hidden_layers: tuple[int, ...] = ()
+    draft_vocab: bool = False
 
 
 @pytree_dataclass
@@ -149,6 +156,11 @@ def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots,
 def logits(params: dict, h: torch.Tensor) -> torch.Tensor:
     """float32 logits [..., V] of normed hidden states h [..., H] (the target's LM head)."""
     return project(h, params["lm_head"]["weight"]).float()
+
+
+def target_ids(cfg: DFlashConfig, params: dict, d: torch.Tensor) -> torch.Tensor:
+    """Target token ids of LM-head rows d [...] (the same ids without a reduced draft vocabulary)."""
+    return d + params["d2t"][d] if cfg.draft_vocab else d
 
 
 def max_prob(x: torch.Tensor) -> torch.Tensor:

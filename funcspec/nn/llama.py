@@ -561,6 +561,13 @@ def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tenso
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def capture_index(layer: int, num_layers: int) -> int:
+    """:func:`forward`'s hidden index of vLLM's auxiliary capture id ``layer`` (the residual stream entering
+    that layer, for a target of ``num_layers``): the same index, except that id L (after the last layer,
+    before the final norm; HF has no such index) is ``L + 1``, since funcspec's ``L`` is the normed state."""
+    return num_layers + 1 if layer == num_layers else layer
+
+
 def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
     """The output projection weight [V, H] (the embedding when tied)."""
     if cfg.tie_word_embeddings or "lm_head" not in params:
@@ -578,7 +585,8 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         slots: [B] int64 KV slot per row (padding rows use the scratch slot S).
         starts: [B] int64 first position per row.
         hidden_layers: static HF ``hidden_states`` indices to return: ``i < L`` is
-            the input of layer ``i`` (0 = embeddings), ``L`` the final normed state.
+            the input of layer ``i`` (0 = embeddings), ``L`` the final normed state,
+            ``L + 1`` the last layer's output before the final norm (:func:`capture_index`).
         read: how attention reads the cache (static; see :class:`KVRead`).
         window: [B] int64 first readable position per row (a draft model's KV
             window, :func:`window_start`), or ``None``.
@@ -600,6 +608,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         if i in hidden_layers:
             hiddens[i] = x
         x = stacked_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
+    hiddens[cfg.num_layers + 1] = x
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
     logits = project(x, lm_head(cfg, params)).float()  # [B, T, V]

@@ -1,21 +1,20 @@
-"""Medusa heads (FasterDecoding/Medusa ``medusa_model.py``): pure functions under the published key names.
+"""Medusa heads (FasterDecoding/Medusa ``medusa_model.py``; vLLM ``medusa.py``): pure functions.
 
-Layout (``medusa_head`` is ``ModuleList[Sequential(ResBlock × n, Linear)]``), N heads, n layers::
+funcspec's names (``funcspec.checkpoints.layouts`` maps FasterDecoding's
+``{k}.{j}.linear.*`` and vLLM's ``blocks.{k}.layers.{j}`` onto them), N heads of n ResBlocks::
 
-    medusa_head.{k}.{j}.linear.weight [H, H], medusa_head.{k}.{j}.linear.bias [H]   j < n
-    medusa_head.{k}.{n}.weight [V, H]                                               (no bias)
-    config.json: medusa_num_heads = N, medusa_num_layers = n (vLLM's num_heads /
-    num_hidden_layers are accepted too)
+    medusa_head.{k}.{j}.linear.weight [H, H], .bias [H] (optional: vLLM's medusa_fc_bias)   j < n
+    medusa_head.{k}.{n}.weight [V_d, H]         head k's own vocabulary projection, or
+    lm_head.weight [V_d, H]                     one projection for every head (vLLM original_lm_head,
+                                                FasterDecoding's "version 2" heads: the target's)
+    token_map [V_d] int64                       optional (vLLM truncated_vocab_size): target id of row d
 
     head_k(h) = W_k · ResBlocks(h),  ResBlock(x) = x + SiLU(linear(x))
+    draft_k   = argmax head_k(h), mapped through token_map when there is one
 
 Head k reads the target's final normed hidden state h_t and predicts token
-t+k+2 (the target's own lm_head predicts t+1).
-
-NOTE: FasterDecoding ships the heads as ``medusa_lm_head.pt`` (a pickled
-state dict); funcspec reads the same key names from ``model.safetensors``.
-vLLM's re-keyed Medusa layout (``blocks.{k}.layers.{j}``, ``lm_heads.{k}``) is not read.
-Reading and writing the layout: :mod:`funcspec.checkpoints.medusa`.
+t+k+2 (the target's own lm_head predicts t+1). Reading and writing the
+layouts: :mod:`funcspec.checkpoints.medusa`.
 """
 
 from __future__ import annotations
@@ -30,17 +29,35 @@ from funcspec.nn.llama import linear, project
 
 @dataclasses.dataclass(frozen=True)
 class MedusaConfig:
-    """N heads of n ResBlocks each, over hidden size H and vocabulary V."""
+    """N heads of n ResBlocks each, over hidden size H.
+
+    Attributes:
+        num_heads: N.
+        num_layers: n, the ResBlocks of each head.
+        hidden_size: H.
+        vocab_size: V_d, the rows of a head's projection (V, or vLLM's truncated vocabulary).
+        shared_head: every head projects through one ``lm_head`` instead of its own.
+        token_map: drafts are mapped to target ids through ``token_map``.
+    """
 
     num_heads: int
     num_layers: int
     hidden_size: int
     vocab_size: int
+    shared_head: bool = False
+    token_map: bool = False
 
 
 def head_logits(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Tensor:
-    """Logits [B, V] float32 of head ``k`` for hidden states h [B, H]."""
+    """Logits [B, V_d] float32 of head ``k`` for hidden states h [B, H]."""
     p = params["medusa_head"][k]
     for j in range(cfg.num_layers):
         h = h + F.silu(linear(h, p[j]["linear"]))  # [B, H]
-    return project(h, p[cfg.num_layers]["weight"]).float()
+    w = params["lm_head"]["weight"] if cfg.shared_head else p[cfg.num_layers]["weight"]
+    return project(h, w).float()
+
+
+def draft_tokens(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Tensor:
+    """Head ``k``'s greedy draft [B] int64 (target ids) for hidden states h [B, H]."""
+    d = torch.argmax(head_logits(cfg, params, h, k), dim=-1)  # [B] head-vocabulary ids
+    return params["token_map"][d] if cfg.token_map else d

@@ -1,23 +1,31 @@
-"""DeepSeek-V3 multi-token prediction (MTP) module: a pure function under DeepSeek's key names.
+"""Multi-token prediction (MTP) modules: DeepSeek-V3's and XiaomiMiMo's, one pure function.
 
-Layout (DeepSeek-V3 checkpoints; vLLM ``deepseek_mtp.py``), L = the target's
-``num_hidden_layers``, one module ``model.layers.{L}``::
+funcspec's names (``funcspec.checkpoints.layouts`` maps the published ones onto them)::
 
     enorm.weight [H], hnorm.weight [H], eh_proj.weight [H, 2H]
-    shared_head.norm.weight [H], shared_head.head.weight [V, H]
-    embed_tokens.weight [V, H] (optional: shared with the target, as DeepSeek-V3 does)
     self_attn.*, mlp.*, input_layernorm.weight, post_attention_layernorm.weight   (the block)
+    norm.weight [H], head.weight [V, H]
+    embed_tokens.weight [V, H] (the module's own, or the target's)
+
+DeepSeek-V3 (``model.layers.{L}``; vLLM ``deepseek_mtp.py``)::
 
     x_t = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])     embed zeroed at position 0 (as vLLM)
     g_t = block(x_t)                                        fed back as h at the next step
-    logits = shared_head.head(shared_head.norm(g_t))
+    logits = head(norm(g_t))                                shared_head.{head,norm}
 
-NOTE: funcspec's block is a Llama block of the target's family (no MLA, no
-MoE) under DeepSeek's key names. h_t for the first step is the target's final
-normed hidden state (what vLLM's DeepSeek model returns to its MTP drafter).
-Further MTP modules (``num_nextn_predict_layers`` > 1) are not read: the
-first one is applied autoregressively for every draft step. Reading and writing
-the layout: :mod:`funcspec.checkpoints.mtp`.
+XiaomiMiMo (``model.mtp_layers.{i}``; vLLM ``mimo_mtp.py``; ``hidden_first``, ``norm_output``)::
+
+    x_t = eh_proj([hnorm(h_t); enorm(embed(x_{t+1}))])     input_proj, hidden first; embed zeroed at 0
+    g_t = norm(block(x_t))                                  final_layernorm; fed back as h
+    logits = head(g_t)                                      the target's LM head
+
+NOTE: funcspec's block is a Llama/Qwen block of the target's family (no MLA,
+no MoE). h_t for the first step is the target's final hidden state: normed for
+DeepSeek (what vLLM's DeepSeek model returns to its MTP drafter), before the
+final norm for MiMo (vLLM's ``MiMoModel`` returns the pre-norm state). Further
+MTP modules are not read: the first one is applied autoregressively for every
+draft step, as vLLM does with one module. Reading and writing the layouts:
+:mod:`funcspec.checkpoints.mtp`.
 """
 
 from __future__ import annotations
@@ -32,14 +40,21 @@ from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder
 
 @dataclasses.dataclass(frozen=True)
 class MTPConfig:
-    """Static config: ``model`` the block's dims (``num_layers`` 1); ``layer`` = L, its checkpoint index."""
+    """Static config of an MTP module.
+
+    Attributes:
+        model: the block's dims (``num_layers`` 1).
+        hidden_first: ``eh_proj`` reads ``[hidden; embedding]`` (MiMo) instead of ``[embedding; hidden]``.
+        norm_output: the module's output is ``norm(block(x))``, fed back and projected as is (MiMo);
+            otherwise the block's output is fed back and ``norm`` applies before the head (DeepSeek).
+        hidden_layer: the target hidden index the first step reads (``nn.llama.forward``'s
+            ``hidden_layers``: L for the normed state, L + 1 before the final norm).
+    """
 
     model: ModelConfig
-    layer: int
-
-
-def _module(cfg: MTPConfig, params) -> dict:
-    return params["model"]["layers"][str(cfg.layer)]
+    hidden_first: bool = False
+    norm_output: bool = False
+    hidden_layer: int = 0
 
 
 def target_features(cfg: MTPConfig, params, feats: torch.Tensor) -> torch.Tensor:
@@ -55,19 +70,21 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, r
     draft window off for MTP). ``tree``: tree attention over the module's own
     drafts (RoPE at its positions). Donates: kv.k, kv.v.
     """
-    m, p = cfg.model, _module(cfg, params)
+    m, p = cfg.model, params
     pos = starts.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
     emb = p["embed_tokens"]["weight"][tokens].masked_fill((pos == 0).unsqueeze(-1), 0.0)  # [B, T, H]
     e = rms_norm(emb, p["enorm"]["weight"], m.rms_norm_eps)
-    x = linear(torch.cat([e, rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)], -1), p["eh_proj"])
+    hn = rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)
+    x = linear(torch.cat([hn, e] if cfg.hidden_first else [e, hn], -1), p["eh_proj"])  # [B, T, H]
     cos, sin = rope_tables(m, pos if tree is None else tree.positions, x.dtype)
-    return decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read, tree=tree), kv
+    g = decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read, tree=tree)
+    return (rms_norm(g, p["norm"]["weight"], m.rms_norm_eps) if cfg.norm_output else g), kv
 
 
 def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
-    """float32 logits [.., V] of module outputs g [.., H] through its ``shared_head``."""
-    head = _module(cfg, params)["shared_head"]
-    return project(rms_norm(g, head["norm"]["weight"], cfg.model.rms_norm_eps), head["head"]["weight"]).float()
+    """float32 logits [.., V] of module outputs g [.., H] through its head."""
+    x = g if cfg.norm_output else rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
+    return project(x, params["head"]["weight"]).float()
 
 
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:

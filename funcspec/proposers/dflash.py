@@ -67,8 +67,8 @@ def build(spec, target, ctx):
 
 
 def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:
-    """HF hidden-state indices: the output of target layer ``i`` is index ``i + 1`` (-1 -> embeddings)."""
-    return tuple(i + 1 for i in cfg.net.target_layer_ids)
+    """The target hidden indices the context reads (z-lab's layer ``i`` is index ``i + 1``, -1 the embeddings)."""
+    return cfg.net.hidden_layers
 
 
 def init_state(cfg: DFlashProposerConfig, params, num_slots: int, max_len: int) -> DFlashState:
@@ -135,4 +135,4 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
     if k == 0:
         return empty_proposal(ctx, cfg.net.model.vocab_size, False), state
     x = dflash.logits(params, h[:, 1:])  # [B, K, V]: the mask rows
-    return Proposal(x.argmax(-1), None, dflash.max_prob(x)), state
+    return Proposal(dflash.target_ids(cfg.net, params, x.argmax(-1)), None, dflash.max_prob(x)), state

@@ -1,4 +1,4 @@
-"""``medusa``: K parallel heads over the target's last hidden state, chain-drafted by argmax.
+"""``medusa``: K parallel heads over the target's last hidden state, chain-drafted by argmax (vLLM's top-1).
 
 Alignment: at propose time the pending token x_n (n = lens) was sampled from
 the target's final normed hidden state h_{n-1}, the latest one available. Head
@@ -54,7 +54,7 @@ def hidden_layers(cfg: MedusaProposerConfig) -> tuple[int, ...]:
 
 def init_state(cfg: MedusaProposerConfig, params, num_slots: int, max_len: int) -> MedusaState:
     """The last committed hidden state per slot, zeroed: [S+1, H]."""
-    w = params["medusa_head"][0][cfg.head.num_layers]["weight"]
+    w = params["medusa_head"][0][0]["linear"]["weight"]
     return MedusaState(torch.zeros(num_slots + 1, cfg.head.hidden_size, dtype=w.dtype, device=w.device))
 
 
@@ -67,7 +67,7 @@ def prefill(cfg: MedusaProposerConfig, params, state: MedusaState, tokens, slot:
 def propose(cfg: MedusaProposerConfig, params, state: MedusaState, ctx, k: int):
     """drafts[:, i] = argmax of head i on h_{lens-1}; tokens [B, K]."""
     h = state.feat[ctx.slots]  # [B, H]
-    drafts = [torch.argmax(net.head_logits(cfg.head, params, h, i), dim=-1) for i in range(k)]  # K × [B]
+    drafts = [net.draft_tokens(cfg.head, params, h, i) for i in range(k)]  # K × [B]
     b = ctx.slots.shape[0]
     out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=h.device)
     return Proposal(out), state

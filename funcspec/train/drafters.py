@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from funcspec.checkpoints import dflash as dflash_ckpt, eagle as eagle_ckpt, medusa as medusa_ckpt, mtp as mtp_ckpt
-from funcspec.checkpoints import flatten, init_draft_head, load_model, read_safetensors
+from funcspec import methods
+from funcspec.checkpoints import flatten, init_draft_head, layouts, load_model
 from funcspec.nn import dflash, eagle, llama, medusa, mtp
 from funcspec.train import data
 from funcspec.train.loop import Schedule, train
@@ -116,18 +117,24 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x[torch.arange(x.shape[0]).unsqueeze(1), idx].flatten(0, 1)
 
 
+def shipped(out: Path, role: str) -> dict[str, str]:
+    """The tensors the head at ``out`` ships: funcspec name -> its key in the file (its published layout)."""
+    return layouts.read_head(out, methods.METHODS[role].head, role).names
+
+
 def head_params(params: dict, names) -> dict[str, torch.Tensor]:
     """The trainable leaves of a loaded head: the floating tensors it ships (shared target tensors excluded)."""
     flat = flatten(params)
     return {k: flat[k] for k in names if flat[k].is_floating_point()}
 
 
-def save_head(out: Path, params: dict, names, dtype=torch.float32) -> None:
-    """Rewrite ``out/model.safetensors`` with the trained tensors under their published names."""
+def save_head(out: Path, params: dict, names: dict[str, str], dtype=torch.float32) -> None:
+    """Rewrite ``out/model.safetensors`` with the trained tensors under their published names (``names``:
+    funcspec name -> published key, from :func:`shipped`)."""
     from safetensors.torch import save_file
 
     flat = flatten(params)
-    tensors = {k: flat[k].detach().to(dtype if flat[k].is_floating_point() else flat[k].dtype).contiguous()
+    tensors = {names[k]: flat[k].detach().to(dtype if flat[k].is_floating_point() else flat[k].dtype).contiguous()
                for k in names}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
@@ -163,7 +170,7 @@ def medusa_setup(target, out: Path, seed: int, stream):
     """4 Medusa heads of 1 ResBlock; head k on h_t learns the target's p at t+k+1."""
     init_draft_head("medusa", target, out, seed, num_heads=TTT_STEPS, num_layers=1)
     cfg, params = medusa_ckpt.load_params(out, target)
-    names = list(read_safetensors(out))
+    names = shipped(out, "medusa")
     with torch.no_grad():  # Medusa starts every head's Linear from the target's LM head
         for k in range(cfg.num_heads):
             params["medusa_head"][k][cfg.num_layers]["weight"].copy_(llama.lm_head(target.cfg, target.params))
@@ -187,15 +194,15 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
     if role == "eagle3":
         init_draft_head("eagle3", target, out, seed, draft_vocab_size=EAGLE3_VOCAB, aux_layers=EAGLE3_AUX)
         cfg, params = eagle_ckpt.load_params(out, target, version=3)
-        net, layers = eagle, cfg.aux_layers
+        net, layers = eagle, tuple(llama.capture_index(i, target.cfg.num_layers) for i in cfg.aux_layers)
     else:
         init_draft_head("mtp", target, out, seed)
         cfg, params = mtp_ckpt.load_params(out, target)
-        net, layers = mtp, (target.cfg.num_layers,)
+        net, layers = mtp, (cfg.hidden_layer,)
         with torch.no_grad():  # the module's head starts as the target's
-            mtp._module(cfg, params)["shared_head"]["head"]["weight"].copy_(llama.lm_head(target.cfg, target.params))
-            mtp._module(cfg, params)["shared_head"]["norm"]["weight"].copy_(target.params["model"]["norm"]["weight"])
-    names = list(read_safetensors(out))
+            params["head"]["weight"].copy_(llama.lm_head(target.cfg, target.params))
+            params["norm"]["weight"].copy_(target.params["model"]["norm"]["weight"])
+    names = shipped(out, role)
     vocab = None
     if role == "eagle3":
         vocab = eagle3_vocab(stream, target.cfg.vocab_size)
@@ -264,8 +271,8 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
     init_draft_head(role, target, out, seed, target_layer_ids=DFLASH_LAYERS, block_size=rows_per_block,
                     mask_token_id=target.tokenizer.mask_token_id, markov_rank=MARKOV_RANK, num_layers=BLOCK_LAYERS)
     cfg, params = dflash_ckpt.load_params(out, target, role)
-    names = list(read_safetensors(out))
-    layers = tuple(i + 1 for i in cfg.target_layer_ids)
+    names = shipped(out, role)
+    layers = cfg.hidden_layers
     shift = 1 if role == "dflash" else 0  # dflash drafts from the mask rows, dspark from every row
 
     def loss_fn(x, p, hid, seed, step):
