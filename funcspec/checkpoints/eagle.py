@@ -91,7 +91,11 @@ def head_config(head: layouts.Head) -> dict:
 def _draft_model(hf: dict, layout: str) -> ModelConfig:
     """The head's decoder dims. SafeAILab heads are Llama layers whatever the target (an EAGLE-1 head's
     q/k/v biases come from config ``qkv_bias``: Qwen2 heads); speculators' may be Qwen3 layers (q/k norms)."""
-    kind = hf.get("model_type", "llama") if layout == "eagle3-speculators" else "llama"
+    if layout == "eagle3-speculators":
+        kind = hf.get("model_type", "llama")
+    else:  # vLLM: Eagle3Qwen3ForCausalLM is qwen3_eagle3.py's head; every other name a Llama layer
+        kind = "qwen3" if layout == "eagle3-vllm" and "Eagle3Qwen3ForCausalLM" in (hf.get("architectures") or []) \
+            else "llama"
     m = model_config({**hf, "architectures": [], "model_type": _DRAFT_TYPES.get(kind, "llama")})
     if layout == "eagle-safeailab":
         qkv = bool(hf.get("qkv_bias", False))  # cnets1: hasattr(config, "qkv_bias"); never attention_bias

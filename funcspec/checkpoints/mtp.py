@@ -86,8 +86,9 @@ def load_params(path, target):
     """
     path, hf = read_config(path)
     _refuse_host(hf, str(path / "config.json"))
-    if hf.get("num_nextn_predict_layers", 1) < 1:
-        raise ValueError(f"{path}: num_nextn_predict_layers is 0: this checkpoint has no MTP module")
+    count = hf.get("num_nextn_predict_layers", 1)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{path}: num_nextn_predict_layers is {count!r}: this checkpoint has no MTP module")
     head = layouts.read_head(path, "mtp", "mtp")
     base, t = model_config(hf, str(path / "config.json")), target.cfg
     if (base.num_layers, base.hidden_size, base.vocab_size) != (t.num_layers, t.hidden_size, t.vocab_size):

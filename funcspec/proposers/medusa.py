@@ -15,7 +15,7 @@ import torch
 
 from funcspec.checkpoints import medusa as ckpt
 from funcspec.nn import medusa as net
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, tree_leaves
 from funcspec.types import Proposal
 
 runs_on_host = False
@@ -54,7 +54,7 @@ def hidden_layers(cfg: MedusaProposerConfig) -> tuple[int, ...]:
 
 def init_state(cfg: MedusaProposerConfig, params, num_slots: int, max_len: int) -> MedusaState:
     """The last committed hidden state per slot, zeroed: [S+1, H]."""
-    w = params["medusa_head"][0][0]["linear"]["weight"]
+    w = next(x for x in tree_leaves(params) if x.is_floating_point())
     return MedusaState(torch.zeros(num_slots + 1, cfg.head.hidden_size, dtype=w.dtype, device=w.device))
 
 
