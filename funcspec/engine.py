@@ -19,6 +19,7 @@ and keeps the counters.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from typing import Optional, Sequence
@@ -26,13 +27,14 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, methods, sampling
+from funcspec import distributed, kernels, methods, sampling
 from funcspec.capture import BucketPlan, resolve_backend
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
+from funcspec.quant import prepare_params
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler
 from funcspec.verifiers import verify_config
@@ -82,6 +84,9 @@ class Engine:
             rank 0 and spawns the others, which replay its public calls; under
             ``torchrun`` every rank builds its own engine. Call :meth:`close`
             (or let the interpreter exit) to stop them.
+        ops: the kernels (:class:`funcspec.kernels.Ops`); default: what
+            :func:`funcspec.kernels.resolve` picks for ``device``. Pass one to
+            choose a path (tests, benchmarks).
 
     Attributes:
         model, spec, backend, plan, proposer: what the engine runs (``model``
@@ -96,12 +101,17 @@ class Engine:
                  max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
-                 context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1):
+                 context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
+                 ops: Optional[kernels.Ops] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         self.followers = None
         if tensor_parallel_size != 1:
             device = distributed.rank_device(device, distributed.local_rank())
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        # NOTE: the kernels are chosen once, here, from the device: every ModelConfig (the target's, and the
+        # drafter's, built from it) carries them into each bucket's static key.
+        ops = kernels.resolve(device) if ops is None else ops
+        self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
         spec = speculative_config
@@ -157,9 +167,10 @@ class Engine:
         try:
             # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
             self.model = shard_model(self.model, self.tp)
-            self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
             if shard_draft:
                 self.proposer = self.proposer.shard(self.tp)
+            self._prepare(ops)
+            self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
             self.runner = Runner(self.model, self.proposer, verify,
                                  self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
                                  spec.synthetic_acceptance_rates if spec else None, hooks,
@@ -177,6 +188,13 @@ class Engine:
             if self.followers is not None:
                 self.followers.fail(e)  # stops every rank; raises, naming a failed follower if there is one
             raise
+
+    def _prepare(self, ops) -> None:
+        """Pack (and fuse) the target's and the drafter's weights for ``ops``, once; a tensor they share packs once."""
+        memo: dict = {}
+        self.model = dataclasses.replace(self.model, params=prepare_params(self.model.params, ops, memo))
+        if self.proposer is not None:
+            self.proposer = dataclasses.replace(self.proposer, params=prepare_params(self.proposer.params, ops, memo))
 
     # ------------------------------------------------------------ the device
     @property

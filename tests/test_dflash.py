@@ -12,7 +12,7 @@ from funcspec.checkpoints import dflash as ckpt
 from funcspec.checkpoints import load_model, save_params
 from funcspec.nn import dflash as net
 from funcspec.nn import forward, init_kv_cache
-from funcspec.nn.llama import apply_rope, linear, mlp, rms_norm, rope_tables
+from funcspec.nn.llama import apply_rope, mlp, rms_norm, rope_tables
 from funcspec.proposers import dflash as dflash_proposer
 from funcspec.proposers import dspark as dspark_proposer
 from funcspec.step import StepContext, VerifyResult
@@ -196,23 +196,23 @@ def _reference_hidden(cfg, params, raw, block, start):
     raw [L, n·H] target features of the context at positions start..start+L-1; block [T] tokens after it.
     """
     m, t, n = cfg.model, block.shape[0], raw.shape[0]
-    ctx = rms_norm(linear(raw, params["fc"]), params["hidden_norm"]["weight"], m.rms_norm_eps)
+    ctx = rms_norm(m.ops.linear(raw, params["fc"]), params["hidden_norm"]["weight"], m.rms_norm_eps)
     x = params["embed_tokens"]["weight"][block]
     cos, sin = rope_tables(m, torch.arange(start, start + n + t).view(1, -1), x.dtype)
     for p in params["layers"]:
         a = p["self_attn"]
         hb = rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
         both = torch.cat([ctx, hb])
-        q = rms_norm(linear(hb, a["q_proj"]).view(1, t, m.num_heads, -1), a["q_norm"]["weight"], m.rms_norm_eps)
-        k = rms_norm(linear(both, a["k_proj"]).view(1, n + t, m.num_kv_heads, -1), a["k_norm"]["weight"],
+        q = rms_norm(m.ops.linear(hb, a["q_proj"]).view(1, t, m.num_heads, -1), a["q_norm"]["weight"], m.rms_norm_eps)
+        k = rms_norm(m.ops.linear(both, a["k_proj"]).view(1, n + t, m.num_kv_heads, -1), a["k_norm"]["weight"],
                      m.rms_norm_eps)
-        val = linear(both, a["v_proj"]).view(n + t, m.num_kv_heads, -1)
+        val = m.ops.linear(both, a["v_proj"]).view(n + t, m.num_kv_heads, -1)
         q, k = apply_rope(q, cos[:, n:], sin[:, n:])[0], apply_rope(k, cos, sin)[0]
         rep = m.num_heads // m.num_kv_heads
         k, val = k.repeat_interleave(rep, 1), val.repeat_interleave(rep, 1)  # [n+t, H, D]
         att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / m.head_dim ** 0.5, -1)
-        x = x + linear(torch.einsum("hqk,khd->qhd", att, val).reshape(t, -1), a["o_proj"])
-        x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], m.rms_norm_eps))
+        x = x + m.ops.linear(torch.einsum("hqk,khd->qhd", att, val).reshape(t, -1), a["o_proj"])
+        x = x + mlp(m, p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], m.rms_norm_eps))
     return rms_norm(x, params["norm"]["weight"], m.rms_norm_eps)
 
 
@@ -260,7 +260,7 @@ def test_cached_draft_equals_reference(target, heads, method):
     ctx = _ctx(eng, [0])
     pcfg, params = eng.proposer.cfg, eng.params["draft"]
     proposal, _ = PROPOSERS[method].propose(pcfg, params, eng.state.proposer, ctx, k)
-    ref_logits = net.logits(params, ref[1:] if method == "dflash" else ref)
+    ref_logits = net.logits(pcfg.net, params, ref[1:] if method == "dflash" else ref)
     if method == "dflash":
         assert proposal.tokens[0].tolist() == ref_logits.argmax(-1).tolist()
         torch.testing.assert_close(proposal.confidence[0], net.max_prob(ref_logits), atol=1e-5, rtol=1e-5)

@@ -35,8 +35,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     # pytrees, token-tree shapes, keys, sentinels, outputs, the method registry, the host suffix tree,
     # the tensor-parallel group and its all-reduce
     ("base", {"tree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel"}),
-    ("nn", {"nn"}),  # math only
-    ("checkpoints", {"checkpoints"}),  # HF formats: config, safetensors, random init
+    ("kernels", {"kernels"}),  # every device- and ISA-specific piece, and Ops
+    ("nn", {"nn"}),  # math only, over cfg.ops
+    ("formats", {"checkpoints", "quant"}),  # HF formats: config, weight files, layouts; prepare_params
     ("step parts", {"proposers", "verifiers", "sampling", "dynamic"}),  # pure functions over explicit state
     ("step", {"step"}),
     ("capture", {"capture"}),
@@ -55,8 +56,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 ALLOWED: dict[tuple[str, str], str] = {}
 
 # nn heads share math through nn.llama only; format helpers live in funcspec.checkpoints.
-NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.packed", "funcspec.nn.stream",
-             "funcspec.nn.decode_attention"}  # the decoder, its products and its attention kernel
+NN_SHARED = {"funcspec.nn", "funcspec.nn.llama"}  # the decoder; kernels come through cfg.ops
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:
@@ -194,11 +194,20 @@ def test_allow_list_is_not_stale(graph):
 
 
 def test_nn_is_math_only(graph):
-    """nn imports only nn, tree, rng, types and parallel; a head shares math through nn.llama, not another head."""
+    """nn imports only nn, tree, rng, types, parallel and the kernels' ``Ops`` (and their huge-page memory): a head
+    shares math through nn.llama, not another head, and no nn module loads or builds a kernel."""
     for src in (m for m in graph if unit(m) == "nn"):
-        assert all(unit(d) in ("nn", "tree", "rng", "types", "parallel") for d in graph[src]), (src, sorted(graph[src]))
+        allowed = ("nn", "tree", "rng", "types", "parallel")
+        assert all(unit(d) in allowed or d in ("funcspec.kernels", "funcspec.kernels.cpu") for d in graph[src]), \
+            (src, sorted(graph[src]))
         heads = {d for d in graph[src] if unit(d) == "nn"} - NN_SHARED
         assert src in NN_SHARED or not heads, f"{src} imports another head: {sorted(heads)}"
+
+
+def test_kernels_import_nothing_above_them(graph):
+    """The kernel layer is self-contained: it never imports funcspec's math, formats or runtime."""
+    for src in (m for m in graph if unit(m) == "kernels"):
+        assert all(unit(d) == "kernels" for d in graph[src]), (src, sorted(graph[src]))
 
 
 def test_capture_decides_auto_without_bench(graph):

@@ -15,8 +15,10 @@ import funcspec
 from conftest import make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
-from funcspec.nn import decode_attention, llama, stream
-from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, project, read_cache
+from funcspec.kernels import Ops, attention, build, cpu, onednn, ops as kops, stream
+from funcspec.nn import llama
+from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, read_cache
+from funcspec.quant import prepare_params
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
 
@@ -44,30 +46,34 @@ class OpLog(TorchDispatchMode):
 # ----------------------------------------------------------------------------- products
 
 
-PATHS = {"fused-rows": (False, False, False, False), "blas": (True, True, False, False),
-         "packed": (True, True, True, False), "stream": (False, True, True, True)}
+PATHS = {"fused-rows": Ops(), "blas": Ops(blas_skinny=True, half_gemm=True),
+         "packed": Ops(blas_skinny=True, half_gemm=True, onednn_bf16=True),
+         "stream": Ops(half_gemm=True, onednn_bf16=True, stream=True)}
+
+
+def prepared(ops: Ops, w, b=None) -> dict:
+    """A linear's params as prepare_params leaves them for ``ops``."""
+    return prepare_params({"proj": {"weight": w} if b is None else {"weight": w, "bias": b}}, ops)["proj"]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
-    """Every product path (fused row reductions, (W @ x.T).T, bf16 upcast, BLAS, packed oneDNN, streaming) is x @ W.T + b."""
-    blas, half_gemm, packed, streamed = PATHS[path]
-    if packed and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("oneDNN has no bf16 kernels on this CPU, so project never packs here (CI's Zen 4 has them)")
-    if streamed and not stream.available():
+def test_every_cpu_product_path_is_x_wt_plus_b(dtype, path):
+    """Every product path an Ops picks (fused row reductions, (W @ x.T).T, bf16 upcast, BLAS, packed oneDNN,
+    streaming) is x @ W.T + b, eager and compiled."""
+    ops = PATHS[path]
+    if ops.onednn_bf16 and dtype == torch.bfloat16 and not cpu.onednn_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU, so nothing packs for it here (CI's Zen 4 has them)")
+    if ops.stream and not build.available():
         pytest.skip("no AVX512-BF16 here: the streaming kernel is never built (CI's Zen 4 has it)")
-    monkeypatch.setattr(llama, "CPU_BLAS_SKINNY", blas)
-    monkeypatch.setattr(llama, "CPU_HALF_GEMM", half_gemm)
-    monkeypatch.setattr(llama, "CPU_PACKED_BF16", packed)
-    monkeypatch.setattr(llama, "CPU_STREAM", streamed)
     torch.manual_seed(0)
     w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
-    rows = (1, 5, llama.STACKED_ROWS + 1, llama.SKINNY_ROWS + 1, llama.STREAM_ROWS + 1)
+    p = prepared(ops, w, b)
+    rows = (1, 5, kops.STACKED_ROWS + 1, kops.SKINNY_ROWS + 1, kops.STREAM_ROWS + 1)
     xs = tuple(torch.randn(1, r, 40).to(dtype) for r in rows)
 
     def products(xs):
-        return tuple(project(x, w, b) for x in xs)
+        return tuple(ops.linear(x, p) for x in xs)
 
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     for got in (products(xs), torch.compile(products, fullgraph=True, dynamic=False)(xs)):
@@ -77,20 +83,28 @@ def test_project_equals_linear_on_every_cpu_path(monkeypatch, dtype, path):
     with OpLog() as log:
         products(xs)
     # fp32 prefill-sized products (more than STREAM_ROWS rows) keep BLAS; bf16 streams at any row count
-    assert ("stream_linear" in log.names()) == streamed
-    assert ("packed_linear" in log.names()) == (packed and not streamed and dtype == torch.bfloat16)
-    if streamed and dtype == torch.bfloat16:  # every product, the 73-row one included
+    assert ("stream_linear" in log.names()) == ops.stream
+    assert ("packed_linear" in log.names()) == (ops.onednn_bf16 and not ops.stream and dtype == torch.bfloat16)
+    if ops.stream and dtype == torch.bfloat16:  # every product, the 73-row one included
         assert not log.names() & {"mm", "addmm", "linear"}
 
 
-needs_stream = pytest.mark.skipif(not stream.supported(), reason="no AVX512-BF16 here: the streaming kernel never runs")
+needs_stream = pytest.mark.skipif(not build.supported(), reason="no AVX512-BF16 here: the streaming kernel never runs")
 
 
 @needs_stream
-def test_the_streaming_kernel_builds_here():
-    """On an AVX512-BF16 CPU (CI's included) the kernel must build: a silent fallback would hide a broken build."""
-    assert stream.available()
-    assert llama.CPU_STREAM == (not torch.cpu._is_amx_tile_supported())
+def test_the_streaming_kernel_builds_here_and_resolve_takes_it():
+    """On an AVX512-BF16 CPU (CI's included) the kernels must build: a silent fallback would hide a broken build."""
+    assert build.available()
+    ops = kernels_resolve()
+    assert ops.stream == (not cpu.amx()) and ops.decode_attention and ops.onednn_bf16 == (cpu.amx() and
+                                                                                          cpu.onednn_bf16())
+
+
+def kernels_resolve(device="cpu"):
+    from funcspec import kernels
+
+    return kernels.resolve(device)
 
 
 @needs_stream
@@ -120,7 +134,7 @@ def test_stream_linear_is_x_wt_plus_b_and_a_row_ignores_its_neighbours(dtype, n,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stream_linears_of_one_input_are_each_weights_own_product_bit_for_bit(dtype):
     """q/k/v or gate/up in one pass: each output (N off the blocks, bias or none, odd K) has the bits of its own
-    product, whatever the row count; an in-place update of one member repacks the group."""
+    product, whatever the row count."""
     g = torch.Generator().manual_seed(1)
     k = 67
     ws = [torch.randn(n, k, generator=g).to(dtype) for n in (100, 64, 30)]
@@ -134,52 +148,76 @@ def test_stream_linears_of_one_input_are_each_weights_own_product_bit_for_bit(dt
         assert torch.equal(r, o[:1, 3:4])
     assert [torch.equal(a, b) for a, b in zip(stream.stream_linears(x, ws), [stream.stream_linear(x, w) for w in ws])] \
         == [True] * 3
-    ws[1].mul_(2)  # one member changes: the fused copy is rebuilt
-    assert torch.equal(stream.stream_linears(x, ws, bs)[1], 2 * outs[1])
-    with pytest.raises(ValueError, match="one bias \\(or None\\) each, got 3 weights and 2 biases"):
+    with pytest.raises(ValueError, match="one bias \\(or None\\) per weight, got 3 weights and 2 biases"):
         stream.stream_linears(x, ws, bs[:2])
-    with pytest.raises(ValueError, match="weight must be"):
+    with pytest.raises(ValueError, match="weights must be"):
         stream.stream_linears(x, [ws[0], torch.randn(8, k + 1).to(dtype)])
 
 
 @needs_stream
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_a_decoder_layer_streams_qkv_and_gate_up_as_one_product_each(tmp_path, monkeypatch, backend):
-    """A layer makes 4 streaming calls (qkv, o, gate/up, down), not 7, and gives the bits of 7 calls
-    (qwen2: q/k/v biases)."""
-    monkeypatch.setattr(llama, "CPU_STREAM", True)
+def test_a_decoder_layer_streams_qkv_and_gate_up_as_one_product_each(tmp_path, backend):
+    """With prepared params a layer makes 4 streaming calls (qkv, o, gate/up, down), not 7, and gives the bits of
+    7 calls (qwen2: q/k/v biases)."""
+    import dataclasses
+
+    ops = Ops(stream=True, half_gemm=True)
     make_hf_model(tmp_path, arch="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=1)
     model = funcspec.checkpoints.load_model(str(tmp_path), dtype=torch.bfloat16)
-    cfg, p = model.cfg, model.params["model"]["layers"][0]
-    assert "bias" in p["self_attn"]["k_proj"]
+    cfg = dataclasses.replace(model.cfg, ops=ops)
+    p = prepare_params(model.params, ops)["model"]["layers"][0]
+    assert "bias" in p["self_attn"]["k_proj"] and "bias" in p["self_attn"]["qkv_proj"]
+    assert "packed" not in p["self_attn"]["q_proj"]  # a fused member streams through its group only
     kv = init_kv_cache(cfg, 2, 16, dtype=torch.bfloat16)
     x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     slots, pos = torch.tensor([0]), torch.arange(3).view(1, 3)
     cos, sin = llama.rope_tables(cfg, pos, x.dtype)
 
-    def layer(x):
+    def layer(p, x):
         return llama.decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin)
 
-    def run(x):  # a fresh compile each time: the patch below changes what it traces
-        return torch.compile(layer, fullgraph=True)(x) if backend == "inductor" else layer(x)
+    def run(p, x):
+        return torch.compile(layer, fullgraph=True)(p, x) if backend == "inductor" else layer(p, x)
 
-    fused = run(x)
+    fused = run(p, x)
     with OpLog() as log:
-        layer(x)
+        layer(p, x)
     assert [n for n, _ in log.ops].count("stream_linear") == 4
     torch._dynamo.reset()
-    monkeypatch.setattr(llama, "linears", lambda x, ps: [llama.linear(x, q) for q in ps])
-    assert torch.equal(run(x), fused)
+    apart = {part: {name: ({**q, "packed": stream.pack_weight(q["weight"])} if "weight" in q else q)
+                    for name, q in group.items() if name not in ("qkv_proj", "gate_up_proj")}
+             if part in ("self_attn", "mlp") else group for part, group in p.items()}
+    with OpLog() as log:
+        layer(apart, x)
+    assert [n for n, _ in log.ops].count("stream_linear") == 7
+    assert torch.equal(run(apart, x), fused)
+
+
+def test_prepare_params_packs_once_and_leaves_its_input_alone():
+    """Containers are rebuilt and tensors shared; a tied LM head packs like a linear; embeddings are not packed;
+    a weight two params pytrees share (a drafter's copy of the target's LM head) is packed once."""
+    ops = Ops(onednn_bf16=True, half_gemm=True) if not build.available() else Ops(stream=True, half_gemm=True)
+    if not (ops.stream or cpu.onednn_bf16()):
+        pytest.skip("no packed bf16 layout on this CPU")
+    embed, w = torch.randn(96, 32).bfloat16(), torch.randn(64, 32).bfloat16()
+    target = {"model": {"embed_tokens": {"weight": embed}, "layers": [{"mlp": {"down_proj": {"weight": w}}}]}}
+    head = {"lm_head": {"weight": embed}, "fc": {"weight": w}}
+    memo = {}
+    t, h = prepare_params(target, ops, memo), prepare_params(head, ops, memo)
+    assert "lm_head" not in target and "packed" not in target["model"]["layers"][0]["mlp"]["down_proj"]
+    assert t["lm_head"]["weight"] is embed and "packed" not in t["model"]["embed_tokens"]
+    assert t["model"]["layers"][0]["mlp"]["down_proj"]["weight"] is w
+    assert h["lm_head"]["packed"] is t["lm_head"]["packed"] and h["fc"]["packed"] is \
+        t["model"]["layers"][0]["mlp"]["down_proj"]["packed"]
+    x = torch.randn(2, 32).bfloat16()
+    torch.testing.assert_close(ops.linear(x, t["lm_head"]).float(), x.float() @ embed.float().T, atol=0.1, rtol=0.02)
 
 
 @needs_stream
-def test_stream_linear_repacks_after_an_in_place_update_and_rounds_to_nearest():
-    """The packed copy follows in-place updates; bf16 outputs are fp32 sums rounded to nearest even."""
+def test_stream_linear_rounds_to_nearest():
+    """bf16 outputs are fp32 sums rounded to nearest even."""
     torch.manual_seed(0)
     w, x = torch.randn(96, 64).bfloat16(), torch.randn(3, 64).bfloat16()
-    before = stream.stream_linear(x, w)
-    w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
-    assert torch.equal(stream.stream_linear(x, w), 2 * before)  # doubling is exact in bf16
     exact = (x.double() @ w.double().T).float()  # bf16 products summed in fp64: within fp32 of the kernel's sum
     assert (stream.stream_linear(x, w).float() != exact.bfloat16().float()).float().mean() < 0.02
 
@@ -190,94 +228,95 @@ def test_stream_linear_rejects_what_it_cannot_read():
     x, w = torch.randn(2, 40), torch.randn(24, 40)
     with pytest.raises(ValueError, match="bfloat16 or float32.*torch.float16"):
         stream.stream_linear(x.half(), w.half())
-    with pytest.raises(ValueError, match="weight must be"):
-        stream.stream_linear(x, torch.randn(24, 41))
+    with pytest.raises(ValueError, match="packed weight must be"):
+        stream.stream_op(x, stream.pack_weight(torch.randn(24, 41)), None, 24)
     with pytest.raises(ValueError, match="bias must be"):
         stream.stream_linear(x, w, torch.randn(23))
 
 
 @needs_stream
-def test_project_keeps_autograd_and_a_missing_kernel_off_the_stream(monkeypatch):
-    """Training (grad through W) keeps F.linear; where the kernel could not be built, project falls back."""
-    monkeypatch.setattr(llama, "CPU_STREAM", True)
+def test_linear_keeps_autograd_and_a_missing_kernel_off_the_stream(monkeypatch):
+    """Training (grad through W) keeps F.linear; where the kernels could not be built, resolve picks none."""
+    ops = Ops(stream=True, half_gemm=True)
     w = torch.randn(24, 40, requires_grad=True)
     x = torch.randn(3, 40)
     with OpLog() as log:
-        project(x, w).sum().backward()
+        ops.linear(x, prepared(ops, w)).sum().backward()
     assert "stream_linear" not in log.names() and w.grad.shape == (24, 40)
-    monkeypatch.setattr(stream, "available", lambda: False)
+    monkeypatch.setattr(build, "available", lambda: False)
+    plain = kernels_resolve()
+    assert not plain.stream and not plain.decode_attention
     with OpLog() as log, torch.no_grad():
-        y = project(x, w)
+        y = plain.linear(x, prepared(plain, w))
     assert "stream_linear" not in log.names()
     torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)
 
 
 def test_stream_build_is_cached_and_names_a_missing_compiler(tmp_path, monkeypatch):
     """The library is built once per source and flags (a second build is a cache hit); no compiler is a clear error."""
-    if not stream.supported():
+    if not build.supported():
         pytest.skip("no AVX512-BF16 here: the kernel is never built (CI's Zen 4 has it, so this runs there)")
-    lib = stream.build(tmp_path)
+    lib = build.build(tmp_path)
     stamp = lib.stat().st_mtime_ns
-    assert stream.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp
+    assert build.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary left behind
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     with pytest.raises(RuntimeError, match="no-such-compiler-xyz"):
-        stream.build(tmp_path / "other")
+        build.build(tmp_path / "other")
 
 
 def test_huge_empty_is_a_page_aligned_tensor_and_the_kv_cache_starts_at_zero():
     """Packed weights and the KV cache sit 2 MiB-aligned (huge pages where Linux grants them), small ones stay plain."""
     import sys
 
-    from funcspec.nn import packed
-
-    big = packed.huge_empty((3, 1 << 20), torch.bfloat16)  # 6 MiB
+    big = cpu.huge_empty((3, 1 << 20), torch.bfloat16)  # 6 MiB
     assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
     big.fill_(1.5)
     assert big.sum().item() == 1.5 * 3 * (1 << 20)
     if sys.platform == "linux":
-        assert big.data_ptr() % packed.HUGE_PAGE == 0
-    small = packed.huge_empty((4, 8), torch.float32)
+        assert big.data_ptr() % cpu.HUGE_PAGE == 0
+    small = cpu.huge_empty((4, 8), torch.float32)
     assert small.shape == (4, 8) and small._base is None
     cfg = ModelConfig("llama", 16, 8, 16, 2, 2, 1, 4)
     kv = init_kv_cache(cfg, 3, 1 << 16)  # [2, 4, 1, 65536, 4] fp32: 4 MiB each
     assert not kv.k.any() and not kv.v.any() and kv.k.shape == (2, 4, 1, 1 << 16, 4)
-    if stream.available():
+    if build.available():
         w = torch.randn(2048, 1024).bfloat16()
-        assert stream.pack_weight(w).data_ptr() % packed.HUGE_PAGE == 0
+        assert stream.pack_weight(w).data_ptr() % cpu.HUGE_PAGE == 0
 
 
-@pytest.mark.skipif(not llama.CPU_PACKED_BF16, reason="no bf16 instructions here: project never packs")
-def test_packed_linear_rows_are_independent_and_weights_repack_on_update():
-    """A row's product does not depend on its batch (so AR and verify agree bitwise); in-place updates repack; freed weights leave the table."""
-    import gc
-
-    from funcspec.nn import packed
-
+@pytest.mark.skipif(not cpu.onednn_bf16(), reason="no bf16 instructions here: nothing packs for oneDNN")
+def test_packed_linear_rows_are_independent():
+    """A row's product does not depend on its batch (so AR and verify agree bitwise)."""
     torch.manual_seed(0)
     w, x = torch.randn(48, 64).bfloat16(), torch.randn(9, 64).bfloat16()
-    full = packed.packed_linear(x, w)  # [9, 48]
+    full = onednn.packed_linear(x, w)  # [9, 48]
     for r in (1, 2, 5):
-        assert torch.equal(packed.packed_linear(x[:r], w), full[:r])
+        assert torch.equal(onednn.packed_linear(x[:r], w), full[:r])
     torch.testing.assert_close(full.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)
     # at a real size oneDNN's 1-row kernel differs from its GEMM in the last bit: one row is padded
     g = torch.Generator().manual_seed(0)  # unpadded, this seed's single row differs in 2 of 8192 outputs
     big, xb = torch.randn(8192, 2048, generator=g).bfloat16(), torch.randn(9, 2048, generator=g).bfloat16()
-    rows = packed.packed_linear(xb, big)  # [9, 8192]
+    packed = onednn.pack(big)
+    rows = onednn.packed_op(xb, packed, None, 8192)  # [9, 8192]
     for r in (1, 2, 3, 5):
-        assert torch.equal(packed.packed_linear(xb[:r], big), rows[:r])
-    assert torch.equal(packed.packed_linear(xb[:1].view(1, 1, 2048), big), rows[:1].view(1, 1, 8192))
-    del big
-    w.mul_(2)  # an optimizer step or load_state_dict: the version counter moves
-    torch.testing.assert_close(packed.packed_linear(x, w).float(), 2 * full.float(), atol=0.1, rtol=0.02)
-    key = packed.pack_key(w, packed._onednn_pack)
-    assert key in packed._PACKED
-    del w
-    gc.collect()
-    assert key not in packed._PACKED
-    with torch.inference_mode():  # such tensors keep no version counter
-        wi = torch.randn(48, 64).bfloat16()
-    torch.testing.assert_close(packed.packed_linear(x, wi).float(), x.float() @ wi.float().T, atol=0.1, rtol=0.02)
+        assert torch.equal(onednn.packed_op(xb[:r], packed, None, 8192), rows[:r])
+    assert torch.equal(onednn.packed_op(xb[:1].view(1, 1, 2048), packed, None, 8192), rows[:1].view(1, 1, 8192))
+
+
+@pytest.mark.skipif(not cpu.onednn_bf16(), reason="no bf16 instructions here: nothing packs for oneDNN")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_an_engine_on_onednn_packed_weights_speculates_losslessly(tiny_llama, backend):
+    """The AMX path, chosen by passing its Ops on any bf16 CPU: oneDNN's opaque packed weights are graph inputs
+    of the bucket, and greedy ngram speculation equals AR in bf16."""
+    ops = Ops(onednn_bf16=True, half_gemm=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    ar = Engine(tiny_llama, dtype=torch.bfloat16, ops=ops, max_batch_size=2).generate(prompts, params)
+    eng = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                 dtype=torch.bfloat16, ops=ops, backend=backend, max_batch_size=2)
+    assert [o.outputs[0].token_ids for o in eng.generate(prompts, params)] == [o.outputs[0].token_ids for o in ar]
+    assert eng.params["target"]["lm_head"]["packed"].is_mkldnn
 
 
 # ----------------------------------------------------------------------------- attention
@@ -297,19 +336,19 @@ def reference_attention(q, keys, vals, visible):
 ATTENTION_PATHS = ["kernel", "sdpa", "gemm"]
 
 
-def attention_path(monkeypatch, path: str) -> None:
-    """Send :func:`attend` down one path: the CPU decode kernel, SDPA, or the GEMM attention."""
-    if path == "kernel" and not stream.available():
+def attention_path(monkeypatch, path: str) -> Ops:
+    """The Ops (and read threshold) that send :func:`attend` down one path: the CPU decode kernel, SDPA, or the
+    GEMM attention."""
+    if path == "kernel" and not build.available():
         pytest.skip("no AVX512-BF16 here: the decode attention kernel is never built (CI's Zen 4 has it)")
-    if path != "kernel":
-        monkeypatch.setattr(decode_attention, "supports", lambda *args: False)
     monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
+    return Ops(decode_attention=path == "kernel")
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_attend_equals_the_masked_reference_with_window(heads, kv_heads, path, monkeypatch):
-    attention_path(monkeypatch, path)
+    ops = attention_path(monkeypatch, path)
     torch.manual_seed(0)
     b, t, tr, d = 3, 4, 20, 8
     q = torch.randn(b, t, heads, d)
@@ -318,23 +357,23 @@ def test_attend_equals_the_masked_reference_with_window(heads, kv_heads, path, m
     window = torch.tensor([0, 4, 11])
     j = torch.arange(tr).view(1, 1, -1)
     visible = (j <= pos.unsqueeze(-1)) & (j >= window.view(-1, 1, 1))
-    torch.testing.assert_close(attend(q, keys, vals, visible), reference_attention(q, keys, vals, visible))
+    torch.testing.assert_close(attend(ops, q, keys, vals, visible), reference_attention(q, keys, vals, visible))
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_attend_gives_a_query_the_same_bits_whatever_the_queries_beside_it(path, monkeypatch):
     """AR (one query per row) and verification (K+1) must agree bitwise: a token's attention output may not
     depend on how many tokens come with it, on any path (bf16, GQA 8/2, 300 positions read)."""
-    attention_path(monkeypatch, path)
+    ops = attention_path(monkeypatch, path)
     torch.manual_seed(0)
     tr, d = 300, 64
     q = torch.randn(1, 5, 8, d).bfloat16()
     keys, vals = torch.randn(1, 2, tr, d).bfloat16(), torch.randn(1, 2, tr, d).bfloat16()
     pos = 250 + torch.arange(5).view(1, 5)
     visible = torch.arange(tr).view(1, 1, -1) <= pos.unsqueeze(-1)  # [1, 5, T_read]
-    five = attend(q, keys, vals, visible)  # [1, 5, 512]
+    five = attend(ops, q, keys, vals, visible)  # [1, 5, 512]
     for t in (1, 2):
-        assert torch.equal(attend(q[:, :t], keys, vals, visible[:, :t]), five[:, :t])
+        assert torch.equal(attend(ops, q[:, :t], keys, vals, visible[:, :t]), five[:, :t])
     torch.testing.assert_close(five.float(), reference_attention(q.float(), keys.float(), vals.float(), visible),
                                atol=0.02, rtol=0.02)
 
@@ -353,14 +392,14 @@ def test_decode_attention_kernel_is_masked_softmax_attention_over_the_cache_in_p
     keys, vals = cache[0, :b, :, :tr], cache[1, :b, :, :tr]  # views, as the aligned read gives them
     visible = torch.rand(b, t, tr, generator=g) < 0.6
     visible[0, 0] = False
-    got = decode_attention.decode_attention(q, keys, vals, visible)  # [B, T, H·D]
+    got = attention.decode_attention(q, keys, vals, visible)  # [B, T, H·D]
     assert got.shape == (b, t, heads * d) and got.dtype == dtype
     want = reference_attention(q.double(), keys.double(), vals.double(), visible).nan_to_num(0.0)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
     torch.testing.assert_close(got.double(), want, **tol)
     assert not got[0, 0].any()
     for i in range(t):  # one token alone: the same bits
-        assert torch.equal(decode_attention.decode_attention(q[:, i:i + 1], keys, vals, visible[:, i:i + 1]),
+        assert torch.equal(attention.decode_attention(q[:, i:i + 1], keys, vals, visible[:, i:i + 1]),
                            got[:, i:i + 1])
 
 
@@ -370,19 +409,19 @@ def test_decode_attention_rejects_what_it_cannot_read_and_attend_routes_only_dec
     autograd keep SDPA."""
     q, k, vis = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8), torch.ones(1, 2, 10, dtype=torch.bool)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        decode_attention.decode_attention(q.half(), k.half(), k.half(), vis)
+        attention.decode_attention(q.half(), k.half(), k.half(), vis)
     with pytest.raises(ValueError, match="keys and vals must be"):
-        decode_attention.decode_attention(q, torch.randn(1, 3, 10, 8), torch.randn(1, 3, 10, 8), vis)
+        attention.decode_attention(q, torch.randn(1, 3, 10, 8), torch.randn(1, 3, 10, 8), vis)
     with pytest.raises(ValueError, match="visible must be bool"):
-        decode_attention.decode_attention(q, k, k, vis[:, :, :9])
+        attention.decode_attention(q, k, k, vis[:, :, :9])
     with pytest.raises(ValueError, match="D <= 256"):
-        decode_attention.decode_attention(torch.randn(1, 2, 4, 264), torch.randn(1, 2, 10, 264),
+        attention.decode_attention(torch.randn(1, 2, 4, 264), torch.randn(1, 2, 10, 264),
                                           torch.randn(1, 2, 10, 264), vis)
     for tokens, grad, kernel in ((llama.MATH_TOKENS_MAX, False, True), (llama.MATH_TOKENS_MAX + 1, False, False),
                                  (2, True, False)):
         qt = torch.randn(1, tokens, 4, 8, requires_grad=grad)
         with OpLog() as log:
-            attend(qt, k, k, torch.ones(1, tokens, 10, dtype=torch.bool))
+            attend(Ops(decode_attention=True), qt, k, k, torch.ones(1, tokens, 10, dtype=torch.bool))
         assert ("decode_attention" in log.names()) == kernel
 
 
@@ -390,14 +429,14 @@ def test_gemm_attention_keeps_speculation_equal_to_ar(tiny_llama, monkeypatch):
     """Long context buckets take the GEMM attention (here from 32 positions): greedy ngram speculation
     still equals AR token for token, across buckets below and above the switch."""
     monkeypatch.setattr(llama, "MATH_READ_MIN", 32)
-    monkeypatch.setattr(decode_attention, "supports", lambda *args: False)
+    ops = Ops()  # no decode attention kernel
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [[5, 17, 33, 8, 9] * 2, [40, 41, 42, 43] * 2]
     # NOTE: every row stays below 64 live tokens, so the last buckets (the cache lengths) are never read
-    ar = Engine(tiny_llama, max_batch_size=2, max_model_len=96, context_buckets=[16, 32, 64, 97])
+    ar = Engine(tiny_llama, max_batch_size=2, max_model_len=96, context_buckets=[16, 32, 64, 97], ops=ops)
     spec = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                "prompt_lookup_max": 3}, max_batch_size=2, max_model_len=96,
-                  context_buckets=[16, 32, 64, 100])
+                  context_buckets=[16, 32, 64, 100], ops=ops)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     assert {key[2] for key in spec.graphs} >= {16, 32, 64}

@@ -106,7 +106,8 @@ def parse_config(hf: dict, target: ModelConfig, method: str = "dflash", aux_laye
     for key, off in _UNSUPPORTED.items():
         if get(key) not in off:
             raise ValueError(f"{where}: dflash_config.{key}={get(key)!r} is not supported")
-    model = dataclasses.replace(model_config({**hf, "architectures": ["Qwen3ForCausalLM"]}, where), qk_norm=True)
+    model = dataclasses.replace(model_config({**hf, "architectures": ["Qwen3ForCausalLM"]}, where), qk_norm=True,
+                                ops=target.ops)
     width = int(hf.get("target_hidden_size") or model.hidden_size)
     if width != target.hidden_size or model.vocab_size != target.vocab_size or \
             (model.hidden_size != target.hidden_size and not embedding):
@@ -178,7 +179,7 @@ def load_params(path, target, method: str = "dflash", aux_layers=None) -> tuple[
     shipped = {k: tensors.pop(k, None) for k in ("embed_tokens.weight", "lm_head.weight")}
     params = nest(to_target(tensors, emb))
     params["embed_tokens"] = {"weight": layouts.share(shipped["embed_tokens.weight"], emb)}
-    params["lm_head"] = {"weight": layouts.share(shipped["lm_head.weight"], lm_head(target.cfg, target.params))}
+    params["lm_head"] = layouts.share_linear(shipped["lm_head.weight"], lm_head(target.cfg, target.params))
     if cfg.draft_vocab:
         params["d2t"] = params["d2t"].long()
     return cfg, params

@@ -106,8 +106,8 @@ def _draft_model(hf: dict, layout: str) -> ModelConfig:
 
 
 def config_from_hf(hf: dict, layout: str, target_cfg: ModelConfig, override=None) -> EagleConfig:
-    """The static head config from its (flat) config dict in ``layout``."""
-    m = _draft_model(hf, layout)
+    """The static head config from its (flat) config dict in ``layout``; its products take the target's kernels."""
+    m = dataclasses.replace(_draft_model(hf, layout), ops=target_cfg.ops)
     if layout == "eagle-safeailab":
         return EagleConfig(1, m, (), m.vocab_size, bool(hf.get("bias", True)))
     return EagleConfig(3, m, aux_layers(hf, target_cfg.num_layers, override),
@@ -207,5 +207,5 @@ def load_params(path, target, version: int = 1, aux_layers=None):
     if version == 3:
         params["d2t"] = params["d2t"].long()
     else:
-        params["lm_head"] = {"weight": lm_head(target.cfg, target.params)}
+        params["lm_head"] = lm_head(target.cfg, target.params)
     return cfg, params

@@ -351,3 +351,10 @@ def share(shipped: Optional[torch.Tensor], target: torch.Tensor) -> torch.Tensor
         return target
     own = shipped.to(device=target.device, dtype=target.dtype)
     return target if own.shape == target.shape and torch.equal(own, target) else own
+
+
+def share_linear(shipped: Optional[torch.Tensor], target: dict) -> dict:
+    """:func:`share` for a linear's params (the LM head): the target's own dict (with whatever it was prepared
+    with) when shared, else the head's weight."""
+    weight = share(shipped, target["weight"])
+    return target if weight is target["weight"] else {"weight": weight}

@@ -89,8 +89,8 @@ def load_params(path, target):
     if shared and "lm_head.weight" not in tensors:
         if token_map:
             raise ValueError(f"{where}: truncated_vocab_size {truncated} needs the heads' own projections")
-        tensors["lm_head.weight"] = lm_head(t, target.params)
-    cfg = MedusaConfig(heads, blocks, t.hidden_size, truncated, shared, token_map)
+        tensors["lm_head.weight"] = lm_head(t, target.params)["weight"]
+    cfg = MedusaConfig(heads, blocks, t.hidden_size, truncated, shared, token_map, t.ops)
     size = hf.get("hidden_size", t.hidden_size)
     if size != t.hidden_size:
         raise ValueError(f"{where}: Medusa hidden_size {size} must equal the target's {t.hidden_size}")
@@ -98,7 +98,7 @@ def load_params(path, target):
     ref = target.params["model"]["embed_tokens"]["weight"]
     params = nest(to_target({k: v for k, v in tensors.items() if k != "lm_head.weight"}, ref))
     if shared:
-        params["lm_head"] = {"weight": layouts.share(tensors["lm_head.weight"], lm_head(t, target.params))}
+        params["lm_head"] = layouts.share_linear(tensors["lm_head.weight"], lm_head(t, target.params))
     if token_map:
         params["token_map"] = params["token_map"].long()
     return cfg, params

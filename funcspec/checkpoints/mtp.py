@@ -97,7 +97,7 @@ def load_params(path, target):
                          f"({t.num_layers}, {t.hidden_size}, {t.vocab_size})")
     mimo = head.layout.name == "mtp-mimo"
     # NOTE: vLLM's MiMo model hands its MTP layer the last hidden state before the final norm; DeepSeek's, after.
-    cfg = MTPConfig(dataclasses.replace(base, num_layers=1), hidden_first=mimo, norm_output=mimo,
+    cfg = MTPConfig(dataclasses.replace(base, num_layers=1, ops=t.ops), hidden_first=mimo, norm_output=mimo,
                     hidden_layer=capture_index(t.num_layers, t.num_layers) if mimo else t.num_layers)
     tensors = dict(head.tensors)
     embed = tensors.pop("embed_tokens.weight", None)
@@ -110,5 +110,5 @@ def load_params(path, target):
     params = nest(to_target(tensors, target_embed))
     params["embed_tokens"] = {"weight": layouts.share(embed, target_embed)}
     if mimo:
-        params["head"] = {"weight": lm_head(target.cfg, target.params)}
+        params["head"] = lm_head(target.cfg, target.params)
     return cfg, params

@@ -41,8 +41,8 @@ from typing import Callable, Optional
 import torch
 
 # NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, linear, mlp, project, read_cache,
-                               rms_norm, rope_tables, window_start, write_kv)  # noqa: F401
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, mlp, read_cache, rms_norm,
+                               rope_tables, window_start, write_kv)  # noqa: F401
 from funcspec.tree import pytree_dataclass
 
 
@@ -98,8 +98,8 @@ def init_context_kv(cfg: DFlashConfig, num_slots: int, max_len: int, dtype, devi
 def _keys_values(m: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
     """k (k_norm, RoPE) and v [B, T, H_kv, D] of x [B, T, H]."""
     b, t, _ = x.shape
-    k = linear(x, p["k_proj"]).view(b, t, m.num_kv_heads, m.head_dim)
-    v = linear(x, p["v_proj"]).view(b, t, m.num_kv_heads, m.head_dim)
+    k = m.ops.linear(x, p["k_proj"]).view(b, t, m.num_kv_heads, m.head_dim)
+    v = m.ops.linear(x, p["v_proj"]).view(b, t, m.num_kv_heads, m.head_dim)
     return apply_rope(rms_norm(k, p["k_norm"]["weight"], m.rms_norm_eps), cos, sin), v
 
 
@@ -110,7 +110,7 @@ def write_context(cfg: DFlashConfig, params: dict, kv: ContextKV, raw: torch.Ten
     """
     m = cfg.model
     pos = starts.unsqueeze(1) + torch.arange(raw.shape[1], device=raw.device)  # [B, T]
-    ctx = rms_norm(linear(raw, params["fc"]), params["hidden_norm"]["weight"], m.rms_norm_eps)  # [B, T, H]
+    ctx = rms_norm(m.ops.linear(raw, params["fc"]), params["hidden_norm"]["weight"], m.rms_norm_eps)  # [B, T, H]
     cos, sin = rope_tables(m, pos, ctx.dtype)
     for i, p in enumerate(params["layers"]):
         k, v = _keys_values(m, p["self_attn"], ctx, cos, sin)
@@ -142,20 +142,20 @@ def block_forward(cfg: DFlashConfig, params: dict, kv: ContextKV, tokens, slots,
     for i, p in enumerate(params["layers"]):
         a = p["self_attn"]
         h = rms_norm(x, p["input_layernorm"]["weight"], m.rms_norm_eps)
-        q = linear(h, a["q_proj"]).view(b, t, m.num_heads, m.head_dim)
+        q = m.ops.linear(h, a["q_proj"]).view(b, t, m.num_heads, m.head_dim)
         q = apply_rope(rms_norm(q, a["q_norm"]["weight"], m.rms_norm_eps), cos, sin)
         k, v = _keys_values(m, a, h, cos, sin)
         write_kv(kv.k, i, slots, pos, k.to(kv.k.dtype))
         write_kv(kv.v, i, slots, pos, v.to(kv.v.dtype))
         keys, vals = read_cache(kv.k, i, slots, read), read_cache(kv.v, i, slots, read)  # [B, H_kv, T_read, D]
-        x = x + linear(attend(q, keys, vals, visible), a["o_proj"])
-        x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], m.rms_norm_eps))
+        x = x + m.ops.linear(attend(m.ops, q, keys, vals, visible), a["o_proj"])
+        x = x + mlp(m, p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], m.rms_norm_eps))
     return rms_norm(x, params["norm"]["weight"], m.rms_norm_eps), kv
 
 
-def logits(params: dict, h: torch.Tensor) -> torch.Tensor:
+def logits(cfg: DFlashConfig, params: dict, h: torch.Tensor) -> torch.Tensor:
     """float32 logits [..., V] of normed hidden states h [..., H] (the target's LM head)."""
-    return project(h, params["lm_head"]["weight"]).float()
+    return cfg.model.ops.linear(h, params["lm_head"]).float()
 
 
 def target_ids(cfg: DFlashConfig, params: dict, d: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,7 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
         step = base[:, k]
         if cfg.markov_rank:
             emb = params["markov_head"]["markov_w1"]["weight"][prev]  # [B, r]
-            step = step + project(emb, params["markov_head"]["markov_w2"]["weight"]).float()
+            step = step + cfg.model.ops.linear(emb, params["markov_head"]["markov_w2"]).float()
             embs.append(emb)
         prev, extra = choose(k, step)
         toks.append(prev)
@@ -202,4 +202,4 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
 def confidence(cfg: DFlashConfig, params: dict, h: torch.Tensor, prev_emb: Optional[torch.Tensor]) -> torch.Tensor:
     """DSpark's per-token confidence [B, K] = ``sigmoid(w·[h_k; W1[x_{k-1}]] + b)``."""
     feats = torch.cat([h, prev_emb.to(h.dtype)], dim=-1) if cfg.confidence == "hidden_markov" else h
-    return torch.sigmoid(linear(feats, params["confidence_head"]["proj"]).squeeze(-1).float())
+    return torch.sigmoid(cfg.model.ops.linear(feats, params["confidence_head"]["proj"]).squeeze(-1).float())

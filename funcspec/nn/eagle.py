@@ -50,7 +50,7 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, linear, project, rms_norm,
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, rms_norm,
                                rope_tables)
 
 
@@ -94,7 +94,7 @@ def target_features(cfg: EagleConfig, params, feats: torch.Tensor) -> torch.Tens
     if cfg.fc_norm:
         chunks = feats.chunk(len(cfg.aux_layers), -1)  # A × [.., H_t]
         feats = torch.cat([rms_norm(c, p["weight"], eps) for c, p in zip(chunks, params["fc_norm"])], -1)
-    return linear(feats, params["fc"])
+    return cfg.model.ops.linear(feats, params["fc"])
 
 
 def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None, read: KVRead = FULL_READ,
@@ -116,7 +116,7 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None,
         attn_in = torch.cat([rms_norm(emb, p["input_layernorm"]["weight"], m.rms_norm_eps), hn], -1)  # [B, T, 2H]
         x = hn if cfg.norm_before_residual else h
     else:
-        x = attn_in = linear(torch.cat([emb, h], -1), params["fc"])  # [B, T, H]
+        x = attn_in = m.ops.linear(torch.cat([emb, h], -1), params["fc"])  # [B, T, H]
     for i, p in enumerate(params["layers"]):
         # NOTE: layer 0 reads attn_in (EAGLE-1: no input_layernorm; EAGLE-3: [embedding; feature]).
         x = decoder_layer(m, p, kv, i, x, slots, pos, cos, sin, window, read, attn_in if i == 0 else None, tree)
@@ -128,9 +128,9 @@ def forward(cfg: EagleConfig, params, kv, tokens, h, slots, starts, window=None,
 def draft_logits(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     """float32 logits [.., V_d] of head outputs g [.., H] over the head's vocabulary (EAGLE-1: V_d = V)."""
     if cfg.version == 1 or cfg.norm_output:  # EAGLE-1 has no final norm; norm_output fed back norm(y) already
-        return project(g, params["lm_head"]["weight"]).float()
+        return cfg.model.ops.linear(g, params["lm_head"]).float()
     x = rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
-    return project(x, params["lm_head"]["weight"]).float()
+    return cfg.model.ops.linear(x, params["lm_head"]).float()
 
 
 def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:

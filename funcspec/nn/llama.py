@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from funcspec.nn import decode_attention, stream
-from funcspec.nn.packed import huge_empty, packed_linear
+from funcspec.kernels import REFERENCE, Ops
+from funcspec.kernels.cpu import huge_empty
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass
 
@@ -33,7 +33,8 @@ class ModelConfig:
     Under tensor parallelism (``tp.size > 1``) ``num_heads``, ``num_kv_heads``
     and ``intermediate_size`` are this rank's share
     (:func:`funcspec.checkpoints.tp.shard_config`), so the KV cache holds only
-    the rank's heads.
+    the rank's heads. ``ops`` are the kernels its products and attention take
+    (:func:`funcspec.kernels.resolve`, set when the engine is built).
     """
 
     arch: str
@@ -55,6 +56,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     tp: TPGroup = SINGLE
+    ops: Ops = REFERENCE
 
 
 @pytree_dataclass
@@ -117,150 +119,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-SKINNY_ROWS = 64
-"""fp32 CPU products of at most this many rows take the paths of :func:`project`."""
-
-STACKED_ROWS = 9
-"""Compiled CPU products of at most this many rows (B·(K+1): batch 8 AR, K = 8 at batch 1)
-are row-wise reductions. Inductor stopped fusing them into one pass at 12 fp32 rows."""
-
-
-HALF = (torch.bfloat16, torch.float16)
-
-
-CPU_HALF_GEMM = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-"""Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles); read once, at import."""
-
-CPU_PACKED_BF16 = (CPU_HALF_GEMM and torch.backends.mkldnn.is_available()
-                   and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-"""Whether oneDNN can multiply bf16 on pre-packed weights (:mod:`funcspec.nn.packed`): the bf16 path
-on AMX CPUs, and where the streaming kernel (:data:`CPU_STREAM`) was not built; read once, at import."""
-
-
-CPU_BLAS_SKINNY = torch.cpu._is_amx_tile_supported()
-"""Whether MKL streams skinny fp32 products fastest here: measured so on an AMX Xeon, and
-not on AMD EPYCs (Zen 4's AVX-512 included); read once, at import."""
-
-
-CPU_STREAM = stream.supported() and not torch.cpu._is_amx_tile_supported()
-"""Whether decode products take the weight-streaming kernel (:mod:`funcspec.nn.stream`):
-x86 with AVX512-BF16 and no AMX (on AMX, oneDNN and MKL were measured to stream well);
-read once, at import. It is built on first use; :func:`project` checks that it was."""
-
-STREAM_ROWS = 72
-"""fp32 products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
-kernel where :data:`CPU_STREAM`; more rows (prefill) are compute-bound and keep MKL. bf16 takes
-it at any row count: at 128 and 512 rows it ran as fast as oneDNN (89-102 against 95-105
-GMAC/s, all compute-bound), and oneDNN's packed copy would be a third copy of the weights."""
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``x @ W.T (+ b)`` for x [..., in] and W [out, in]: every linear layer and LM head.
-
-    NOTE: decode multiplies a few rows (B·(K+1)) by big weights, and which CPU
-    product streams W fastest depends on the CPU, so the choice is made per ISA
-    (measured on three 2-core machines, Qwen2.5-0.5B and Llama-3.2-1B-shaped
-    weights beyond the caches):
-    - bf16, or fp32 up to :data:`STREAM_ROWS` rows, outside autograd, on x86
-      with AVX512-BF16 and no AMX (:data:`CPU_STREAM`, AMD EPYC Zen 4): the
-      weight-streaming kernel (:func:`~funcspec.nn.stream.stream_linear`). On
-      the 113 linears of a Llama-3.2-1B shape (2.47 GB in bf16) it streamed
-      33-40 GB/s at 1 row and 31-33 at 5, where oneDNN's packed GEMM streamed
-      27 and 30; in fp32 25-28 GB/s at 1 row and 25-27 at 5, where MKL
-      streamed 14-16 and 6. A row's result does not depend on the rows beside it.
-    - otherwise bf16 on a CPU with bf16 instructions (AMX, or AVX512-BF16
-      without the kernel), outside autograd: oneDNN on pre-packed weights (:func:`~funcspec.nn.packed.packed_linear`).
-      Its cost is flat in the row count, so verifying K+1 tokens costs about
-      one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB of weights at 1-9 rows,
-      where ``F.linear`` took 62-111 ms and the fused reductions below 34 ms at
-      1 row but 152 ms at 8.
-    - fp32 on a CPU with AMX (the Xeon measured): ``F.linear`` (MKL). At 1 row
-      it streamed 21 GB/s against 12 GB/s for the fused reductions. MKL on the
-      AMD EPYC (Zen 4, AVX-512) streamed 13 GB/s, the fused reductions 31 GB/s.
-    - otherwise (AVX2 or AVX-512 without AVX512-BF16; fp16 anywhere):
-      - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
-        ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them
-        into one vectorised, threaded pass over W that keeps r accumulators, so W
-        is read once whatever r is. llama-600m AR on inductor went from 33.5 to
-        18.1 ms/token in fp32 and from 18.9 to 14.6 in bf16 (AVX2). At 8 rows, the
-        56 linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the
-        best BLAS call in fp32, and 48 ms against 74 ms in bf16; at 9 rows, 40
-        against 54 ms in fp32. One broadcast product
-        ``(W[None]·x[:, None]).sum(-1)`` was 2x slower: inductor loops over the
-        rows outside W. Eager would materialise W·x, so eager keeps the BLAS paths;
-      - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
-        1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against
-        13.7 ms). Else ``F.linear``;
-      - bf16/fp16 products of more rows (prefill, wide verify blocks) run in
-        fp32 when the CPU has no bf16 instructions: the oneDNN fallback there
-        reaches ~1 GFLOPS, and upcasting W costs one pass over it. A 2816x1024
-        weight at 128 rows: 5.9 ms against 37.4 ms.
-    The row count is static, so every choice is made at trace time.
-    """
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if _streams(x, weight):
-        return stream.stream_linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16 and CPU_HALF_GEMM:
-        return F.linear(x, weight, bias) if autograd or not CPU_PACKED_BF16 else packed_linear(x, weight, bias)
-    if weight.dtype == torch.float32 and CPU_BLAS_SKINNY:
-        return F.linear(x, weight, bias)
-    if rows > STACKED_ROWS and weight.dtype in HALF:
-        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return y.to(x.dtype)
-    if rows > SKINNY_ROWS:
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, -1)  # [rows, in]
-    if rows <= STACKED_ROWS and torch.compiler.is_compiling():
-        w = weight.float()
-        y = torch.stack([(w * x2[r].float()).sum(-1) for r in range(rows)]).to(x.dtype)  # [rows, out]
-    elif x.dtype == torch.float32 and rows > 1:
-        y = torch.mm(weight, x2.t()).t()  # [rows, out]
-    else:
-        return F.linear(x, weight, bias)
-    y = y.reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
-
-
-def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`project` takes the weight-streaming kernel for x [..., in] and W [out, in] (static)."""
-    rows = x.numel() // x.shape[-1]
-    autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return (CPU_STREAM and x.device.type == "cpu" and not autograd and x.dtype == weight.dtype
-            and weight.dtype in stream.DTYPES and (rows <= STREAM_ROWS or weight.dtype == torch.bfloat16)
-            and stream.available())
-
-
-def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
-    """``x @ W.T + b`` for an HF Linear's params."""
-    return project(x, p["weight"], p.get("bias"))
-
-
-def linears(x: torch.Tensor, ps: list[dict]) -> list[torch.Tensor]:
-    """:func:`linear` of several layers that read the same x (q/k/v; gate/up).
-
-    NOTE: on the weight-streaming kernel they are one product over their
-    packed weights side by side (:func:`~funcspec.nn.stream.stream_linears`):
-    a Llama decode step makes 65 calls instead of 113, each a longer stream.
-    Every output has the bits of its own :func:`linear`.
-    """
-    weights = [p["weight"] for p in ps]
-    if all(_streams(x, w) for w in weights):
-        return stream.stream_linears(x, weights, [p.get("bias") for p in ps])
-    return [linear(x, p) for p in ps]
-
-
-def row_parallel(x: torch.Tensor, p: dict, tp: TPGroup) -> torch.Tensor:
-    """:func:`linear` of a row-parallel layer (``o_proj``, ``down_proj``): x and W hold this rank's input slice.
+def row_parallel(cfg: ModelConfig, x: torch.Tensor, p: dict) -> torch.Tensor:
+    """The linear of a row-parallel layer (``o_proj``, ``down_proj``): x and W hold this rank's input slice.
 
     Each rank's product is a partial sum; the all-reduce adds them up, and the
     bias is added once, after it (not once per rank).
     """
-    if tp.size == 1:
-        return linear(x, p)
-    y = all_reduce(project(x, p["weight"]), tp)
+    if cfg.tp.size == 1:
+        return cfg.ops.linear(x, p)
+    y = all_reduce(cfg.ops.linear(x, p, bias=False), cfg.tp)
     return y if p.get("bias") is None else y + p["bias"]
 
 
@@ -362,7 +229,7 @@ the same bits whatever the number of rows, so AR and verification still agree.""
 
 
 MATH_TOKENS_MAX = 128
-"""The decode attention kernel (:mod:`funcspec.nn.decode_attention`, on CPUs that build it) and
+"""The decode attention kernel (:mod:`funcspec.kernels.attention`, on CPUs that build it) and
 otherwise the GEMM attention serve blocks of up to this many tokens: every decode and verify step
 (a tree verifies at most 65), never a long prefill, which keeps SDPA's flash kernel."""
 
@@ -375,12 +242,12 @@ def _gemm_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
     return torch.matmul(p.to(vals.dtype), vals)  # [B, H_kv, Q, D]
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [B, T, H, D] over keys/vals [B, H_kv, T_read, D] where visible [B, T, T_read]; -> [B, T, H·D].
 
     The one attention of the target and every head.
     NOTE: decode and verify blocks (up to :data:`MATH_TOKENS_MAX` tokens) take
-    the CPU decode kernel where it was built (:mod:`funcspec.nn.decode_attention`):
+    the CPU decode kernel where ``ops`` has it (:mod:`funcspec.kernels.attention`):
     it reads the cache in place and skips what a query cannot see: 35 us a
     layer against SDPA's 110-120 at 256 positions, 0.21 against 1.0-2.0 ms at
     4352 (bf16, 32 heads over 8). Otherwise GQA is folded into the query
@@ -393,8 +260,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: tor
     hkv, tr = keys.shape[1], keys.shape[2]
     g = h // hkv
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
-    if t <= MATH_TOKENS_MAX and decode_attention.supports(q, keys, vals):
-        return decode_attention.decode_attention(q, keys, vals, visible)  # [B, T, H·D]
+    if t <= MATH_TOKENS_MAX and ops.attends(q, keys, vals):
+        return ops.attend(q, keys, vals, visible)  # [B, T, H·D]
     qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, H_kv, G·T, D]
     mask = visible.unsqueeze(1).expand(b, g, t, tr).reshape(b, 1, g * t, tr)  # [B, 1, G·T, T_read]
     # static: the device, the bucket's read length and the token count. A decode or verify step (any K,
@@ -455,7 +322,7 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     given, is an int64 [B] first readable position per row (draft KV window).
     """
     b, t, _ = x.shape
-    q, k, v = linears(x, [p["q_proj"], p["k_proj"], p["v_proj"]])
+    q, k, v = cfg.ops.linears(x, [p["q_proj"], p["k_proj"], p["v_proj"]], p.get("qkv_proj"))
     q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))  # [B, T, H, D]
     k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))  # [B, T, H_kv, D]
     v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))  # [B, T, H_kv, D]
@@ -467,13 +334,13 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
     keys, vals = read_cache(kv.k, layer, slots, read), read_cache(kv.v, layer, slots, read)  # [B, H_kv, T_read, D]
     visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
-    return row_parallel(attend(q, keys, vals, visible), p["o_proj"], cfg.tp)
+    return row_parallel(cfg, attend(cfg.ops, q, keys, vals, visible), p["o_proj"])
 
 
-def mlp(p: dict, x: torch.Tensor, tp: TPGroup = SINGLE) -> torch.Tensor:
-    """SwiGLU feed-forward (gate/up column-parallel, down row-parallel under ``tp``)."""
-    gate, up = linears(x, [p["gate_proj"], p["up_proj"]])
-    return row_parallel(F.silu(gate) * up, p["down_proj"], tp)
+def mlp(cfg: ModelConfig, p: dict, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU feed-forward (gate/up column-parallel, down row-parallel under ``cfg.tp``)."""
+    gate, up = cfg.ops.linears(x, [p["gate_proj"], p["up_proj"]], p.get("gate_up_proj"))
+    return row_parallel(cfg, F.silu(gate) * up, p["down_proj"])
 
 
 def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
@@ -487,7 +354,7 @@ def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     if attn_in is None:
         attn_in = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
     h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read, tree)
-    return h + mlp(p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg.tp)
+    return h + mlp(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
 def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
@@ -568,11 +435,12 @@ def capture_index(layer: int, num_layers: int) -> int:
     return num_layers + 1 if layer == num_layers else layer
 
 
-def lm_head(cfg: ModelConfig, params: dict) -> torch.Tensor:
-    """The output projection weight [V, H] (the embedding when tied)."""
-    if cfg.tie_word_embeddings or "lm_head" not in params:
-        return params["model"]["embed_tokens"]["weight"]
-    return params["lm_head"]["weight"]
+def lm_head(cfg: ModelConfig, params: dict) -> dict:
+    """The output projection's params: ``weight`` [V, H] (the embedding when tied; ``prepare_params`` gives a
+    tied model an ``lm_head`` entry holding it, with its packed copy)."""
+    if "lm_head" in params:
+        return params["lm_head"]
+    return {"weight": params["model"]["embed_tokens"]["weight"]}
 
 
 def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
@@ -611,5 +479,5 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     hiddens[cfg.num_layers + 1] = x
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
-    logits = project(x, lm_head(cfg, params)).float()  # [B, T, V]
+    logits = cfg.ops.linear(x, lm_head(cfg, params)).float()  # [B, T, V]
     return logits, tuple(hiddens[i] for i in hidden_layers), kv

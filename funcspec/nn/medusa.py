@@ -24,7 +24,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from funcspec.nn.llama import linear, project
+from funcspec.kernels import REFERENCE, Ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class MedusaConfig:
         vocab_size: V_d, the rows of a head's projection (V, or vLLM's truncated vocabulary).
         shared_head: every head projects through one ``lm_head`` instead of its own.
         token_map: drafts are mapped to target ids through ``token_map``.
+        ops: the kernels its products take (the target's).
     """
 
     num_heads: int
@@ -46,15 +47,15 @@ class MedusaConfig:
     vocab_size: int
     shared_head: bool = False
     token_map: bool = False
+    ops: Ops = REFERENCE
 
 
 def head_logits(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Tensor:
     """Logits [B, V_d] float32 of head ``k`` for hidden states h [B, H]."""
     p = params["medusa_head"][k]
     for j in range(cfg.num_layers):
-        h = h + F.silu(linear(h, p[j]["linear"]))  # [B, H]
-    w = params["lm_head"]["weight"] if cfg.shared_head else p[cfg.num_layers]["weight"]
-    return project(h, w).float()
+        h = h + F.silu(cfg.ops.linear(h, p[j]["linear"]))  # [B, H]
+    return cfg.ops.linear(h, params["lm_head"] if cfg.shared_head else p[cfg.num_layers]).float()
 
 
 def draft_tokens(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Tensor:

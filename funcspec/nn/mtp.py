@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, linear, project, rms_norm,
+from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, rms_norm,
                                rope_tables)
 
 
@@ -75,7 +75,7 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, r
     emb = p["embed_tokens"]["weight"][tokens].masked_fill((pos == 0).unsqueeze(-1), 0.0)  # [B, T, H]
     e = rms_norm(emb, p["enorm"]["weight"], m.rms_norm_eps)
     hn = rms_norm(h.to(emb.dtype), p["hnorm"]["weight"], m.rms_norm_eps)
-    x = linear(torch.cat([hn, e] if cfg.hidden_first else [e, hn], -1), p["eh_proj"])  # [B, T, H]
+    x = m.ops.linear(torch.cat([hn, e] if cfg.hidden_first else [e, hn], -1), p["eh_proj"])  # [B, T, H]
     cos, sin = rope_tables(m, pos if tree is None else tree.positions, x.dtype)
     g = decoder_layer(m, p, kv, 0, x, slots, pos, cos, sin, read=read, tree=tree)
     return (rms_norm(g, p["norm"]["weight"], m.rms_norm_eps) if cfg.norm_output else g), kv
@@ -84,7 +84,7 @@ def forward(cfg: MTPConfig, params, kv, tokens, h, slots, starts, window=None, r
 def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """float32 logits [.., V] of module outputs g [.., H] through its head."""
     x = g if cfg.norm_output else rms_norm(g, params["norm"]["weight"], cfg.model.rms_norm_eps)
-    return project(x, params["head"]["weight"]).float()
+    return cfg.model.ops.linear(x, params["head"]).float()
 
 
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:

@@ -134,5 +134,5 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
     _, h, state = draft_block(cfg, params, state, ctx, k + 1 if k else 0)
     if k == 0:
         return empty_proposal(ctx, cfg.net.model.vocab_size, False), state
-    x = dflash.logits(params, h[:, 1:])  # [B, K, V]: the mask rows
+    x = dflash.logits(cfg.net, params, h[:, 1:])  # [B, K, V]: the mask rows
     return Proposal(dflash.target_ids(cfg.net, params, x.argmax(-1)), None, dflash.max_prob(x)), state

@@ -68,7 +68,7 @@ def build(spec, target, ctx):
             f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
             f"{target.cfg.vocab_size}"
         )
-    return DraftModelConfig(draft.cfg, spec.draft_window_size, spec.tree), draft.params
+    return DraftModelConfig(dataclasses.replace(draft.cfg, ops=target.cfg.ops), spec.draft_window_size, spec.tree), draft.params
 
 
 def check_shard(cfg: DraftModelConfig, size: int) -> None:

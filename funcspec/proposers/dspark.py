@@ -43,7 +43,7 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
     def choose(i, logits):  # logits [B, V] -> token [B], q [B, V] (None when every row is greedy)
         return sampling.draw(rng.fold_in(ctx.key, i), logits, s.temperature, s.top_k, s.top_p, ctx.mode)
 
-    tokens, corrected, q, prev_emb = net.markov_decode(cfg.net, params, net.logits(params, h), pending, choose)
+    tokens, corrected, q, prev_emb = net.markov_decode(cfg.net, params, net.logits(cfg.net, params, h), pending, choose)
     if cfg.net.confidence == "none":
         conf = net.max_prob(corrected)  # NOTE: a checkpoint without the head falls back to DFlash's proxy
     else:

@@ -173,7 +173,7 @@ def medusa_setup(target, out: Path, seed: int, stream):
     names = shipped(out, "medusa")
     with torch.no_grad():  # Medusa starts every head's Linear from the target's LM head
         for k in range(cfg.num_heads):
-            params["medusa_head"][k][cfg.num_layers]["weight"].copy_(llama.lm_head(target.cfg, target.params))
+            params["medusa_head"][k][cfg.num_layers]["weight"].copy_(llama.lm_head(target.cfg, target.params)["weight"])
     layer = target.cfg.num_layers
 
     def loss_fn(x, p, hid, _seed, _step):
@@ -200,7 +200,7 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
         cfg, params = mtp_ckpt.load_params(out, target)
         net, layers = mtp, (cfg.hidden_layer,)
         with torch.no_grad():  # the module's head starts as the target's
-            params["head"]["weight"].copy_(llama.lm_head(target.cfg, target.params))
+            params["head"]["weight"].copy_(llama.lm_head(target.cfg, target.params)["weight"])
             params["norm"]["weight"].copy_(target.params["model"]["norm"]["weight"])
     names = shipped(out, role)
     vocab = None
@@ -209,7 +209,7 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
         with torch.no_grad():
             params["d2t"].copy_(vocab - torch.arange(EAGLE3_VOCAB))
             params["t2d"].zero_().index_fill_(0, vocab, True)
-            params["lm_head"]["weight"].copy_(llama.lm_head(target.cfg, target.params)[vocab])
+            params["lm_head"]["weight"].copy_(llama.lm_head(target.cfg, target.params)["weight"][vocab])
             params["norm"]["weight"].copy_(target.params["model"]["norm"]["weight"])
 
     def labels(p):  # the target's distribution on the head's vocabulary
@@ -285,7 +285,7 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
         a = a.flatten()
         r = torch.arange(x.shape[0]).repeat_interleave(ORIGINS).unsqueeze(1)  # [B·N, 1] each block's sequence
         cols = torch.arange(shift, rows)
-        base = dflash.logits(params, h[:, shift:])  # [N', K, V]: the row at position a+c guesses x_{a+c+1-shift}
+        base = dflash.logits(cfg, params, h[:, shift:])  # [N', K, V]: the row at position a+c guesses x_{a+c+1-shift}
         target_p = p[r, a.unsqueeze(1) + cols - shift]  # [N', K, V]
         if role == "dflash":
             return decayed(soft_ce_rows(base, target_p)), {"agree": agree(base, target_p)}

@@ -1,5 +1,5 @@
 """Attention of a few query tokens over the KV cache as it lies: the CPU decode kernel behind
-:func:`~funcspec.nn.llama.attend`.
+:func:`~funcspec.nn.llama.attend` (where the step's ``Ops`` has ``decode_attention``).
 
 A decode or verify step has 1-65 query tokens and reads the live cache once per
 layer, so it should cost about what streaming K and V costs. On a 2-core Zen 4
@@ -17,14 +17,15 @@ do. Measured as above: 35 us a layer at 256 positions, 0.21 ms at 4352 in
 cache, and 7.9 ms for 16 layers at 4096 positions read from memory (17 GB/s).
 Every query row is computed by the same instructions whatever rows come with it,
 so AR (1 token) and verification (K+1) agree bit for bit. It is built into the
-library of :mod:`funcspec.nn.stream` and needs what that needs (:func:`supports`).
+library of :mod:`funcspec.kernels.build` and needs what that needs (:func:`supports`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from funcspec.nn import stream
+from funcspec.kernels import build
+from funcspec.kernels.stream import DTYPES
 
 MAX_HEAD_DIM = 256
 """The kernel keeps a query row in registers: 16 zmm of fp32."""
@@ -36,13 +37,13 @@ SERIAL_MACS = 1 << 22
 def supports(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` takes these operands (static: device, dtypes, head size, autograd)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, vals))
-    return (q.device.type == "cpu" and not grad and q.dtype in stream.DTYPES and keys.dtype == q.dtype
-            and vals.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM and stream.available())
+    return (q.device.type == "cpu" and not grad and q.dtype in DTYPES and keys.dtype == q.dtype
+            and vals.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM and build.available())
 
 
 def _check(q, keys, vals, visible) -> None:
     """The kernel reads raw memory: a wrong dtype or shape must fail here, not read out of bounds."""
-    if q.dtype not in stream.DTYPES or keys.dtype != q.dtype or vals.dtype != q.dtype:
+    if q.dtype not in DTYPES or keys.dtype != q.dtype or vals.dtype != q.dtype:
         raise ValueError(f"decode_attention: q, keys and vals must all be bfloat16 or float32, "
                          f"got {q.dtype}, {keys.dtype} and {vals.dtype}")
     if q.dim() != 4 or q.shape[-1] > MAX_HEAD_DIM:
@@ -66,7 +67,7 @@ def _decode_attention(q, keys, vals, visible) -> torch.Tensor:
     vals = vals if vals.stride(-1) == 1 else vals.contiguous()
     visible = visible.contiguous()
     out = q.new_empty((b, t, h * d))  # [B, T, H·D]
-    lib = stream._lib()
+    lib = build.lib()
     fn = lib.funcspec_attend_bf16 if q.dtype == torch.bfloat16 else lib.funcspec_attend_f32
     threads = 1 if b * t * h * tr * d < SERIAL_MACS else torch.get_num_threads()
     fn(q.data_ptr(), keys.data_ptr(), vals.data_ptr(), visible.data_ptr(), out.data_ptr(), b, t, h, hkv, d, tr,

@@ -1,0 +1,192 @@
+"""``Ops``: which kernel every product and attention of a step takes, decided once per device.
+
+The math (:mod:`funcspec.nn`) calls ``cfg.ops.linear(x, p)`` and
+``cfg.ops.attend(...)``; an :class:`Ops` is a frozen value resolved from the
+device when the engine is built (:func:`resolve`) and carried in every
+``ModelConfig``, so it is part of each bucket's static key and the choice is
+visible, not an import-time global. Tests choose a path by passing an ``Ops``.
+
+The packed copies the kernels stream are made once, at load, by
+``funcspec.quant.prepare_params`` (a linear's params gain ``packed``; q/k/v and
+gate/up gain a fused ``qkv_proj`` / ``gate_up_proj``); a linear without them
+takes the plain torch paths.
+
+NOTE on the choice of product per CPU (measured on three 2-core machines,
+Qwen2.5-0.5B and Llama-3.2-1B-shaped weights beyond the caches):
+
+- bf16, or fp32 up to :data:`STREAM_ROWS` rows, outside autograd, on x86 with
+  AVX512-BF16 and no AMX (``stream``, AMD EPYC Zen 4): the weight-streaming
+  kernel (:mod:`funcspec.kernels.stream`). On the 113 linears of a
+  Llama-3.2-1B shape (2.47 GB in bf16) it streamed 33-40 GB/s at 1 row and
+  31-33 at 5, where oneDNN's packed GEMM streamed 27 and 30; in fp32 25-28 GB/s
+  at 1 row and 25-27 at 5, where MKL streamed 14-16 and 6. A row's result does
+  not depend on the rows beside it.
+- otherwise bf16 on a CPU with bf16 instructions (AMX, or AVX512-BF16 without
+  the kernel), outside autograd: oneDNN on pre-packed weights (``onednn_bf16``,
+  :mod:`funcspec.kernels.onednn`). Its cost is flat in the row count, so
+  verifying K+1 tokens costs about one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB
+  of weights at 1-9 rows, where ``F.linear`` took 62-111 ms and the fused
+  reductions below 34 ms at 1 row but 152 ms at 8.
+- fp32 on a CPU with AMX (``blas_skinny``, the Xeon measured): ``F.linear``
+  (MKL). At 1 row it streamed 21 GB/s against 12 GB/s for the fused
+  reductions. MKL on the AMD EPYC (Zen 4, AVX-512) streamed 13 GB/s, the fused
+  reductions 31 GB/s.
+- otherwise (AVX2 or AVX-512 without AVX512-BF16; fp16 anywhere; the reference):
+  - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
+    ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them into
+    one vectorised, threaded pass over W that keeps r accumulators, so W is read
+    once whatever r is. llama-600m AR on inductor went from 33.5 to 18.1
+    ms/token in fp32 and from 18.9 to 14.6 in bf16 (AVX2). At 8 rows, the 56
+    linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the best
+    BLAS call in fp32, and 48 ms against 74 ms in bf16; at 9 rows, 40 against 54
+    ms in fp32. One broadcast product ``(W[None]·x[:, None]).sum(-1)`` was 2x
+    slower: inductor loops over the rows outside W. Eager would materialise
+    W·x, so eager keeps the BLAS paths;
+  - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
+    1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against 13.7
+    ms). Else ``F.linear``;
+  - bf16/fp16 products of more rows (prefill, wide verify blocks) run in fp32
+    when the CPU has no bf16 instructions: the oneDNN fallback there reaches
+    ~1 GFLOPS, and upcasting W costs one pass over it. A 2816x1024 weight at
+    128 rows: 5.9 ms against 37.4 ms.
+
+The row count is static, so every choice is made at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from funcspec.kernels import attention, build, cpu, onednn, stream
+
+SKINNY_ROWS = 64
+"""fp32 CPU products of at most this many rows take ``(W @ x.T).T`` on the plain paths."""
+
+STACKED_ROWS = 9
+"""Compiled CPU products of at most this many rows (B·(K+1): batch 8 AR, K = 8 at batch 1)
+are row-wise reductions on the plain paths. Inductor stopped fusing them into one pass at 12 fp32 rows."""
+
+STREAM_ROWS = 72
+"""fp32 products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
+kernel; more rows (prefill) are compute-bound and keep MKL. bf16 takes it at any row count: at
+128 and 512 rows it ran as fast as oneDNN (89-102 against 95-105 GMAC/s, all compute-bound)."""
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The kernels a model's products and attention take (static: part of every bucket's key).
+
+    Attributes:
+        stream: the weight-streaming products (:mod:`funcspec.kernels.stream`) for packed bf16 and fp32 weights.
+        onednn_bf16: oneDNN's pre-packed bf16 products (:mod:`funcspec.kernels.onednn`).
+        half_gemm: the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
+        blas_skinny: MKL streams skinny fp32 products fastest (AMX Xeons).
+        decode_attention: the CPU decode attention kernel (:mod:`funcspec.kernels.attention`).
+    """
+
+    stream: bool = False
+    onednn_bf16: bool = False
+    half_gemm: bool = False
+    blas_skinny: bool = False
+    decode_attention: bool = False
+
+    def layout(self, weight: torch.Tensor) -> Optional[str]:
+        """The packed layout ``prepare_params`` makes of a linear's weight for these kernels, or ``None``."""
+        if weight.device.type != "cpu":
+            return None
+        if self.stream and weight.dtype in stream.DTYPES:
+            return "stream"
+        if self.onednn_bf16 and weight.dtype == torch.bfloat16:
+            return "onednn"
+        return None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` in :meth:`layout`."""
+        return stream.pack_weight(weight) if self.layout(weight) == "stream" else onednn.pack(weight)
+
+    def linear(self, x: torch.Tensor, p: dict, bias: bool = True) -> torch.Tensor:
+        """``x @ W.T (+ b)`` for x [..., in] and a linear's params ``p`` (``weight`` [out, in], optional
+        ``bias``, and the ``packed`` copy ``prepare_params`` made); ``bias=False`` leaves the bias out."""
+        weight, b = p["weight"], p.get("bias") if bias else None
+        rows = x.numel() // x.shape[-1]
+        if x.device.type != "cpu":
+            return F.linear(x, weight, b)
+        autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        packed = None if autograd else p.get("packed")
+        if packed is not None and self._streams(x, weight, rows):
+            return stream.stream_op(x, packed, b, weight.shape[0])
+        if packed is not None and self.onednn_bf16 and weight.dtype == torch.bfloat16:
+            return onednn.packed_op(x, packed, b, weight.shape[0])
+        return _plain(self, x, weight, b, rows)
+
+    def linears(self, x: torch.Tensor, ps: list, fused: Optional[dict] = None) -> list[torch.Tensor]:
+        """:meth:`linear` of layers that read the same x (q/k/v; gate/up).
+
+        NOTE: with the streaming kernel they are one product over the group
+        ``fused`` that ``prepare_params`` packed side by side: a Llama decode step
+        makes 65 calls instead of 113, each a longer stream. Every output has the
+        bits of its own :meth:`linear`.
+        """
+        rows = x.numel() // x.shape[-1]
+        autograd = torch.is_grad_enabled() and (x.requires_grad or any(p["weight"].requires_grad for p in ps))
+        if fused is not None and not autograd and all(self._streams(x, p["weight"], rows) for p in ps):
+            sizes = [p["weight"].shape[0] for p in ps]
+            out = stream.stream_op(x, fused["packed"], fused.get("bias"), sum(stream.widths(sizes)))
+            return stream.split(out, sizes)
+        return [self.linear(x, p) for p in ps]
+
+    def _streams(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+        """Whether a product of ``rows`` rows takes the streaming kernel (static)."""
+        return (self.stream and x.dtype == weight.dtype and weight.dtype in stream.DTYPES
+                and (rows <= STREAM_ROWS or weight.dtype == torch.bfloat16))
+
+    def attends(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
+        """Whether the decode attention kernel takes these operands (static)."""
+        return self.decode_attention and attention.supports(q, keys, vals)
+
+    def attend(self, q, keys, vals, visible) -> torch.Tensor:
+        """The decode attention kernel (:func:`funcspec.kernels.attention.decode_attention`); needs :meth:`attends`."""
+        return attention.decode_attention(q, keys, vals, visible)
+
+
+REFERENCE = Ops()
+"""Plain torch products and attention: what a model runs before :func:`resolve`, and training (autograd)."""
+
+
+def resolve(device=None) -> Ops:
+    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's."""
+    if torch.device(device or "cpu").type != "cpu":
+        return REFERENCE
+    streams = cpu.avx512_bf16() and not cpu.amx() and build.available()
+    return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
+               half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
+               decode_attention=cpu.avx512_bf16() and build.available())
+
+
+def _plain(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:
+    """A CPU product without a packed copy: the BLAS and row-reduction paths of the module's note."""
+    if weight.dtype == torch.bfloat16 and ops.half_gemm:
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.float32 and ops.blas_skinny:
+        return F.linear(x, weight, bias)
+    if rows > STACKED_ROWS and weight.dtype in HALF:
+        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    if rows > SKINNY_ROWS:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, -1)  # [rows, in]
+    if rows <= STACKED_ROWS and torch.compiler.is_compiling():
+        w = weight.float()
+        y = torch.stack([(w * x2[r].float()).sum(-1) for r in range(rows)]).to(x.dtype)  # [rows, out]
+    elif x.dtype == torch.float32 and rows > 1:
+        y = torch.mm(weight, x2.t()).t()  # [rows, out]
+    else:
+        return F.linear(x, weight, bias)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
