@@ -35,6 +35,7 @@ from funcspec.config import SamplingParams, SpecConfig
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.quant import prepare_params
+from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler
 from funcspec.verifiers import verify_config
@@ -87,6 +88,10 @@ class Engine:
         ops: the kernels (:class:`funcspec.kernels.Ops`); default: what
             :func:`funcspec.kernels.resolve` picks for ``device``. Pass one to
             choose a path (tests, benchmarks).
+        quantization: quantize the target's linear layers on load
+            (:data:`funcspec.quant.formats.SCHEMES`: ``"int8"``, ``"int4"``,
+            ...); the drafter takes ``speculative_config["quantization"]``.
+            vLLM's names of stored formats (``"gguf"``, ...) quantize nothing.
 
     Attributes:
         model, spec, backend, plan, proposer: what the engine runs (``model``
@@ -102,8 +107,9 @@ class Engine:
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
-                 ops: Optional[kernels.Ops] = None):
+                 ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
+        self.quantization = on_load(quantization)
         self.followers = None
         if tensor_parallel_size != 1:
             device = distributed.rank_device(device, distributed.local_rank())
@@ -190,11 +196,14 @@ class Engine:
             raise
 
     def _prepare(self, ops) -> None:
-        """Pack (and fuse) the target's and the drafter's weights for ``ops``, once; a tensor they share packs once."""
+        """Pack, fuse and quantize the target's and the drafter's weights for ``ops``, once; a tensor they share
+        (a head's copy of the target's LM head) is prepared once, as the target's."""
         memo: dict = {}
-        self.model = dataclasses.replace(self.model, params=prepare_params(self.model.params, ops, memo))
+        target = prepare_params(self.model.params, ops, memo, self.quantization)
+        self.model = dataclasses.replace(self.model, params=target)
         if self.proposer is not None:
-            self.proposer = dataclasses.replace(self.proposer, params=prepare_params(self.proposer.params, ops, memo))
+            draft = prepare_params(self.proposer.params, ops, memo, self.spec.quantization)
+            self.proposer = dataclasses.replace(self.proposer, params=draft)
 
     # ------------------------------------------------------------ the device
     @property

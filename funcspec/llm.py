@@ -10,7 +10,7 @@ from funcspec.engine import Engine
 # vLLM engine arguments that have no effect on a single-device funcspec engine.
 NO_EFFECT_ARGS = frozenset({
     "gpu_memory_utilization", "async_scheduling", "distributed_executor_backend", "enable_prefix_caching",
-    "trust_remote_code", "enable_expert_parallel", "quantization", "max_num_batched_tokens", "swap_space",
+    "trust_remote_code", "enable_expert_parallel", "max_num_batched_tokens", "swap_space",
     "block_size", "enable_chunked_prefill", "disable_log_stats", "tokenizer_mode", "data_parallel_size",
     "served_model_name", "kv_cache_dtype", "disable_custom_all_reduce",
 })
@@ -48,7 +48,9 @@ class LLM:
 
     Mapped: ``max_model_len``, ``max_num_seqs`` (slots), ``enforce_eager`` (eager
     backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
-    batch buckets), ``additional_config``, ``seed``, ``dtype``. funcspec's own
+    batch buckets), ``additional_config``, ``seed``, ``dtype``, ``quantization``
+    (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
+    ``.gguf`` model, whose weights come quantized). funcspec's own
     ``backend`` and ``device`` may also be given. Arguments with no effect here
     are accepted with one warning. ``tensor_parallel_size=N`` shards the target
     across N ranks: from a plain process this ``LLM`` is rank 0 and spawns the
@@ -60,7 +62,7 @@ class LLM:
                  max_num_seqs: int = 8, enforce_eager: bool = False, speculative_config: Optional[dict] = None,
                  compilation_config: Any = None, additional_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
-                 backend: Optional[str] = None, device: str = "cpu", **kwargs):
+                 backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None, **kwargs):
         unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
         if unknown:
             raise ValueError(f"LLM: unknown engine argument(s) {unknown}")
@@ -84,7 +86,7 @@ class LLM:
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

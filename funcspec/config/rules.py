@@ -44,7 +44,15 @@ def validate(cfg: "SpecConfig") -> None:
     _check_dynamic_spec(cfg)
     _check_draft_tp(cfg.method, cfg.draft_tensor_parallel_size)
     _check_tree(cfg)
+    _check_quantization(cfg.quantization)
     set_field(cfg, "ignored_keys", tuple(dict.fromkeys(cfg.ignored_keys)))
+
+
+def _check_quantization(name: Any) -> None:
+    """The drafter's on-load quantization: a scheme funcspec applies, or ``None``."""
+    from funcspec.quant.formats import check_scheme
+
+    check_scheme(name)
 
 
 def check_method(method: Any) -> None:

@@ -63,6 +63,10 @@ class SpecConfig:
         dynamic_tree: an EAGLE-2 dynamic tree (SGLang's ``speculative_eagle_topk``,
             ``speculative_num_steps``, ``speculative_num_draft_tokens``), or ``None``;
             a step that drafts N nodes keeps its best N (``token_tree.truncate``).
+        quantization: quantize the drafter's own weights on load (``"int8"``,
+            ``"int4"``, ...: :data:`funcspec.quant.formats.SCHEMES`), or ``None``
+            (vLLM's ``speculative_config.quantization``). Tensors the drafter shares
+            with the target (an LM head) are the target's, as the target was prepared.
         ignored_keys: the given keys, as dotted paths, that vLLM accepts but
             that have no effect in funcspec. The caller warns about them once.
     """
@@ -86,6 +90,7 @@ class SpecConfig:
     draft_tensor_parallel_size: Optional[int] = None
     speculative_token_tree: Optional[TokenTree] = None
     dynamic_tree: Optional[DynamicTree] = None
+    quantization: Optional[str] = None
     ignored_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

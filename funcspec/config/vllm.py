@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from funcspec import methods
 from funcspec.checkpoints import layouts
+from funcspec.quant.formats import STORED, on_load
 from funcspec.config import rules
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.checks import (EXTRA, RS, SPEC, check_int, check_mapping, is_int, no_unknown_keys,
@@ -53,7 +54,7 @@ _USED_SPEC_KEYS = frozenset(
     {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
      "num_speculative_tokens_per_batch_size", "rejection_sample_method",
      "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_model_config",
-     "draft_tensor_parallel_size", "speculative_token_tree", *DYNAMIC_KEYS, *_SUFFIX_KEYS}
+     "draft_tensor_parallel_size", "speculative_token_tree", "quantization", *DYNAMIC_KEYS, *_SUFFIX_KEYS}
 )
 # Keys of vLLM's SpeculativeConfig that change nothing in funcspec. They are accepted
 # and reported in SpecConfig.ignored_keys. _check_ignored_values refuses the values
@@ -61,7 +62,7 @@ _USED_SPEC_KEYS = frozenset(
 # draft alone; funcspec's draft runs inside the target's step graph, whose backend
 # LLM(enforce_eager=...) picks.
 _IGNORED_SPEC_KEYS = frozenset(
-    {"enforce_eager", "disable_padded_drafter_batch", "quantization",
+    {"enforce_eager", "disable_padded_drafter_batch",
      "moe_backend", "attention_backend", "kv_cache_dtype", "max_model_len", "revision",
      "code_revision", "index_share_for_mtp_iteration", "disable_eagle_block_drop",
      "use_local_argmax_reduction", "use_heterogeneous_vocab", "parallel_drafting",
@@ -111,6 +112,8 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
         draft_tensor_parallel_size=spec.get("draft_tensor_parallel_size"),
         speculative_token_tree=static_tree,
         dynamic_tree=dynamic_tree,
+        quantization=on_load(spec.get("quantization"), SPEC + "quantization")
+        if not methods.lookup(method).model == methods.NONE else None,
         ignored_keys=_ignored_keys(spec, extra, method, rejection),
     )
 
@@ -290,6 +293,7 @@ def _ignored_keys(spec: Mapping, extra: Mapping, method: str, rs: RejectionSampl
     ignored = [SPEC + k for k in spec if k in _IGNORED_SPEC_KEYS]
     unused = {
         "model": methods.lookup(method).model == methods.NONE,
+        "quantization": methods.lookup(method).model == methods.NONE or spec.get("quantization") in STORED,
         "prompt_lookup_min": method != "ngram",
         "prompt_lookup_max": method != "ngram",
         **{k: method != "suffix" for k in _SUFFIX_KEYS},

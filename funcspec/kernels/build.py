@@ -25,11 +25,11 @@ import torch
 
 from funcspec.kernels import cpu
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp"))
-"""The CPU kernels, built into one library: the streaming products and the decode attention."""
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp"))
+"""The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products."""
 HEADERS = (Path(__file__).with_name("bf16.h"),)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 CACHE = Path.home() / ".cache" / "funcspec" / "kernels"
 
 # (C function, ctypes argument types) of every kernel in the library.
@@ -38,12 +38,15 @@ _SIGNATURES = {
     "funcspec_linear_f32": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
     "funcspec_attend_bf16": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int],
     "funcspec_attend_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int],
+    "funcspec_qlinear_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
+    "funcspec_qlinear_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
 }
 
 
 def supported() -> bool:
-    """Whether this CPU runs the kernels: x86 with AVX-512 (F, BW, VL) and AVX512-BF16."""
-    return cpu.avx512_bf16()
+    """Whether this CPU runs the kernels: x86 with AVX-512 (F, BW, VL), AVX512-BF16 and VNNI (every AVX512-BF16
+    CPU so far: Cooper Lake, Sapphire Rapids, Zen 4)."""
+    return cpu.avx512_bf16() and cpu.vnni()
 
 
 def _compiler() -> str | None:

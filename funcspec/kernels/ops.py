@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import attention, build, cpu, onednn, stream
+from funcspec.kernels import attention, build, cpu, onednn, quant, stream
 
 SKINNY_ROWS = 64
 """fp32 CPU products of at most this many rows take ``(W @ x.T).T`` on the plain paths."""
@@ -88,6 +88,8 @@ class Ops:
         half_gemm: the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
         blas_skinny: MKL streams skinny fp32 products fastest (AMX Xeons).
         decode_attention: the CPU decode attention kernel (:mod:`funcspec.kernels.attention`).
+        quantized: the CPU kernel of 8- and 4-bit weights (:mod:`funcspec.kernels.quant`); without it they
+            take the same math in torch.
     """
 
     stream: bool = False
@@ -95,6 +97,7 @@ class Ops:
     half_gemm: bool = False
     blas_skinny: bool = False
     decode_attention: bool = False
+    quantized: bool = False
 
     def layout(self, weight: torch.Tensor) -> Optional[str]:
         """The packed layout ``prepare_params`` makes of a linear's weight for these kernels, or ``None``."""
@@ -112,7 +115,10 @@ class Ops:
 
     def linear(self, x: torch.Tensor, p: dict, bias: bool = True) -> torch.Tensor:
         """``x @ W.T (+ b)`` for x [..., in] and a linear's params ``p`` (``weight`` [out, in], optional
-        ``bias``, and the ``packed`` copy ``prepare_params`` made); ``bias=False`` leaves the bias out."""
+        ``bias``, and the ``packed`` copy ``prepare_params`` made; or a quantized linear's ``qweight``, ``scales``,
+        ``offsets``? and ``format``); ``bias=False`` leaves the bias out."""
+        if "qweight" in p:
+            return self._quantized(x, p if bias else {k: v for k, v in p.items() if k != "bias"})
         weight, b = p["weight"], p.get("bias") if bias else None
         rows = x.numel() // x.shape[-1]
         if x.device.type != "cpu":
@@ -133,6 +139,9 @@ class Ops:
         makes 65 calls instead of 113, each a longer stream. Every output has the
         bits of its own :meth:`linear`.
         """
+        if fused is not None and "qweight" in fused:
+            out = self._quantized(x, fused)
+            return quant.split(out, [p["format"].out_features for p in ps])
         rows = x.numel() // x.shape[-1]
         autograd = torch.is_grad_enabled() and (x.requires_grad or any(p["weight"].requires_grad for p in ps))
         if fused is not None and not autograd and all(self._streams(x, p["weight"], rows) for p in ps):
@@ -140,6 +149,12 @@ class Ops:
             out = stream.stream_op(x, fused["packed"], fused.get("bias"), sum(stream.widths(sizes)))
             return stream.split(out, sizes)
         return [self.linear(x, p) for p in ps]
+
+    def _quantized(self, x: torch.Tensor, p: dict) -> torch.Tensor:
+        """A quantized linear: the kernel where it runs, else its math in torch (:func:`quant.reference`)."""
+        if self.quantized and x.device.type == "cpu" and x.dtype in quant.DTYPES:
+            return quant.qlinear(x, p)
+        return quant.reference(x, p)
 
     def _streams(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
         """Whether a product of ``rows`` rows takes the streaming kernel (static)."""
@@ -166,7 +181,7 @@ def resolve(device=None) -> Ops:
     streams = cpu.avx512_bf16() and not cpu.amx() and build.available()
     return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
                half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
-               decode_attention=cpu.avx512_bf16() and build.available())
+               decode_attention=build.available(), quantized=build.available())
 
 
 def _plain(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:

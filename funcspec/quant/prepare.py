@@ -1,12 +1,16 @@
-"""``prepare_params``: a params pytree with the packed copies its ``Ops`` streams, made once at load.
+"""``prepare_params``: a params pytree with the packed (or quantized) copies its ``Ops`` streams, made once at load.
 
 A linear's params ``{"weight", "bias"?}`` gain ``packed``, the weight in the
-kernel's layout (:meth:`funcspec.kernels.Ops.layout`). Layers that read one
-input are packed side by side into one stream where the kernel fuses them:
-q/k/v as ``qkv_proj`` and gate/up as ``gate_up_proj`` (vLLM's names), each
-``{"packed", "bias"?}`` beside the layers, whose own weights stay for the
-other paths. A decoder with tied embeddings gains an ``lm_head`` holding the
-embedding, so its LM head packs like any linear. Tables read by row
+kernel's layout (:meth:`funcspec.kernels.Ops.layout`), or, with a
+``quantization`` (:data:`funcspec.quant.formats.SCHEMES`), become a quantized
+linear ``{"qweight", "scales", "bias"?, "format"}`` (the float weight is
+dropped: that is the point). Layers that read one input are packed side by
+side into one stream where the kernel fuses them: q/k/v as ``qkv_proj`` and
+gate/up as ``gate_up_proj`` (vLLM's names), beside the layers; a float
+layer's own weight stays for the other paths, a quantized layer keeps only its
+``format``. Quantized linears that came quantized (GGUF) are kept as they are.
+A decoder with tied embeddings gains an ``lm_head`` holding the embedding, so
+its LM head packs (or quantizes) like any linear. Tables read by row
 (:data:`INDEXED`) are never packed.
 
 NOTE: the input is not modified: containers are rebuilt, tensors shared, and
@@ -24,6 +28,7 @@ import torch
 
 from funcspec.kernels import Ops
 from funcspec.kernels import stream
+from funcspec.quant import formats
 
 INDEXED = ("embed_tokens", "markov_w1")
 """Weights read by row (embeddings), never multiplied: not packed."""
@@ -32,18 +37,20 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 """Fused groups of layers that read one input: the group's name -> its layers, in output order."""
 
 
-def prepare_params(params, ops: Ops, memo: Optional[dict] = None):
-    """``params`` with every linear's packed copy for ``ops`` and the fused groups (see the module docstring).
+def prepare_params(params, ops: Ops, memo: Optional[dict] = None, quantization: Optional[str] = None):
+    """``params`` with every linear's packed copy for ``ops`` and the fused groups (see the module docstring),
+    every linear quantized to ``quantization`` when given.
 
     ``memo`` (a dict, shared across calls) makes a container or weight that
     several params pytrees share prepared once: the drafter's copy of the
     target's LM head is the target's packed one.
     """
+    formats.check_scheme(quantization)
     memo = {} if memo is None else memo
     if isinstance(params, dict) and "model" in params and "lm_head" not in params \
             and isinstance(params["model"], dict) and "embed_tokens" in params["model"]:
         params = {**params, "lm_head": {"weight": params["model"]["embed_tokens"]["weight"]}}  # tied
-    return _prepare(params, ops, memo, None)
+    return _prepare(params, ops, memo, None, quantization)
 
 
 def _is_linear(node) -> bool:
@@ -51,44 +58,68 @@ def _is_linear(node) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()
 
 
-def _pack(weight: torch.Tensor, ops: Ops, memo: dict) -> torch.Tensor:
-    key = ("pack", id(weight))
-    if key not in memo:
-        memo[key] = (weight, ops.pack(weight))  # NOTE: the weight is kept so that its id is not reused
-    return memo[key][1]
+def _memo(memo: dict, key, make):
+    """``make()``, once per ``key`` (whose object is kept alive in the memo, so that its id is not reused)."""
+    if key[1:] not in memo:
+        memo[key[1:]] = (key[0], make())
+    return memo[key[1:]][1]
 
 
-def _prepare(node, ops: Ops, memo: dict, name):
-    if isinstance(node, (list, tuple)):
-        return type(node)(_prepare(x, ops, memo, name) for x in node)
-    if not isinstance(node, dict):
-        return node
-    key = ("node", id(node))
-    if key in memo:
-        return memo[key][1]
-    if _is_linear(node) and name not in INDEXED:
-        out = dict(node)
-        if ops.layout(node["weight"]) is not None:
-            out["packed"] = _pack(node["weight"], ops, memo)
-    else:
-        fused = {group: members for group, members in FUSED.items() if _fuses(node, members, ops)}
-        inside = {m for members in fused.values() for m in members}
-        out = {k: dict(v) if k in inside else _prepare(v, ops, memo, k) for k, v in node.items()}
-        for group, members in fused.items():
-            ps = [node[m] for m in members]
-            sizes = [p["weight"].shape[0] for p in ps]
-            out[group] = {"packed": stream.pack_weights([p["weight"] for p in ps])}
-            bias = stream.group_bias(sizes, [p.get("bias") for p in ps], ps[0]["weight"].dtype)
-            if bias is not None:
-                out[group]["bias"] = bias
-    memo[key] = (node, out)
+def _linear(node: dict, ops: Ops, memo: dict, scheme) -> dict:
+    """One linear's params, quantized to ``scheme`` or with its packed copy."""
+    w = node["weight"]
+    if scheme is not None and formats.quantizes(w, scheme):
+        return _memo(memo, (node, "quantized", id(node), scheme), lambda: formats.quantize(node, scheme))
+    out = dict(node)
+    if ops.layout(w) is not None:
+        out["packed"] = _memo(memo, (w, "pack", id(w)), lambda: ops.pack(w))
     return out
 
 
-def _fuses(node: dict, members, ops: Ops) -> bool:
-    """Whether ``node``'s layers ``members`` are packed as one stream: all there, one dtype and input, streamed."""
-    ps = [node.get(m) for m in members]
+def _prepare(node, ops: Ops, memo: dict, name, scheme):
+    if isinstance(node, (list, tuple)):
+        return type(node)(_prepare(x, ops, memo, name, scheme) for x in node)
+    if not isinstance(node, dict) or "qweight" in node:  # a tensor, or a linear that came quantized
+        return node
+    return _memo(memo, (node, "node", id(node)), lambda: _container(node, ops, memo, name, scheme))
+
+
+def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
+    if _is_linear(node) and name not in INDEXED:
+        return _linear(node, ops, memo, scheme)
+    groups = {g: ms for g, ms in FUSED.items() if all(isinstance(node.get(m), dict) for m in ms)}
+    streamed = {g: ms for g, ms in groups.items() if _streams_together([node[m] for m in ms], ops)
+                and not (scheme is not None and any(formats.quantizes(node[m]["weight"], scheme) for m in ms))}
+    together = {m for ms in streamed.values() for m in ms}
+    out = {k: dict(v) if k in together else _prepare(v, ops, memo, k, scheme) for k, v in node.items()}
+    for g, ms in streamed.items():  # the members keep their weights, for the paths that do not stream
+        out[g] = _stream_group([node[m] for m in ms])
+    for g, ms in groups.items():
+        ps = [out[m] for m in ms]
+        if all("qweight" in p for p in ps) and _one_format(ps):
+            out[g] = formats.fuse(ps)
+            out.update({m: {"format": p["format"]} for m, p in zip(ms, ps)})  # the fused copy serves them
+    return out
+
+
+def _one_format(ps) -> bool:
+    f = [p["format"] for p in ps]
+    return len({(x.bits, x.group, x.in_features, x.asym) for x in f}) == 1
+
+
+def _streams_together(ps, ops: Ops) -> bool:
+    """Whether float layers ``ps`` are packed as one stream: all there, one dtype and input, streamed."""
     if not all(_is_linear(p) for p in ps):
         return False
     w = [p["weight"] for p in ps]
     return all(ops.layout(x) == "stream" and x.dtype == w[0].dtype and x.shape[1] == w[0].shape[1] for x in w)
+
+
+def _stream_group(ps) -> dict:
+    """Float layers of one input packed side by side into one stream, with their group bias."""
+    sizes = [p["weight"].shape[0] for p in ps]
+    out = {"packed": stream.pack_weights([p["weight"] for p in ps])}
+    bias = stream.group_bias(sizes, [p.get("bias") for p in ps], ps[0]["weight"].dtype)
+    if bias is not None:
+        out["bias"] = bias
+    return out

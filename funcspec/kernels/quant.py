@@ -1,0 +1,230 @@
+"""Quantized linear layers: 8- and 4-bit weights in groups, the CPU kernel (AVX512-VNNI) and its reference.
+
+A quantized weight W [N, K] is stored as unsigned values q (8 or 4 bits) with
+one fp16 scale s per output and group of G consecutive k (G a multiple of 32,
+G = K for per-channel), and for asymmetric formats one fp16 offset o::
+
+    W[n, k] = s[n, g] * (q[n, k] - zero)   symmetric (zero = 128 for 8 bits, 8 for 4)
+    W[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric
+
+That one family holds GGUF's Q8_0 (8-bit, G = 32), Q4_0 (4-bit, G = 32) and
+Q4_K (4-bit, G = 32, asymmetric: its 6-bit sub-block scales and mins times the
+super-block's d and dmin), and funcspec's own round-to-nearest int8 (per
+channel) and int4 (G = 32 or 128); GPTQ / AWQ zero points are its offsets.
+
+The product quantizes each row's activations per block of 32 k to int8 (as
+llama.cpp's Q8 activations: d = max|x| / 127, round half to even), sums each
+block as integers (``vpdpbusd``), and scales in fp32, block after block
+(:file:`quant.cpp`): a row's result does not depend on the rows beside it, so
+AR and verification agree bit for bit. :func:`reference` is the same math in
+torch, for CPUs without the kernel (slowly) and for tests.
+
+:func:`pack` lays q, s and o out in column blocks of 32 outputs, one stream
+each, as the kernel reads them; :class:`QuantFormat` is the static part a
+quantized linear's params carry (``prepare_params`` and the checkpoint readers
+make them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from funcspec.kernels import build
+from funcspec.kernels.cpu import huge_empty
+
+QB = 32
+"""Outputs per column block of the packed layout (quant.cpp's ``QB``)."""
+AB = 32
+"""k per activation block: the granularity of the activations' int8 scales, and of G."""
+DTYPES = (torch.bfloat16, torch.float32)
+SERIAL_MACS = 1 << 18
+"""Products of fewer multiply-adds run on one thread."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """The static part of a quantized linear (its params: ``qweight``, ``scales``, ``offsets``?, ``bias``?).
+
+    Attributes:
+        bits: 8 or 4.
+        group: G, the k per scale (a multiple of 32 dividing K; K for per-channel).
+        out_features: N.
+        in_features: K.
+        asym: whether the params hold ``offsets`` (else the zero is 128 or 8).
+        name: the format's name, for reports (``int8``, ``int4-g32``, ``gguf-q4_k``, ...).
+    """
+
+    bits: int
+    group: int
+    out_features: int
+    in_features: int
+    asym: bool = False
+    name: str = ""
+
+    @property
+    def zero(self) -> int:
+        """The symmetric formats' zero point."""
+        return 128 if self.bits == 8 else 8
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the kernel streams per product: values, scales and offsets."""
+        n = -(-self.out_features // QB) * QB
+        return n * self.in_features * self.bits // 8 + n * (self.in_features // self.group) * 2 * (1 + self.asym)
+
+
+def check_shape(n: int, k: int, bits: int, group: int) -> None:
+    """``ValueError`` for a weight the kernel cannot hold: K and G multiples of 32, G dividing K."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantized weights are 8 or 4 bits, got {bits}")
+    if k % AB or group % AB or k % group:
+        raise ValueError(f"quantized weight [{n}, {k}]: in_features and the group size must be multiples of {AB}, "
+                         f"the group dividing in_features; got group {group}")
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, offsets, bits: int) -> tuple:
+    """q [N, K] (uint8 values), scales and offsets [N, K/G] in the kernel's layout: ``(qweight, scales, offsets)``.
+
+    qweight: 8-bit [N'/32, K/4, 32, 4], 4-bit [N'/32, K/8, 32, 4] (a byte holds k = 8s + j low and 8s + 4 + j
+    high); scales / offsets fp16 [N'/32, K/G, 32]; N' = N rounded up to 32 (zero padding).
+    """
+    n, k = q.shape
+    pad = -n % QB
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))  # [N', K]
+    if bits == 8:
+        v = q.view(-1, QB, k // 4, 4).permute(0, 2, 1, 3)  # [N'/32, K/4, 32, 4]
+    else:
+        octets = q.view(-1, QB, k // 8, 2, 4)  # [N'/32, 32, K/8, (low, high), 4]
+        v = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N'/32, K/8, 32, 4]
+    packed = huge_empty(v.shape, torch.uint8).copy_(v)
+
+    def groups(t):
+        t = torch.nn.functional.pad(t.to(torch.float16), (0, 0, 0, pad))  # [N', K/G]
+        return t.view(-1, QB, t.shape[1]).transpose(1, 2).contiguous()  # [N'/32, K/G, 32]
+
+    return packed, groups(scales), None if offsets is None else groups(offsets)
+
+
+def unpack(qweight: torch.Tensor, scales: torch.Tensor, offsets, fmt: QuantFormat) -> tuple:
+    """The inverse of :func:`pack`: q [N, K] uint8, scales and offsets [N, K/G] fp16."""
+    n, k = fmt.out_features, fmt.in_features
+    if fmt.bits == 8:
+        q = qweight.permute(0, 2, 1, 3).reshape(-1, k)  # [N', K]
+    else:
+        lo, hi = qweight & 0x0F, qweight >> 4  # [N'/32, K/8, 32, 4] each
+        q = torch.stack([lo, hi], 3).permute(0, 2, 1, 3, 4).reshape(-1, k)  # [N', K]
+
+    def groups(t):
+        return None if t is None else t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+    return q[:n], groups(scales), groups(offsets)
+
+
+def dequantize(qweight, scales, offsets, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
+    """W [N, K] in ``dtype`` from its packed quantized params."""
+    q, s, o = unpack(qweight, scales, offsets, fmt)
+    s = s.float().repeat_interleave(fmt.group, 1)  # [N, K]
+    w = s * q.float() - o.float().repeat_interleave(fmt.group, 1) if fmt.asym else s * (q.float() - fmt.zero)
+    return w.to(dtype)
+
+
+def _check(x: torch.Tensor, qweight, scales, offsets, bias, fmt: QuantFormat) -> None:
+    """The kernel reads raw memory: a wrong dtype or shape must fail here, not read out of bounds."""
+    n, k = fmt.out_features, fmt.in_features
+    steps = k * fmt.bits // 32
+    blocks = -(-n // QB)
+    if x.dtype not in DTYPES or x.shape[-1] != k:
+        raise ValueError(f"qlinear: x must be bfloat16 or float32 [..., {k}], got {x.dtype} {list(x.shape)}")
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (blocks, steps, QB, 4):
+        raise ValueError(f"qlinear: qweight must be uint8 [{blocks}, {steps}, {QB}, 4] for {fmt}, got "
+                         f"{qweight.dtype} {list(qweight.shape)}")
+    for name, t in (("scales", scales), ("offsets", offsets)):
+        if (t is None) != (name == "offsets" and not fmt.asym):
+            raise ValueError(f"qlinear: {name} is {'missing' if t is None else 'unexpected'} for {fmt}")
+        if t is not None and (t.dtype != torch.float16 or tuple(t.shape) != (blocks, k // fmt.group, QB)):
+            raise ValueError(f"qlinear: {name} must be float16 [{blocks}, {k // fmt.group}, {QB}], got "
+                             f"{t.dtype} {list(t.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"qlinear: bias must be [{n}], got {list(bias.shape)}")
+
+
+def _qlinear(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group: int) -> torch.Tensor:
+    fmt = QuantFormat(bits, group, n, k, offsets is not None)
+    _check(x, qweight, scales, offsets, bias, fmt)
+    x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    out = x.new_empty((*x.shape[:-1], n))
+    rows = x.numel() // k
+    lib = build.lib()
+    fn = lib.funcspec_qlinear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qlinear_f32
+    threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
+    fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, group, bits, threads)
+    return out
+
+
+def _qlinear_meta(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, ~10 us a call.
+_LIB = torch.library.Library("funcspec", "FRAGMENT")
+_LIB.define("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int bits, "
+            "int group) -> Tensor")
+_LIB.impl("qlinear", _qlinear, "CPU")
+_LIB.impl("qlinear", _qlinear_meta, "Meta")
+
+
+def qlinear(x: torch.Tensor, p: dict) -> torch.Tensor:
+    """``x @ W.T (+ b)`` for x [..., K] (bf16 or fp32) and a quantized linear's params ``p`` (``qweight``,
+    ``scales``, ``offsets``?, ``bias``?, ``format``), through the kernel. Needs :func:`build.available`."""
+    f = p["format"]
+    if f.asym != (p.get("offsets") is not None):
+        raise ValueError(f"qlinear: offsets is {'missing' if f.asym else 'unexpected'} for {f}")
+    return torch.ops.funcspec.qlinear(x, p["qweight"], p["scales"], p.get("offsets"), p.get("bias"),
+                                      f.out_features, f.in_features, f.bits, f.group)
+
+
+def widths(sizes) -> list[int]:
+    """The columns each member of a fused quantized group (out features ``sizes``, in order) takes in its product:
+    whole column blocks of 32, the last one not."""
+    sizes = list(sizes)
+    return [-(-n // QB) * QB for n in sizes[:-1]] + [sizes[-1]]
+
+
+def split(out: torch.Tensor, sizes) -> list[torch.Tensor]:
+    """A fused quantized group's product [..., sum of widths] as each member's output [..., n_i] (views)."""
+    parts = out.split(widths(sizes), -1)
+    return [p if p.shape[-1] == n else p[..., :n] for p, n in zip(parts, sizes)]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple:
+    """x [R, K] as int8 per row and block of 32 k: ``(xq [R, K/32, 32] int32, d [R, K/32], sums [R, K/32])``."""
+    xb = x.float().view(x.shape[0], -1, AB)  # [R, K/32, 32]
+    amax = xb.abs().amax(-1)  # [R, K/32]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int32)
+    return xq, amax / 127.0, xq.sum(-1)
+
+
+def reference(x: torch.Tensor, p: dict) -> torch.Tensor:
+    """The kernel's math in torch (the same int8 activations and integer block sums; the fp32 sum over blocks in
+    torch's order): for CPUs without the kernel, and a check of it. A row's result does not depend on its batch."""
+    f = p["format"]
+    q, s, o = unpack(p["qweight"], p["scales"], p.get("offsets"), f)  # [N, K], [N, K/G] each
+    rows = x.reshape(-1, f.in_features)
+    xq, d, sums = quantize_activations(rows)  # [R, B, 32], [R, B], [R, B]
+    per = f.group // AB
+    dots = torch.einsum("rbk,nbk->rnb", xq, q.view(f.out_features, -1, AB).to(torch.int32))  # [R, N, B] exact
+    s = s.float().repeat_interleave(per, 1)  # [N, B]
+    if f.asym:
+        blocks = dots.float() * s - o.float().repeat_interleave(per, 1) * sums.float().unsqueeze(1)
+    else:
+        blocks = (dots - f.zero * sums.unsqueeze(1)).float() * s
+    y = (blocks * d.unsqueeze(1)).sum(-1)  # [R, N]
+    if p.get("bias") is not None:
+        y = y + p["bias"].float()
+    return y.to(x.dtype).view(*x.shape[:-1], f.out_features)

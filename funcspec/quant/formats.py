@@ -1,0 +1,104 @@
+"""Weight formats funcspec quantizes to on load: round-to-nearest int8 and int4, per channel or per group.
+
+``LLM(model, quantization=NAME)`` (and ``Engine(..., quantization=NAME)``)
+quantizes every linear layer of a bf16/fp32 checkpoint (embeddings stay as
+they are: they are read by row) into the one family the kernel runs
+(:mod:`funcspec.kernels.quant`). The scale of each group is rounded to fp16
+first, then the values against it, so the stored weight is the nearest one
+the format can hold for that scale.
+
+======================  ======  ========  ======================================================
+name                    bits    group     values
+======================  ======  ========  ======================================================
+``int8``                8       channel   q = round(w / s) in [-127, 127], s = max|w| / 127
+``int8-g32``            8       32        the same per 32 k (GGUF's Q8_0)
+``int4`` (``int4-g32``) 4       32        llama.cpp's Q4_0 rule: s = -m / 8 for the signed m of
+                                          largest magnitude, q = round(w / s) in [-8, 7]
+``int4-g128``           4       128       the same per 128 k (GPTQ's and AWQ's usual group)
+======================  ======  ========  ======================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcspec.kernels import quant as qk
+
+SCHEMES = {"int8": (8, None), "int8-g32": (8, 32), "int4": (4, 32), "int4-g32": (4, 32), "int4-g128": (4, 128)}
+"""``quantization=`` names funcspec quantizes to on load: name -> (bits, group; ``None``: per channel)."""
+
+STORED = frozenset({"gguf", "ascend", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8",
+                    "bitsandbytes", "modelopt", "experts_int8"})
+"""vLLM's ``quantization`` names of formats a checkpoint is stored in: they say how to read the weights, not
+how to quantize them. ``gguf`` is read from ``.gguf`` files; the others are not read yet, so naming one changes
+nothing (the checkpoint is read as it is stored)."""
+
+
+def on_load(name, field: str = "quantization"):
+    """The scheme to quantize to on load for a ``quantization`` value: one of :data:`SCHEMES`, or ``None`` for
+    ``None`` and the stored formats (:data:`STORED`); any other value is a ``ValueError`` naming ``field``."""
+    if name is None or name in STORED:
+        return None
+    if name not in SCHEMES:
+        raise ValueError(f"{field} must be one of {sorted(SCHEMES)} (quantized on load), a stored format vLLM "
+                         f"names ({sorted(STORED)}), or None; got {name!r}")
+    return name
+
+
+def check_scheme(name) -> None:
+    """``ValueError`` for a scheme :func:`quantize` does not know (``None``: no quantization)."""
+    if name is not None and name not in SCHEMES:
+        raise ValueError(f"quantization scheme must be one of {sorted(SCHEMES)} (or None), got {name!r}")
+
+
+def quantizes(weight: torch.Tensor, name: str) -> bool:
+    """Whether a linear's weight [N, K] takes format ``name``: K must hold whole groups of 32."""
+    bits, group = SCHEMES[name]
+    k = weight.shape[1]
+    return k % qk.AB == 0 and k % (group or k) == 0
+
+
+def quantize(p: dict, name: str) -> dict:
+    """A linear's params ``{"weight", "bias"?}`` quantized to ``name``: ``{"qweight", "scales", "bias"?, "format"}``
+    (packed for the kernel)."""
+    w = p["weight"].detach().float()  # [N, K]
+    n, k = w.shape
+    bits, group = SCHEMES[name]
+    group = group or k
+    qk.check_shape(n, k, bits, group)
+    g = w.view(n, k // group, group)  # [N, K/G, G]
+    if bits == 8:
+        scale = (g.abs().amax(-1) / 127.0).half()  # [N, K/G]
+        lo, hi = -127, 127
+    else:  # llama.cpp's Q4_0: the value of largest magnitude maps to -8
+        idx = g.abs().argmax(-1, keepdim=True)
+        scale = (torch.gather(g, -1, idx).squeeze(-1) / -8.0).half()
+        lo, hi = -8, 7
+    s = scale.float().unsqueeze(-1)
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+    zero = 128 if bits == 8 else 8
+    q = (torch.round(g * inv).clamp(lo, hi) + zero).to(torch.uint8).view(n, k)
+    qweight, scales, _ = qk.pack(q, scale, None, bits)
+    out = {"qweight": qweight, "scales": scales, "format": qk.QuantFormat(bits, group, n, k, False, name)}
+    if p.get("bias") is not None:
+        out["bias"] = p["bias"]
+    return out
+
+
+def fuse(ps: list[dict]) -> dict:
+    """Quantized linears of one input and one format as one product (q/k/v, gate/up): their packed column blocks
+    one after another, so each output but the last takes whole blocks of 32 (:func:`funcspec.kernels.quant.widths`)."""
+    f = [p["format"] for p in ps]
+    if len({(x.bits, x.group, x.in_features, x.asym) for x in f}) != 1:
+        raise ValueError(f"fused quantized layers must share one format, got {f}")
+    out = {key: torch.cat([p[key] for p in ps]) for key in ("qweight", "scales", "offsets") if key in ps[0]}
+    sizes = [x.out_features for x in f]
+    biases = [p.get("bias") for p in ps]
+    if any(b is not None for b in biases):
+        dtype = next(b.dtype for b in biases if b is not None)
+        parts = [torch.zeros(n, dtype=dtype) if b is None else b for n, b in zip(sizes, biases)]
+        out["bias"] = torch.cat([torch.nn.functional.pad(b, (0, w - n)) for b, n, w in zip(parts, sizes,
+                                                                                           qk.widths(sizes))])
+    out["format"] = qk.QuantFormat(f[0].bits, f[0].group, sum(qk.widths(sizes)), f[0].in_features, f[0].asym,
+                                   f[0].name)
+    return out
