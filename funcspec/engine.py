@@ -34,7 +34,7 @@ from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
-from funcspec.quant import prepare_params
+from funcspec.quant import prepare_params, quantized
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler
@@ -92,6 +92,8 @@ class Engine:
             (:data:`funcspec.quant.formats.SCHEMES`: ``"int8"``, ``"int4"``,
             ...); the drafter takes ``speculative_config["quantization"]``.
             vLLM's names of stored formats (``"gguf"``, ...) quantize nothing.
+        tokenizer: a directory to take the tokenizer from (a GGUF file's
+            vocabulary otherwise, or the checkpoint's own tokenizer files).
 
     Attributes:
         model, spec, backend, plan, proposer: what the engine runs (``model``
@@ -107,19 +109,24 @@ class Engine:
                  batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
-                 ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None):
+                 ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
+                 tokenizer: Optional[str] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         self.quantization = on_load(quantization)
         self.followers = None
         if tensor_parallel_size != 1:
             device = distributed.rank_device(device, distributed.local_rank())
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device,
+                                                                        tokenizer=tokenizer)
         # NOTE: the kernels are chosen once, here, from the device: every ModelConfig (the target's, and the
         # drafter's, built from it) carries them into each bucket's static key.
         ops = kernels.resolve(device) if ops is None else ops
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
+        if tensor_parallel_size != 1 and (self.quantization or quantized(self.model.params)):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with quantized weights is not supported: "
+                             f"quantized linears are not sharded (run them on one rank)")
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
             spec = SpecConfig.from_vllm(spec, additional_config)

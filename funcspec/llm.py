@@ -50,7 +50,7 @@ class LLM:
     backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
     batch buckets), ``additional_config``, ``seed``, ``dtype``, ``quantization``
     (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
-    ``.gguf`` model, whose weights come quantized). funcspec's own
+    ``.gguf`` model, whose weights come quantized), ``tokenizer`` (a directory). funcspec's own
     ``backend`` and ``device`` may also be given. Arguments with no effect here
     are accepted with one warning. ``tensor_parallel_size=N`` shards the target
     across N ranks: from a plain process this ``LLM`` is rank 0 and spawns the
@@ -62,7 +62,8 @@ class LLM:
                  max_num_seqs: int = 8, enforce_eager: bool = False, speculative_config: Optional[dict] = None,
                  compilation_config: Any = None, additional_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
-                 backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None, **kwargs):
+                 backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None,
+                 tokenizer: Optional[str] = None, **kwargs):
         unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
         if unknown:
             raise ValueError(f"LLM: unknown engine argument(s) {unknown}")
@@ -86,7 +87,7 @@ class LLM:
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

@@ -112,13 +112,13 @@ def test_phases_subset_and_bad_options(tmp_path):
 
 def test_gguf_export_permutes_q_and_k_like_llama_cpp():
     """The q/k row permutation and the llama3 rope factors, checked without the gguf package."""
-    from funcspec.checkpoints import model_config
+    from funcspec.checkpoints import gguf_write as gguf, model_config
 
     w = torch.arange(8 * 3).reshape(8, 3)  # 2 heads of head_dim 4: rows (0 1 2 3) (4 5 6 7)
-    assert scale.gguf_rope_permute(w, 2)[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]  # halves interleaved per head
+    assert gguf.rope_permute(w, 2)[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]  # halves interleaved per head
     cfg = model_config({"architectures": ["LlamaForCausalLM"], **scale.SHAPES["llama-3.2-1b"].config,
                         "num_hidden_layers": 0})
-    out = scale.gguf_tensors(cfg, {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.zeros(1)})
+    out = gguf.tensors(cfg, {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.zeros(1)})
     factors = out["rope_freqs.weight"]
     assert set(out) == {"token_embd.weight", "output_norm.weight", "rope_freqs.weight"}  # tied: no output.weight
     assert factors.shape == (32,) and factors[0] == pytest.approx(1.0) and factors[-1] == pytest.approx(32.0)
@@ -177,7 +177,7 @@ def test_llamacpp_phase_with_a_fake_binding(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
     monkeypatch.setitem(sys.modules, "gguf", types.SimpleNamespace())
     monkeypatch.setattr(scale, "hf_greedy", keep)
-    monkeypatch.setattr(scale, "write_gguf", lambda ckpt, dtype: tmp_path / f"model-{dtype}.gguf")
+    monkeypatch.setattr(scale, "write_gguf", lambda ckpt, kind: tmp_path / f"model-{kind}.gguf")
     res = scale.run(**{**TINY, "phases": "hf,ar,llamacpp", "reps": 1}, cache_dir=str(tmp_path / "c"),
                     out=str(tmp_path / "o"))
     lc = res["llamacpp"]

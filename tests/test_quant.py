@@ -14,7 +14,7 @@ from funcspec.quant import formats, prepare_params
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason="no AVX512-VNNI kernel here (CI's Zen 4 builds it)")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-FORMATS = [(8, 64, False), (8, 32, False), (8, 32, True), (4, 32, False), (4, 128, True), (4, 64, False)]
+FORMATS = [(8, 64, False), (8, 32, False), (8, 32, True), (8, 16, False), (4, 32, False), (4, 128, True), (4, 64, False)]
 
 
 def random_format(n, k, bits, group, asym, seed=0):
@@ -90,8 +90,10 @@ def test_kernel_rejects_what_it_cannot_read():
         quant.qlinear(torch.randn(2, 64), {**p, "qweight": p["qweight"][:, :4]})
     with pytest.raises(ValueError, match="offsets is missing"):
         quant.qlinear(torch.randn(2, 64), {**p, "format": quant.QuantFormat(4, 32, 64, 64, True)})
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match="in_features must be a multiple of 32"):
         quant.check_shape(64, 48, 4, 32)
+    with pytest.raises(ValueError, match="or 16 at 8 bits"):
+        quant.check_shape(64, 64, 4, 16)
 
 
 @pytest.mark.parametrize("name", ["int8", "int8-g32", "int4", "int4-g128"])
@@ -198,3 +200,5 @@ def test_quantization_names_are_checked(target):
     with pytest.raises(ValueError, match="speculative_config.quantization must be one of .*got 'int3'"):
         Engine(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 2, "quantization": "int3"})
     assert formats.on_load("gguf") is None and formats.on_load("ascend") is None and formats.on_load("int4") == "int4"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with quantized weights is not supported"):
+        Engine(target, quantization="int8", tensor_parallel_size=2)

@@ -451,97 +451,11 @@ def profile_step(ctx: dict, steps: int, top: int = 12) -> dict:
 
 
 # ----------------------------------------------------------------- llama.cpp
-def gguf_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF -> GGUF q/k row order (llama.cpp's rotary pairs), as convert_hf_to_gguf's ``LlamaModel.permute``."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def write_gguf(ckpt: Path, kind: str) -> Path:
+    """The checkpoint as ``model-<kind>.gguf`` beside it (:func:`funcspec.checkpoints.gguf_write.write`), built once."""
+    from funcspec.checkpoints import gguf_write
 
-
-def gguf_tensors(cfg, tensors: dict) -> dict[str, torch.Tensor]:
-    """HF Llama tensors under llama.cpp's GGUF names (q/k permuted; ``rope_freqs`` for llama3 RoPE)."""
-    from funcspec.nn.llama import rope_inv_freq
-
-    out = {"token_embd.weight": tensors["model.embed_tokens.weight"],
-           "output_norm.weight": tensors["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = tensors["lm_head.weight"]
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for i in range(cfg.num_layers):
-        for hf, gg in names.items():
-            w = tensors[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":
-                w = gguf_rope_permute(w, cfg.num_heads)
-            elif gg == "attn_k":
-                w = gguf_rope_permute(w, cfg.num_kv_heads)
-            out[f"blk.{i}.{gg}.weight"] = w
-    if cfg.rope_scaling:  # llama.cpp divides each frequency by its factor: default / scaled
-        plain = dataclasses.replace(cfg, rope_scaling=())
-        out["rope_freqs.weight"] = rope_inv_freq(plain) / rope_inv_freq(cfg)  # [D/2]
-    return out
-
-
-def write_gguf(ckpt: Path, dtype: str) -> Path:
-    """The checkpoint as ``model-<dtype>.gguf`` beside it (llama arch, placeholder SPM vocab), built once."""
-    import gguf
-
-    from funcspec.checkpoints import model_config, read_config, read_weights
-
-    path = ckpt / f"model-{dtype}.gguf"
-    if path.exists():
-        return path
-    cfg = model_config(read_config(ckpt)[1])
-    w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
-    w.add_name(ckpt.name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    f32 = dtype == "float32"
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_BF16)
-    _add_vocab(w, gguf, cfg)
-    for name, t in gguf_tensors(cfg, read_weights(ckpt)).items():
-        if f32 or t.dim() == 1:  # norms and rope factors stay f32, as convert_hf_to_gguf keeps them
-            w.add_tensor(name, t.float().contiguous().numpy())
-        else:  # bf16 bits as int16, tagged BF16
-            w.add_tensor(name, t.to(torch.bfloat16).contiguous().view(torch.int16).numpy(),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    Path(str(path) + ".tmp").replace(path)
-    return path
-
-
-def _add_vocab(w, gguf, cfg) -> None:
-    """A placeholder SentencePiece vocab (llama.cpp needs one): <unk>, byte tokens, BOS / EOS, filler names."""
-    n, bos, eos = cfg.vocab_size, cfg.bos_token_id, (cfg.eos_token_ids or (2,))[0]
-    tokens = [f"t{i}" for i in range(n)]
-    types = [gguf.TokenType.NORMAL] * n
-    tokens[0], types[0] = "<unk>", gguf.TokenType.UNKNOWN
-    for b in range(256):  # ids 3..258 as in Llama 2's vocab: "<0x0A>" is the newline llama.cpp looks up
-        if 3 + b < n and 3 + b not in (bos, eos):
-            tokens[3 + b], types[3 + b] = f"<0x{b:02X}>", gguf.TokenType.BYTE
-    tokens[bos], types[bos] = "<s>", gguf.TokenType.CONTROL
-    tokens[eos], types[eos] = "</s>", gguf.TokenType.CONTROL
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * n)
-    w.add_token_types([int(t) for t in types])
-    w.add_bos_token_id(bos)
-    w.add_eos_token_id(eos)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
+    return gguf_write.write(ckpt, ckpt / f"model-{kind}.gguf", kind)
 
 
 def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f32_kv: bool = True):

@@ -12,10 +12,11 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from funcspec.checkpoints import gguf
 from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config
 from funcspec.nn.llama import ModelConfig
 
@@ -50,9 +51,10 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if rope_type not in ("default", "llama3", "linear", "factors"):
         raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported")
-    scaling = () if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
+    scaling = () if rope_type == "default" else \
+        tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items() if k != "type"))
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
@@ -180,14 +182,20 @@ def _embedded_head(key: str, num_layers: int) -> bool:
     return False
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
-    """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not).
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
+               tokenizer: Optional[str | os.PathLike] = None) -> Model:
+    """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not),
+    or a GGUF file (:mod:`funcspec.checkpoints.gguf`: its Q8_0 / Q4_0 / Q4_K blocks stay quantized).
 
     Draft heads saved in the same checkpoint (:data:`EMBEDDED_HEADS`) are
-    skipped: they belong to their proposer. Raises ``FileNotFoundError`` for a
-    missing directory or file and ``ValueError`` for an unsupported
+    skipped: they belong to their proposer. ``tokenizer``: a directory to take
+    the tokenizer from instead of the checkpoint's. Raises ``FileNotFoundError``
+    for a missing directory or file and ``ValueError`` for an unsupported
     architecture, a corrupt file, or missing / unexpected / mis-shaped keys.
     """
+    gguf_file = gguf.path_of(path)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, dtype, device, tokenizer)
     path, hf = read_config(path)
     cfg = model_config(hf, str(path / "config.json"))
     shapes = expected_shapes(cfg)
@@ -198,4 +206,26 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     tensors = weights.read(keys)
     check_keys(tensors, shapes, str(weights))
     params = nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
-    return Model(cfg, params, load_tokenizer(path), str(path), hf)
+    return Model(cfg, params, load_tokenizer(Path(tokenizer)) if tokenizer else load_tokenizer(path), str(path), hf)
+
+
+def _load_gguf(path: Path, dtype, device, tokenizer) -> Model:
+    """A GGUF file as a :class:`Model`: float tensors as usual, quantized linears as funcspec's (kept quantized)."""
+    hf, floats, quantized = gguf.read(path, dtype, device)
+    cfg = model_config(hf, str(path))
+    shapes = expected_shapes(cfg)
+    for module, p in quantized.items():
+        want = shapes.pop(module + ".weight", (cfg.vocab_size, cfg.hidden_size) if module == "lm_head" else None)
+        f = p["format"]
+        if want != (f.out_features, f.in_features):
+            raise ValueError(f"{path}: {module}: expected {want}, got a quantized [{f.out_features}, "
+                             f"{f.in_features}]")
+    check_keys(floats, shapes, str(path))
+    params = nest(floats)
+    for module, p in quantized.items():
+        *parents, leaf = module.split(".")
+        node = params
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        node[leaf] = {**p, **({"bias": node[leaf]["bias"]} if isinstance(node.get(leaf), dict) else {})}
+    return Model(cfg, params, gguf.load_tokenizer(path, tokenizer), str(path), hf)

@@ -142,6 +142,8 @@ class Ops:
         if fused is not None and "qweight" in fused:
             out = self._quantized(x, fused)
             return quant.split(out, [p["format"].out_features for p in ps])
+        if fused is None or any("weight" not in p for p in ps):
+            return [self.linear(x, p) for p in ps]
         rows = x.numel() // x.shape[-1]
         autograd = torch.is_grad_enabled() and (x.requires_grad or any(p["weight"].requires_grad for p in ps))
         if fused is not None and not autograd and all(self._streams(x, p["weight"], rows) for p in ps):

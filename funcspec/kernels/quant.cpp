@@ -2,7 +2,8 @@
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x [M, K] (bf16 or fp32) and a
 // quantized weight w [N, K]: 8- or 4-bit unsigned values q, with one scale s (and, asymmetric, one
-// offset o) per output and group of G consecutive k (G a multiple of 32, G = K for per-channel):
+// offset o) per output and group of G consecutive k (G a multiple of 32, G = K for per-channel; or
+// 16 for 8-bit weights, GGUF's Q6_K sub-blocks):
 //
 //   w[n, k] = s[n, g] * (q[n, k] - zero)   symmetric: zero = 128 (8-bit) or 8 (4-bit)
 //   w[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric (GGUF Q4_K's mins, GPTQ/AWQ zero points)
@@ -56,7 +57,7 @@ inline float from_float<float>(float f) { return f; }
 template <>
 inline uint16_t from_float<uint16_t>(float f) { return funcspec::float_to_bf16(f); }
 
-// Row m of x [M, K] as int8 blocks of 32: xq [K], d [K/32], sums [K/32].
+// Row m of x [M, K] as int8 blocks of 32: xq [K], d [K/32], and the sums of each half block, sums [K/16].
 template <class T>
 void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
   for (int64_t b = 0; b < K / AB; ++b) {
@@ -67,33 +68,35 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
     }
     const float scale = amax / 127.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
+    int32_t sum[2] = {0, 0};
     for (int64_t i = 0; i < AB; ++i) {
       const int32_t q = (int32_t)nearbyintf(v[i] * inv);  // round half to even, as torch.round
       xq[b * AB + i] = (int8_t)std::min(127, std::max(-127, q));
-      sum += xq[b * AB + i];
+      sum[i / 16] += xq[b * AB + i];
     }
     d[b] = scale;
-    sums[b] = sum;
+    sums[2 * b] = sum[0];
+    sums[2 * b + 1] = sum[1];
   }
 }
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
-// acc [MB][32] (fp32) += the rows' products with one column block, over every k.
-template <int BITS, bool ASYM, int MB>
+// acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
+// for 8-bit weights in groups of 16: GGUF's Q6_K), each one integer sum per row and output.
+template <int BITS, bool ASYM, int U, int MB>
 void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
           const uint16_t* sb, const uint16_t* ob, float* acc) {
-  const int64_t blocks = K / AB, per_group = G / AB;
+  const int64_t units = K / U, per_group = G / U, blocks = K / AB;
   const __m512i low = _mm512_set1_epi8(0x0F);
   constexpr int32_t zero = BITS == 8 ? 128 : 8;
   __m512 af[MB][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (b % per_group == 0) {
-      const int64_t g = b / per_group;
+  for (int64_t u = 0; u < units; ++u) {
+    if (u % per_group == 0) {
+      const int64_t g = u / per_group;
       s0 = load_half(sb + g * QB);
       s1 = load_half(sb + g * QB + 16);
       if (ASYM) {
@@ -105,21 +108,21 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) ai[m][0] = ai[m][1] = _mm512_setzero_si512();
     if (BITS == 8) {
-      const uint8_t* w = wb + b * 8 * STEP;
+      const uint8_t* w = wb + u * (U / 4) * STEP;
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < U / 4; ++q) {
         const __m512i w0 = _mm512_loadu_si512(w + q * STEP), w1 = _mm512_loadu_si512(w + q * STEP + 64);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
           int32_t v;
-          memcpy(&v, xq + m * K + b * AB + q * 4, 4);
+          memcpy(&v, xq + m * K + u * U + q * 4, 4);
           const __m512i xv = _mm512_set1_epi32(v);
           ai[m][0] = _mm512_dpbusd_epi32(ai[m][0], w0, xv);
           ai[m][1] = _mm512_dpbusd_epi32(ai[m][1], w1, xv);
         }
       }
     } else {
-      const uint8_t* w = wb + b * 4 * STEP;
+      const uint8_t* w = wb + u * 4 * STEP;
 #pragma GCC unroll 4
       for (int o = 0; o < 4; ++o) {
         const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
@@ -128,8 +131,8 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
           int32_t va, vb;
-          memcpy(&va, xq + m * K + b * AB + o * 8, 4);
-          memcpy(&vb, xq + m * K + b * AB + o * 8 + 4, 4);
+          memcpy(&va, xq + m * K + u * U + o * 8, 4);
+          memcpy(&vb, xq + m * K + u * U + o * 8 + 4, 4);
           const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
           ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], lo0, xa), hi0, xb);
           ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], lo1, xa), hi1, xb);
@@ -138,8 +141,9 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const float dm = d[m * blocks + b];
-      const int32_t sum = sums[m * blocks + b];
+      const float dm = d[m * blocks + u * U / AB];
+      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+      const int32_t sum = U == 16 ? half[0] : half[0] + half[1];
       if (ASYM) {
         const __m512 sx = _mm512_set1_ps((float)sum), dv = _mm512_set1_ps(dm);
         const __m512 t0 = _mm512_fnmadd_ps(o0, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(ai[m][0]), s0));
@@ -172,26 +176,26 @@ constexpr int max_rows() {
 }
 constexpr int MAX_MB = 6;
 
-// tile<BITS, ASYM, mb> for a runtime mb in [1, MB].
-template <int BITS, bool ASYM, int MB = max_rows<BITS, ASYM>()>
+// tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB].
+template <int BITS, bool ASYM, int U, int MB = max_rows<BITS, ASYM>()>
 inline void tile_rows(int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G,
                       const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
   if constexpr (MB > 1) {
-    if (mb < MB) return tile_rows<BITS, ASYM, MB - 1>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+    if (mb < MB) return tile_rows<BITS, ASYM, U, MB - 1>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
   }
-  tile<BITS, ASYM, MB>(xq, d, sums, K, G, wb, sb, ob, acc);
+  tile<BITS, ASYM, U, MB>(xq, d, sums, K, G, wb, sb, ob, acc);
 }
 
-template <class T, int BITS, bool ASYM>
+template <class T, int BITS, bool ASYM, int U>
 void qlinear(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o, const T* bias, T* out, int64_t M,
              int64_t N, int64_t K, int64_t G, int threads) {
   const int64_t blocks = K / AB, nb = (N + QB - 1) / QB;
   std::vector<int8_t> xq(M * K);
   std::vector<float> d(M * blocks);
-  std::vector<int32_t> sums(M * blocks);
+  std::vector<int32_t> sums(M * 2 * blocks);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && M > 1)
   for (int64_t m = 0; m < M; ++m) quantize_row<T>(x + m * K, K, xq.data() + m * K, d.data() + m * blocks,
-                                                   sums.data() + m * blocks);
+                                                   sums.data() + m * 2 * blocks);
   const int64_t block_bytes = K * BITS / 8 * QB, groups = K / G;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -208,8 +212,8 @@ void qlinear(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o,
       const int64_t passes = (M + most - 1) / most;
       for (int64_t p = 0, m0 = 0; p < passes; ++p) {
         const int64_t mb = M / passes + (p < M % passes);
-        tile_rows<BITS, ASYM>(mb, xq.data() + m0 * K, d.data() + m0 * blocks, sums.data() + m0 * blocks, K, G,
-                              wb, sb, ob, acc.data());
+        tile_rows<BITS, ASYM, U>(mb, xq.data() + m0 * K, d.data() + m0 * blocks, sums.data() + m0 * 2 * blocks,
+                                 K, G, wb, sb, ob, acc.data());
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t c = 0; c < cols; ++c)
             out[(m0 + m) * N + n0 + c] =
@@ -223,17 +227,23 @@ void qlinear(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o,
 template <class T>
 void dispatch(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o, const T* bias, T* out, int64_t M,
               int64_t N, int64_t K, int64_t G, int bits, int threads) {
-  if (bits == 8 && !o) qlinear<T, 8, false>(x, q, s, o, bias, out, M, N, K, G, threads);
-  if (bits == 8 && o) qlinear<T, 8, true>(x, q, s, o, bias, out, M, N, K, G, threads);
-  if (bits == 4 && !o) qlinear<T, 4, false>(x, q, s, o, bias, out, M, N, K, G, threads);
-  if (bits == 4 && o) qlinear<T, 4, true>(x, q, s, o, bias, out, M, N, K, G, threads);
+  if (bits == 8 && G == 16) {
+    if (o) qlinear<T, 8, true, 16>(x, q, s, o, bias, out, M, N, K, G, threads);
+    else qlinear<T, 8, false, 16>(x, q, s, o, bias, out, M, N, K, G, threads);
+    return;
+  }
+  if (bits == 8 && !o) qlinear<T, 8, false, 32>(x, q, s, o, bias, out, M, N, K, G, threads);
+  if (bits == 8 && o) qlinear<T, 8, true, 32>(x, q, s, o, bias, out, M, N, K, G, threads);
+  if (bits == 4 && !o) qlinear<T, 4, false, 32>(x, q, s, o, bias, out, M, N, K, G, threads);
+  if (bits == 4 && o) qlinear<T, 4, true, 32>(x, q, s, o, bias, out, M, N, K, G, threads);
 }
 
 }  // namespace
 
 extern "C" {
 
-// x [M, K], q / s / o packed as above (o null: symmetric), bias [N] or null, out [M, N]; K and G multiples of 32.
+// x [M, K], q / s / o packed as above (o null: symmetric), bias [N] or null, out [M, N]; K a multiple of 32, G
+// a multiple of 32 dividing K, or 16 for 8-bit weights.
 void funcspec_qlinear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* s, const uint16_t* o,
                            const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t G, int bits,
                            int threads) {

@@ -7,9 +7,10 @@ G = K for per-channel), and for asymmetric formats one fp16 offset o::
     W[n, k] = s[n, g] * (q[n, k] - zero)   symmetric (zero = 128 for 8 bits, 8 for 4)
     W[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric
 
-That one family holds GGUF's Q8_0 (8-bit, G = 32), Q4_0 (4-bit, G = 32) and
-Q4_K (4-bit, G = 32, asymmetric: its 6-bit sub-block scales and mins times the
-super-block's d and dmin), and funcspec's own round-to-nearest int8 (per
+That one family holds GGUF's Q8_0 (8-bit, G = 32), Q4_0 (4-bit, G = 32), Q4_K
+(4-bit, G = 32, asymmetric: its 6-bit sub-block scales and mins times the
+super-block's d and dmin) and Q6_K (8-bit, G = 16: its 6-bit values, int8
+sub-block scales times d), and funcspec's own round-to-nearest int8 (per
 channel) and int4 (G = 32 or 128); GPTQ / AWQ zero points are its offsets.
 
 The product quantizes each row's activations per block of 32 k to int8 (as
@@ -76,12 +77,13 @@ class QuantFormat:
 
 
 def check_shape(n: int, k: int, bits: int, group: int) -> None:
-    """``ValueError`` for a weight the kernel cannot hold: K and G multiples of 32, G dividing K."""
+    """``ValueError`` for a weight the kernel cannot hold: K a multiple of 32; G a multiple of 32 dividing K, or
+    16 at 8 bits (GGUF's Q6_K sub-blocks)."""
     if bits not in (4, 8):
         raise ValueError(f"quantized weights are 8 or 4 bits, got {bits}")
-    if k % AB or group % AB or k % group:
-        raise ValueError(f"quantized weight [{n}, {k}]: in_features and the group size must be multiples of {AB}, "
-                         f"the group dividing in_features; got group {group}")
+    if k % AB or k % group or (group % AB and not (bits == 8 and group == 16)):
+        raise ValueError(f"quantized weight [{n}, {k}]: in_features must be a multiple of {AB} and the group size "
+                         f"a multiple of {AB} dividing it (or 16 at 8 bits); got group {group}")
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, offsets, bits: int) -> tuple:
@@ -217,14 +219,18 @@ def reference(x: torch.Tensor, p: dict) -> torch.Tensor:
     q, s, o = unpack(p["qweight"], p["scales"], p.get("offsets"), f)  # [N, K], [N, K/G] each
     rows = x.reshape(-1, f.in_features)
     xq, d, sums = quantize_activations(rows)  # [R, B, 32], [R, B], [R, B]
-    per = f.group // AB
-    dots = torch.einsum("rbk,nbk->rnb", xq, q.view(f.out_features, -1, AB).to(torch.int32))  # [R, N, B] exact
-    s = s.float().repeat_interleave(per, 1)  # [N, B]
+    unit = min(f.group, AB)  # the k of one integer sum: 32, or 16 for groups of 16
+    per = f.group // unit
+    xq = xq.view(xq.shape[0], -1, unit)  # [R, U, unit]
+    sums = xq.sum(-1)  # [R, U]
+    d = d.repeat_interleave(AB // unit, 1)  # [R, U]
+    dots = torch.einsum("ruk,nuk->rnu", xq, q.view(f.out_features, -1, unit).to(torch.int32))  # [R, N, U] exact
+    s = s.float().repeat_interleave(per, 1)  # [N, U]
     if f.asym:
-        blocks = dots.float() * s - o.float().repeat_interleave(per, 1) * sums.float().unsqueeze(1)
+        units = dots.float() * s - o.float().repeat_interleave(per, 1) * sums.float().unsqueeze(1)
     else:
-        blocks = (dots - f.zero * sums.unsqueeze(1)).float() * s
-    y = (blocks * d.unsqueeze(1)).sum(-1)  # [R, N]
+        units = (dots - f.zero * sums.unsqueeze(1)).float() * s
+    y = (units * d.unsqueeze(1)).sum(-1)  # [R, N]
     if p.get("bias") is not None:
         y = y + p["bias"].float()
     return y.to(x.dtype).view(*x.shape[:-1], f.out_features)

@@ -87,13 +87,16 @@ def init_kv_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=torch.fl
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """RoPE inverse frequencies [D/2], with Llama-3 or linear scaling (as HF computes them)."""
+    """RoPE inverse frequencies [D/2], with Llama-3 or linear scaling (as HF computes them), or GGUF's explicit
+    per-frequency factors (``rope_freqs``: llama.cpp divides each frequency by its factor)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = dict(cfg.rope_scaling)
     kind = s.get("rope_type", s.get("type"))
     if kind == "linear":
         return inv / s["factor"]
+    if kind == "factors":
+        return inv / torch.tensor(s["factors"], dtype=torch.float32, device=device)
     if kind == "llama3":
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]

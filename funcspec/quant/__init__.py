@@ -6,6 +6,6 @@ on the target's and the drafter's params after loading (and sharding), with
 one memo, so a tensor both share is packed once.
 """
 
-from funcspec.quant.prepare import FUSED, INDEXED, prepare_params
+from funcspec.quant.prepare import FUSED, INDEXED, prepare_params, quantized
 
-__all__ = ["FUSED", "INDEXED", "prepare_params"]
+__all__ = ["FUSED", "INDEXED", "prepare_params", "quantized"]

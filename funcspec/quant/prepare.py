@@ -53,6 +53,13 @@ def prepare_params(params, ops: Ops, memo: Optional[dict] = None, quantization: 
     return _prepare(params, ops, memo, None, quantization)
 
 
+def quantized(params) -> bool:
+    """Whether any linear of ``params`` is quantized (came quantized, or was)."""
+    if isinstance(params, dict):
+        return "qweight" in params or any(quantized(v) for v in params.values())
+    return isinstance(params, (list, tuple)) and any(quantized(v) for v in params)
+
+
 def _is_linear(node) -> bool:
     w = node.get("weight") if isinstance(node, dict) else None
     return isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()

@@ -1,0 +1,270 @@
+"""GGUF files (llama.cpp's format) as funcspec models: config from the metadata, weights block for block.
+
+``load_model("model.gguf")`` (and ``LLM(model="model.gguf")``) reads a Llama /
+Qwen2 / Qwen3 GGUF with the ``gguf`` package. Its blocks become funcspec's
+quantized linears (:mod:`funcspec.kernels.quant`) without dequantizing:
+
+=======  ==========================================================================  ================
+GGUF     block (llama.cpp's ``ggml-quants.c``)                                       funcspec format
+=======  ==========================================================================  ================
+Q8_0     32 values: fp16 d, int8 q; w = d q                                          8-bit, G 32
+Q4_0     32 values: fp16 d, 16 bytes of nibbles (j and j + 16); w = d (q - 8)        4-bit, G 32
+Q4_K     256 values: fp16 d, dmin, 12 bytes of 6-bit scales and mins for 8          4-bit, G 32,
+         sub-blocks of 32, nibbles (64 a step: the low 32, then the high 32);        asymmetric
+         w = d sc_j q - dmin m_j                                                     (s = d sc_j,
+                                                                                     o = dmin m_j)
+Q6_K     256 values: 4 low bits (128 bytes), 2 high bits (64), 16 int8 sub-block     8-bit, G 16
+         scales, fp16 d; w = d sc_j (q - 32)                                         (s = d sc_j)
+=======  ==========================================================================  ================
+
+(Q4_K's and Q6_K's d sc_j and dmin m_j are stored in fp16: a relative rounding
+of at most 2^-11, far below their steps. Q4_K_M files hold Q4_K and Q6_K.)
+Other tensor types (F32, F16, BF16, and block types without a kernel here) are
+dequantized by ``gguf`` into the model's dtype. Llama's q and
+k rows, which llama.cpp's converter permutes for its RoPE, are permuted back.
+Token embeddings stay floats (they are read by row); a model without
+``output.weight`` (tied embeddings) projects through the quantized
+``token_embd`` as its LM head.
+
+The tokenizer is transformers' conversion of the GGUF's own vocabulary
+(``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), or a directory given as
+``tokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from funcspec.kernels import quant as qk
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF ``general.architecture`` values funcspec runs, and their HF architectures."""
+
+LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+"""llama.cpp's per-layer tensor names -> HF's."""
+
+QUANTIZED = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q6_K": 8}
+"""GGUF block types that become funcspec's quantized linears, and their bits in funcspec's format."""
+
+
+def is_gguf(path) -> bool:
+    """Whether ``path`` is a GGUF file (by name: ``*.gguf``)."""
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    """A metadata value (strings decoded, arrays as lists)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def config(reader, where: str) -> dict:
+    """The HF ``config.json`` dict of a GGUF's metadata (and its tensors' shapes)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(f"{where}: general.architecture {arch!r} is not a decoder funcspec runs "
+                         f"(GGUF architectures: {sorted(ARCHS)})")
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{where}: no token_embd.weight tensor")
+    vocab, hidden = (int(x) for x in names["token_embd.weight"].shape[::-1])
+
+    def get(key, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{where}: missing metadata {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+          "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+          "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+          "head_dim": int(get("attention.key_length", hidden // heads)),
+          "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+          "rope_theta": float(get("rope.freq_base", 10000.0)),
+          "max_position_embeddings": int(get("context_length", 2048)),
+          "tie_word_embeddings": "output.weight" not in names,
+          "attention_bias": f"blk.0.attn_q.bias" in names}
+    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
+                        ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        value = _field(reader, key)
+        if value is not None:
+            hf[hf_key] = int(value)
+    if "rope_freqs.weight" in names:  # Llama-3.1's RoPE scaling, stored as one factor per frequency
+        factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32)
+        hf["rope_scaling"] = {"rope_type": "factors", "factors": [float(f) for f in factors]}
+    return hf
+
+
+def _hf_name(name: str) -> Optional[str]:
+    """The HF name of a GGUF tensor, or ``None`` for tensors that are not weights (rope_freqs)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name == "rope_freqs.weight":
+        return None
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
+        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no funcspec counterpart")
+
+
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order back to HF's (the inverse of its ``LlamaModel.permute``)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple:
+    """A quantized tensor's rows [N, row bytes] as ``(q [N, K] uint8, scales [N, K/32], offsets or None)``."""
+    data = np.ascontiguousarray(data).reshape(n, -1)
+    if kind == "Q8_0":
+        b = data.reshape(n, k // 32, 34)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(n, k), d.astype(np.float32), None
+    if kind == "Q4_0":
+        b = data.reshape(n, k // 32, 18)
+        d = b[..., :2].copy().view(np.float16)[..., 0]
+        nib = b[..., 2:]  # [N, K/32, 16]: element j low, j + 16 high
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)
+        return q.reshape(n, k), d.astype(np.float32), None
+    if kind == "Q4_K":
+        b = data.reshape(n, k // 256, 144)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/256]
+        dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        sc, mn = _k4_scales(b[..., 4:16])  # [N, K/256, 8] each
+        qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 steps of 64 values: low nibbles, then high
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+        scales = (d[..., None] * sc).reshape(n, k // 32)
+        offsets = (dmin[..., None] * mn).reshape(n, k // 32)
+        return q.astype(np.uint8), scales, offsets
+    if kind == "Q6_K":
+        b = data.reshape(n, k // 256, 210)
+        ql, qh = b[..., :128].reshape(n, -1, 2, 1, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, K/256, 16]
+        d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/256]
+        low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [N, B, 2, 2, 64]
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [N, B, 2, 4, 32]
+        q6 = low.reshape(n, -1, 2, 4, 32) | (high << 4)  # [N, B, half, quarter, 32]: 6-bit values
+        q = (q6.astype(np.int16) + 96).astype(np.uint8)  # q - 32 + 128: funcspec's 8-bit zero
+        return q.reshape(n, k), (d[..., None] * sc).reshape(n, k // 16), None
+    raise ValueError(f"GGUF block type {kind} has no funcspec kernel")
+
+
+def _k4_scales(s: np.ndarray) -> tuple:
+    """Q4_K's 12 bytes of packed 6-bit scales and mins [..., 12] -> ([..., 8], [..., 8]) as float32."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def quantized_linear(q: np.ndarray, scales: np.ndarray, offsets, bits: int, name: str) -> dict:
+    """funcspec's quantized linear of GGUF blocks (:func:`blocks`), packed for the kernel."""
+    n, k = q.shape
+    qweight, s, o = qk.pack(torch.from_numpy(q), torch.from_numpy(scales),
+                            None if offsets is None else torch.from_numpy(offsets), bits)
+    group = k // scales.shape[1]
+    p = {"qweight": qweight, "scales": s, "format": qk.QuantFormat(bits, group, n, k, offsets is not None, name)}
+    if o is not None:
+        p["offsets"] = o
+    return p
+
+
+def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict, dict]:
+    """A GGUF file's ``(hf_config, flat float tensors under HF names, quantized linears by HF module path)``:
+    ``model.layers.0.self_attn.q_proj`` (its ``.weight``), and ``lm_head`` for a tied model's quantized head."""
+    import gguf
+
+    where = str(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
+        raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    hf = config(reader, where)
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    permute = hf["model_type"] == "llama"
+    floats, quantized = {}, {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        kind = t.tensor_type.name
+        shape = tuple(int(x) for x in t.shape[::-1])  # ggml lists ne0 (the contiguous dim) first
+        rows = heads if name.endswith("q_proj.weight") else kv_heads if name.endswith("k_proj.weight") else None
+        if kind in QUANTIZED and len(shape) == 2 and name != "model.embed_tokens.weight":
+            q, s, o = blocks(t.data, kind, *shape)
+            if permute and rows is not None:
+                q, s, o = unpermute(q, rows), unpermute(s, rows), None if o is None else unpermute(o, rows)
+            quantized[name[:-len(".weight")]] = quantized_linear(q, s, o, QUANTIZED[kind], f"gguf-{kind.lower()}")
+            continue
+        if kind == "BF16":  # gguf hands over its bytes
+            w = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
+        elif kind in ("F32", "F16"):
+            w = torch.from_numpy(np.array(t.data).reshape(shape))
+        else:
+            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+        if permute and rows is not None:
+            w = torch.from_numpy(unpermute(w.float().numpy(), rows))
+        floats[name] = w.to(device=device, dtype=dtype)
+    if hf["tie_word_embeddings"]:  # the LM head is token_embd: keep its blocks for the product
+        t = next(x for x in reader.tensors if x.name == "token_embd.weight")
+        if t.tensor_type.name in QUANTIZED:
+            q, s, o = blocks(t.data, t.tensor_type.name, hf["vocab_size"], hf["hidden_size"])
+            quantized["lm_head"] = quantized_linear(q, s, o, QUANTIZED[t.tensor_type.name],
+                                                    f"gguf-{t.tensor_type.name.lower()}")
+    return hf, floats, quantized
+
+
+def load_tokenizer(path, tokenizer=None):
+    """The tokenizer of a GGUF file (transformers converts its vocabulary), or of directory ``tokenizer``;
+    ``None`` (with a warning) when its vocabulary cannot be converted."""
+    from transformers import AutoTokenizer
+
+    from funcspec.checkpoints.files import load_tokenizer as from_directory
+
+    if tokenizer is not None:
+        return from_directory(Path(tokenizer))
+    path = Path(path)
+    if not _has_vocabulary(path):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for vocabularies it cannot convert
+        import warnings
+
+        warnings.warn(f"{path}: its vocabulary could not be converted to a tokenizer ({type(e).__name__}: {e}); "
+                      f"pass tokenizer=DIR to decode text", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _has_vocabulary(path: Path) -> bool:
+    import gguf
+
+    return "tokenizer.ggml.model" in gguf.GGUFReader(str(path)).fields
+
+
+def path_of(model) -> Optional[Path]:
+    """The GGUF file ``model`` names: a ``.gguf`` file, or a directory holding exactly one; else ``None``."""
+    model = Path(os.fspath(model))
+    if is_gguf(model):
+        return model
+    if model.is_dir() and not (model / "config.json").exists():
+        files = sorted(model.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+    return None
