@@ -164,3 +164,33 @@ def test_bad_gguf_files_name_the_problem(hf_dir, tmp_path):
     w.close()
     with pytest.raises(ValueError, match="general.architecture 'gemma' is not a decoder funcspec runs"):
         load_model(tmp_path / "gemma.gguf")
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash", "medusa-shared"])
+def test_draft_heads_over_a_tied_quantized_gguf_target_are_lossless(tmp_path, method):
+    """A GGUF target with tied embeddings projects through its quantized token_embd; heads that share the target's
+    LM head (EAGLE-1, DFlash, Medusa version 2) share that quantized head; EAGLE-3 ships its own float one.
+    Speculation equals AR on the same file."""
+    from safetensors.torch import load_file, save_file
+
+    from funcspec.checkpoints import init_draft_head
+
+    make_hf_model(tmp_path / "hf", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                  tie_word_embeddings=True)
+    path = gguf_write.write(tmp_path / "hf", tmp_path / "m.gguf", "q4_0")
+    target = load_model(path)
+    assert "qweight" in target.params["lm_head"]
+    head = init_draft_head(method.split("-")[0], tmp_path / "hf", tmp_path / "head",
+                           **({"num_layers": 1} if method == "dflash" else {}))
+    if method == "medusa-shared":  # FasterDecoding's version 2: no projections of its own
+        (f,) = head.glob("*.safetensors")
+        save_file({k: v for k, v in load_file(f).items() if not k.endswith(".1.weight")}, f)
+    spec = {"method": method.split("-")[0], "model": str(head), "num_speculative_tokens": 3}
+    eng = Engine(target, spec, max_batch_size=2)
+    drafter_head = eng.params["draft"].get("lm_head")
+    if method != "eagle3":
+        assert drafter_head is eng.params["target"]["lm_head"]
+    else:
+        assert drafter_head["weight"].dtype == torch.float32
+    ar = [o.outputs[0].token_ids for o in Engine(target, max_batch_size=2).generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar

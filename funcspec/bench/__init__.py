@@ -1,9 +1,10 @@
-"""Benchmarks: ``funcspec bench capture`` (per-bucket graph costs), ``bench spec``, ``bench scale`` and ``bench tp``."""
+"""Benchmarks: ``funcspec bench capture`` (per-bucket graph costs), ``bench spec``, ``bench scale``, ``bench tp`` and
+``bench quality`` (quantized formats' held-out loss)."""
 
 
 def add_bench_parser(sub) -> None:
-    """Register ``bench capture``, ``bench spec``, ``bench scale`` and ``bench tp`` under the CLI's subcommands."""
-    from funcspec.bench import capture, scale, spec, tp
+    """Register ``bench capture``, ``bench spec``, ``bench scale``, ``bench tp`` and ``bench quality``."""
+    from funcspec.bench import capture, quant, scale, spec, tp
 
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -11,3 +12,4 @@ def add_bench_parser(sub) -> None:
     spec.add_parser(kinds)
     scale.add_parser(kinds)
     tp.add_parser(kinds)
+    quant.add_parser(kinds)

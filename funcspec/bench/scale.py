@@ -23,7 +23,10 @@ or a tiny one for tests) and measures, in ``--phases`` order:
 - ``profile``: the top ops (self CPU time) of one eager AR decode step;
 - ``llamacpp``: llama.cpp (llama-cpp-python + gguf, optional) on the same weights,
   then each AR engine and llama.cpp in alternating runs: the median of the
-  per-pair ratios is the comparison that holds on a machine whose speed drifts.
+  per-pair ratios is the comparison that holds on a machine whose speed drifts;
+- ``quant`` (not in the default phases): each ``--quantization`` format
+  (:mod:`funcspec.bench.quant`): AR against llama.cpp on the same GGUF file,
+  paired; speculation with real heads and synthetic acceptance; batch.
 
 Decode times exclude prefill: a request's ms/token is ``(e2e - ttft) / (tokens - 1)``,
 the median of ``--reps`` timed runs after a warm-up run. On a machine shared with
@@ -51,8 +54,12 @@ import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec.bench.capture import RESULTS, device_name
+from funcspec.bench.timing import (bucket_name, step_ms, decode_ms, llamacpp_greedy, llamacpp_session, paired_ratios,
+                                   random_prompts, timed_generate)
 
-PHASES = ("bandwidth", "hf", "ar", "sweep", "context", "batch", "profile", "llamacpp")
+PHASES = ("bandwidth", "hf", "ar", "sweep", "context", "batch", "profile", "llamacpp", "quant")
+DEFAULT_PHASES = PHASES[:-1]
+"""Every phase but ``quant`` (its formats, heads and pairings take as long as the rest together)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EMBED_SCALE = 3.0
 """Random init (std 0.02) gives near-uniform logits, so bf16 rounding flips greedy
@@ -99,8 +106,9 @@ SHAPES = {
 
 DEFAULTS = dict(shape="llama-600m", dtype="float32", cache_dir=None, out=None, backends="eager,inductor",
                 sweep_backend="inductor", alphas="0.6,0.7,0.8,0.9", ks="1,2,4,8", contexts="128,512,1024,2048,4096",
-                batches="1,4,8", phases=",".join(PHASES), new_tokens=64, prompt_tokens=128, threads=None,
-                allow_mismatch=False, copy_mb=None, profile_steps=4, seed=0, reps=3)
+                batches="1,4,8", phases=",".join(DEFAULT_PHASES), new_tokens=64, prompt_tokens=128, threads=None,
+                allow_mismatch=False, copy_mb=None, profile_steps=4, seed=0, reps=3,
+                quantization="int8,int4,q8_0,q4_0,q4_k_m", quant_k=4, quant_alpha=0.8, quant_parts="heads,batch")
 
 
 # --------------------------------------------------------------- checkpoint
@@ -148,9 +156,7 @@ def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
 
 def make_prompts(shape: str, num: int, length: int, seed: int) -> list[list[int]]:
     """``num`` deterministic pseudo-random prompts of ``length`` ids from the shape's non-special range."""
-    lo, hi = SHAPES[shape].prompt_ids
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi, (num, length), generator=g).tolist()
+    return random_prompts(SHAPES[shape].prompt_ids, num, length, seed)
 
 
 # ------------------------------------------------------------------ machine
@@ -272,66 +278,12 @@ def _engine(model, dtype: str, backend: str, max_batch: int, max_len: int, spec:
                   max_model_len=max_len, dtype=DTYPES[dtype])
 
 
-def _bk(key) -> str:
-    """``B{b}_K{k}`` of a graph key: ``(B, K)`` or ``(B, K, T, mode)`` (context / sampling-mode buckets)."""
-    return f"B{key[0]}_K{key[1]}"
-
-
-def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: bool = True) -> dict:
-    """Warm up with the same run (captures every bucket it uses; ``warm=False`` skips it where an
-    earlier run did), then time ``reps`` greedy ``generate`` runs.
-
-    Returns decode ms/token (``(e2e - ttft) / (tokens - 1)``, median over
-    requests, then over reps; and pooled over every request of every rep, the
-    figure to pair with τ), prefill seconds, per-(B, K) replay medians of the
-    timed runs (over their context buckets), cold capture seconds per (B, K) and
-    per graph, τ over the timed runs and the tokens of the first request. A
-    timed run that still captured a graph is discarded and rerun (at most twice),
-    so compile time never counts as decode time.
-    """
-    from funcspec import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    if warm:
-        eng.generate(prompts, sp)
-    eng.reset_stats()
-    marks = {key: len(g.stats.replay_ms) for key, g in eng.graphs.items()}  # replays before the timed runs
-    ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
-    while len(ms) < reps:
-        before = set(eng.graphs)
-        outs = eng.generate(prompts, sp)
-        if set(eng.graphs) != before and retries < 2:
-            retries += 1
-            continue
-        tokens = len(outs[0].outputs[0].token_ids)
-        decode_s += sum(o.metrics["e2e_s"] - o.metrics["time_to_first_token_s"] for o in outs)
-        decode_tokens += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-        ms.append(statistics.median(o.metrics["e2e_s"] - o.metrics["time_to_first_token_s"] for o in outs)
-                  / max(tokens - 1, 1) * 1e3)
-        prefill.append(statistics.median(o.metrics["time_to_first_token_s"] for o in outs))
-    replay, capture = collections.defaultdict(list), collections.defaultdict(float)
-    for key, g in eng.graphs.items():
-        replay[_bk(key)] += g.stats.replay_ms[marks.get(key, 0):]
-        capture[_bk(key)] += g.stats.capture_seconds
-    st = eng.stats
-    return {"ms_per_token": statistics.median(ms), "ms_per_token_reps": ms,
-            "ms_per_token_pooled": decode_s / max(decode_tokens, 1) * 1e3, "prefill_s": statistics.median(prefill),
-            "tokens_per_request": tokens, "replay_ms": {k: statistics.median(v) for k, v in replay.items() if v},
-            "capture_s": dict(capture), "capture_s_graphs": {k: g["capture_seconds"] for k, g in st["graphs"].items()},
-            "timing_retries": retries, "recompiles": st["recompiles"], "tau": st["mean_acceptance_length"],
-            "steps": st["steps"], "tokens": outs[0].outputs[0].token_ids}
-
-
-def _step_ms(row: dict, b: int, k: int) -> float | None:
-    return row["replay_ms"].get(f"B{b}_K{k}")
-
-
 def ar_row(ctx: dict, backend: str) -> dict:
     """funcspec AR (K = 0, batch 1) on ``backend`` for the main prompt, measured once per backend."""
     if backend not in ctx["ar_cache"]:
         eng = _engine(ctx["model"], ctx["dtype"], backend, 1, ctx["max_len"])
         row = timed_generate(eng, [ctx["prompt"]], ctx["n"], ctx["reps"])
-        ctx["ar_cache"][backend] = {"backend": eng.backend, **row, "step_ms": _step_ms(row, 1, 0),
+        ctx["ar_cache"][backend] = {"backend": eng.backend, **row, "step_ms": step_ms(row, 1, 0),
                                     "capture_s_cold": row["capture_s"].get("B1_K0")}
         ctx["ar_engines"][backend] = eng  # warm: the llama.cpp phase times it again, paired
     return ctx["ar_cache"][backend]
@@ -353,7 +305,7 @@ def sweep_rows(ctx: dict, backend: str, k: int, alphas: list[float], base: dict)
     for alpha in alphas:
         eng.set_synthetic_acceptance_rates(rates(alpha))
         row = timed_generate(eng, [ctx["prompt"]], ctx["n"], ctx["reps"])
-        step_k = _step_ms(row, 1, k)
+        step_k = step_ms(row, 1, k)
         cost = step_k / base["step_ms"] if step_k and base["step_ms"] else None  # step cost K / step cost 0
         # NOTE: τ varies from run to run (the draws are random), so ms/token
         # and τ are both pooled over the same timed runs: a median run would
@@ -386,7 +338,7 @@ def context_rows(ctx: dict, backend: str, contexts: list[int]) -> dict:
     rows = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
-        steps = [s for s in (_step_ms(r, 1, 0) for r in passes[c]) if s is not None]
+        steps = [s for s in (step_ms(r, 1, 0) for r in passes[c]) if s is not None]
         rows.append({"context": c, "ms_per_token": statistics.fmean(ms), "ms_per_token_passes": ms,
                      "prefill_s": statistics.fmean(r["prefill_s"] for r in passes[c]),
                      "step_ms": statistics.fmean(steps) if steps else None})
@@ -458,57 +410,6 @@ def write_gguf(ckpt: Path, kind: str) -> Path:
     return gguf_write.write(ckpt, ckpt / f"model-{kind}.gguf", kind)
 
 
-def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f32_kv: bool = True):
-    """A loaded llama.cpp model and its greedy run (temp 0, top_k 1, no penalties) on ``prompt``.
-
-    The run returns ``(tokens, prefill_s, decode ms/token after the first token)``.
-    ``f32_kv``: an f32 KV cache (llama.cpp defaults to f16), so f32 weights can match HF's tokens.
-    """
-    import llama_cpp
-
-    kv = {"type_k": 0, "type_v": 0} if f32_kv else {}  # 0 = GGML_TYPE_F32
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                          n_ctx=len(prompt) + n + 16, logits_all=False, verbose=False, **kv)
-
-    def gen():
-        llm.reset()
-        toks, t0, t_first = [], time.perf_counter(), None
-        for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            t_first = t_first or time.perf_counter()
-            toks.append(int(tok))
-            if len(toks) == n:
-                break
-        return toks, t_first - t0, (time.perf_counter() - t_first) / max(n - 1, 1) * 1e3
-
-    return gen
-
-
-def llamacpp_greedy(gen, reps: int = 1) -> dict:
-    """A llama.cpp session's (:func:`llamacpp_session`) tokens, prefill seconds and decode ms/token after
-    its first token: medians of ``reps`` runs after a warm-up."""
-    gen()  # warm-up
-    runs = [gen() for _ in range(reps)]
-    return {"tokens": runs[0][0], "prefill_s": statistics.median(r[1] for r in runs),
-            "ms_per_token": statistics.median(r[2] for r in runs)}
-
-
-def decode_ms(eng, prompts: list[list[int]], n: int):
-    """One timed run of a warm engine as a callable for :func:`paired_ratios`: its decode ms/token."""
-    return lambda: timed_generate(eng, prompts, n, warm=False)["ms_per_token"]
-
-
-def paired_ratios(ours, theirs, rounds: int) -> dict:
-    """``rounds`` alternating runs of two decoders (each returns ms/token): the median of the per-pair
-    ratios ours / theirs. This VM's speed drifts by tens of percent within minutes; drift hits
-    both runs of a pair alike, so the pairs' ratio holds where two separate medians do not."""
-    pairs = []
-    for _ in range(rounds):
-        a, b = ours(), theirs()
-        pairs.append((a, b))
-    return {"rounds": rounds, "ours_ms": [a for a, _ in pairs], "theirs_ms": [b for _, b in pairs],
-            "ratio": statistics.median(a / b for a, b in pairs)}
-
-
 def llamacpp_phase(ctx: dict) -> dict:
     """llama.cpp on the same weights, or a ``skipped`` note when llama-cpp-python / gguf are missing."""
     try:
@@ -554,7 +455,7 @@ def _options(args, kwargs) -> dict:
     if unknown:
         raise TypeError(f"bench scale: unknown options {sorted(unknown)}")
     for key, cast in (("backends", str), ("alphas", float), ("ks", int), ("contexts", int), ("batches", int),
-                      ("phases", str)):
+                      ("phases", str), ("quantization", str), ("quant_parts", str)):
         o[key] = _list(o[key], cast)
     o["sweep_backend"] = _list(o["sweep_backend"], str)[0]
     if o["shape"] not in SHAPES:
@@ -564,6 +465,11 @@ def _options(args, kwargs) -> dict:
     bad = [p for p in o["phases"] if p not in PHASES]
     if bad:
         raise ValueError(f"phases {bad} unknown; choose from {list(PHASES)}")
+    from funcspec.bench.quant import FORMATS
+
+    bad = [f for f in o["quantization"] if f not in FORMATS]
+    if bad:
+        raise ValueError(f"quantization formats {bad} unknown; choose from {list(FORMATS)}")
     if o["new_tokens"] < 2:
         raise ValueError("new_tokens must be >= 2 (decode time excludes the first token)")
     return o
@@ -599,6 +505,7 @@ def _run(o: dict) -> dict:
     path = build_checkpoint(o["shape"], o["dtype"], o["cache_dir"], o["seed"])
     params, nbytes = weight_bytes(path, o["dtype"])
     ctx = {"shape": o["shape"], "dtype": o["dtype"], "path": path, "n": o["new_tokens"], "p": o["prompt_tokens"],
+           "prompt_ids": SHAPES[o["shape"]].prompt_ids,
            "seed": o["seed"], "reps": o["reps"],
            "prompt": make_prompts(o["shape"], 1, o["prompt_tokens"], o["seed"])[0],  # [P] ids
            "max_len": o["prompt_tokens"] + o["new_tokens"] + 8, "ar_cache": {}, "ar_engines": {},
@@ -671,9 +578,15 @@ def _phase_llamacpp(ctx, o, result):
     result["llamacpp"] = llamacpp_phase(ctx)
 
 
+def _phase_quant(ctx, o, result):
+    from funcspec.bench import quant
+
+    quant.phase(ctx, o, result)
+
+
 _PHASE_FNS = {"bandwidth": _phase_bandwidth, "hf": _phase_hf, "ar": _phase_ar, "sweep": _phase_sweep,
               "context": _phase_context, "batch": _phase_batch, "profile": _phase_profile,
-              "llamacpp": _phase_llamacpp}
+              "llamacpp": _phase_llamacpp, "quant": _phase_quant}
 
 
 def _compare(result: dict, ctx: dict) -> None:
@@ -700,7 +613,10 @@ def markdown(result: dict) -> str:
            f"{r['params'] / 1e6:.1f}M params, {r['weight_bytes'] / 2**20:.0f} MiB of weights; prompt "
            f"{r['prompt_tokens']} tokens, {r['new_tokens']} new tokens, greedy, batch 1; decode only "
            "(prefill excluded). Random weights (checkpoint `{}`).\n".format(r["checkpoint"])]
-    out += _md_decode(r) + _md_sweep(r) + _md_context(r) + _md_batch(r) + _md_profile(r) + _md_machine(r)
+    from funcspec.bench.quant import markdown as quant_markdown
+
+    out += _md_decode(r) + quant_markdown(r) + _md_sweep(r) + _md_context(r) + _md_batch(r) + _md_profile(r) \
+        + _md_machine(r)
     return "\n".join(out) + "\n"
 
 
@@ -914,4 +830,10 @@ def add_parser(kinds) -> None:
     p.add_argument("--seed", type=int, default=d["seed"], help="weights and prompts seed (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--allow-mismatch", action="store_true", help="record, do not raise on, HF != funcspec tokens")
+    p.add_argument("--quantization", default=d["quantization"],
+                   help="formats of the quant phase (default %(default)s; also int4-g128)")
+    p.add_argument("--quant-k", type=int, default=d["quant_k"], help="K of the quant phase's speculation")
+    p.add_argument("--quant-alpha", type=float, default=d["quant_alpha"], help="its synthetic acceptance base")
+    p.add_argument("--quant-parts", default=d["quant_parts"],
+                   help="what the quant phase adds to AR and echo: heads (EAGLE-3, DFlash), batch")
     p.set_defaults(func=run)

@@ -179,7 +179,8 @@ def load_params(path, target, method: str = "dflash", aux_layers=None) -> tuple[
     shipped = {k: tensors.pop(k, None) for k in ("embed_tokens.weight", "lm_head.weight")}
     params = nest(to_target(tensors, emb))
     params["embed_tokens"] = {"weight": layouts.share(shipped["embed_tokens.weight"], emb)}
-    params["lm_head"] = layouts.share_linear(shipped["lm_head.weight"], lm_head(target.cfg, target.params))
+    params["lm_head"] = layouts.share_linear(shipped["lm_head.weight"], lm_head(target.cfg, target.params),
+                                                 emb.dtype)
     if cfg.draft_vocab:
         params["d2t"] = params["d2t"].long()
     return cfg, params

@@ -353,8 +353,14 @@ def share(shipped: Optional[torch.Tensor], target: torch.Tensor) -> torch.Tensor
     return target if own.shape == target.shape and torch.equal(own, target) else own
 
 
-def share_linear(shipped: Optional[torch.Tensor], target: dict) -> dict:
+def share_linear(shipped: Optional[torch.Tensor], target: dict, dtype: torch.dtype) -> dict:
     """:func:`share` for a linear's params (the LM head): the target's own dict (with whatever it was prepared
-    with) when shared, else the head's weight."""
+    with) when shared, else the head's weight. A target whose LM head is stored quantized (a GGUF file's) shares
+    it only with a head that ships none: a shipped float copy is the head's own, in the target's activation
+    ``dtype``."""
+    if shipped is None:
+        return target
+    if "weight" not in target:
+        return {"weight": shipped.to(dtype)}
     weight = share(shipped, target["weight"])
     return target if weight is target["weight"] else {"weight": weight}

@@ -86,19 +86,20 @@ def load_params(path, target):
                    for k, v in tensors.items()}
     elif not token_map:
         tensors.pop("token_map", None)
-    if shared and "lm_head.weight" not in tensors:
-        if token_map:
-            raise ValueError(f"{where}: truncated_vocab_size {truncated} needs the heads' own projections")
-        tensors["lm_head.weight"] = lm_head(t, target.params)["weight"]
+    if shared and "lm_head.weight" not in tensors and token_map:
+        raise ValueError(f"{where}: truncated_vocab_size {truncated} needs the heads' own projections")
     cfg = MedusaConfig(heads, blocks, t.hidden_size, truncated, shared, token_map, t.ops)
     size = hf.get("hidden_size", t.hidden_size)
     if size != t.hidden_size:
         raise ValueError(f"{where}: Medusa hidden_size {size} must equal the target's {t.hidden_size}")
-    check_keys(tensors, head_shapes(cfg, bias), where, maps=("token_map",), published=head.published)
+    shapes = head_shapes(cfg, bias)
+    if "lm_head.weight" not in tensors:  # heads that project through the target's own LM head, as it is
+        shapes.pop("lm_head.weight", None)
+    check_keys(tensors, shapes, where, maps=("token_map",), published=head.published)
     ref = target.params["model"]["embed_tokens"]["weight"]
     params = nest(to_target({k: v for k, v in tensors.items() if k != "lm_head.weight"}, ref))
     if shared:
-        params["lm_head"] = layouts.share_linear(tensors["lm_head.weight"], lm_head(t, target.params))
+        params["lm_head"] = layouts.share_linear(tensors.get("lm_head.weight"), lm_head(t, target.params), ref.dtype)
     if token_map:
         params["token_map"] = params["token_map"].long()
     return cfg, params
