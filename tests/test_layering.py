@@ -194,8 +194,9 @@ def test_allow_list_is_not_stale(graph):
 
 
 def test_nn_is_math_only(graph):
-    """nn imports only nn, tree, rng, types, parallel and the kernels' ``Ops`` (and their huge-page memory): a head
-    shares math through nn.llama, not another head, and no nn module loads or builds a kernel."""
+    """nn imports only nn, tree, rng, types, parallel and the kernels' ``Ops`` and ``QuantFormat`` (and their
+    huge-page memory): a head shares math through nn.llama, not another head, and no nn module loads or builds a
+    kernel."""
     for src in (m for m in graph if unit(m) == "nn"):
         allowed = ("nn", "tree", "rng", "types", "parallel")
         assert all(unit(d) in allowed or d in ("funcspec.kernels", "funcspec.kernels.cpu") for d in graph[src]), \

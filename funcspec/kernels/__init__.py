@@ -3,11 +3,13 @@
 ``cpu`` (what this CPU runs; huge-page memory), ``build`` (the C++ library,
 compiled on first use and loaded through ``ctypes``), ``stream`` (the
 weight-streaming products and their packed layout), ``onednn`` (oneDNN's
-pre-packed bf16 products), ``attention`` (the decode attention kernel) and
-``ops`` (:class:`Ops`: which of them a model takes, :func:`resolve` from the
+pre-packed bf16 products), ``attention`` (the decode attention kernel), ``quant``
+(the 8- and 4-bit products and :class:`QuantFormat`, a quantized linear's static
+part) and ``ops`` (:class:`Ops`: which of them a model takes, :func:`resolve` from the
 device). :mod:`funcspec.nn` is math over ``cfg.ops``; nothing here imports it.
 """
 
 from funcspec.kernels.ops import REFERENCE, Ops, resolve
+from funcspec.kernels.quant import QuantFormat
 
-__all__ = ["REFERENCE", "Ops", "resolve"]
+__all__ = ["REFERENCE", "Ops", "QuantFormat", "resolve"]

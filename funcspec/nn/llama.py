@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import REFERENCE, Ops
+from funcspec.kernels import REFERENCE, Ops, QuantFormat
 from funcspec.kernels.cpu import huge_empty
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass
@@ -378,7 +378,22 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
         return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read, tree=tree)
     statics = (_constants(cfg), _constants(read))
     masks = None if tree is None else (tree.positions, tree.base, tree.ancestors)
-    return _layer_region(statics, p, kv.k[layer], kv.v[layer], x, slots, pos, cos, sin, window, masks)
+    return _layer_region(statics, _formats_as_constants(p), kv.k[layer], kv.v[layer], x, slots, pos, cos, sin,
+                         window, masks)
+
+
+def _formats_as_constants(p):
+    """A layer's params with each quantized linear's ``format`` (a frozen dataclass) as the tuple of its values,
+    for the same reason as the static config (:func:`_layer_region`); :func:`_formats_back` undoes it."""
+    if not isinstance(p, dict):
+        return p
+    return {k: _constants(v) if k == "format" else _formats_as_constants(v) for k, v in p.items()}
+
+
+def _formats_back(p):
+    if not isinstance(p, dict):
+        return p
+    return {k: QuantFormat(*v) if k == "format" else _formats_back(v) for k, v in p.items()}
 
 
 def _constants(config):
@@ -415,10 +430,13 @@ def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window, mask
 
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
-    dataclass argument made it trace a fresh copy per call site (then inline it);
-    so the tree's mask comes in as its tensors (``masks``), too.
+    dataclass argument made it trace a fresh copy per call site (then inline it,
+    its cache writes becoming copies of the whole stack's cache: 0.8 ms a step
+    at llama-600m); so the tree's mask comes in as its tensors (``masks``), and
+    quantized linears' formats as tuples, too.
     """
     cfg, read = _from_constants(ModelConfig, statics[0]), _from_constants(KVRead, statics[1])
+    p = _formats_back(p)
     kv = KVCache(k.unsqueeze(0), v.unsqueeze(0), None)  # this layer's [1, S+1, H_kv, T_max, D]
     tree = None if masks is None else TreeMask(*masks)
     return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read, tree=tree)
