@@ -7,6 +7,7 @@ import torch
 
 from funcspec import Engine, SamplingParams
 from funcspec.capture import BucketPlan, capture, fresh_code_copy
+from funcspec.capture.backends import TrustedAfterChecks
 from funcspec.tree import tree_signature
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -102,6 +103,23 @@ def test_shared_code_object_would_hit_the_recompile_limit():
     for n in range(1, 12):
         cap = capture(f, (torch.ones(n),), "inductor", name=f"f_{n}")
         assert torch.equal(cap(torch.ones(n)), torch.full((n,), 3.0)) and cap.stats.recompiles == 0
+
+
+def test_an_inductor_bucket_skips_its_guards_only_once_it_proved_static():
+    def f(x):
+        return x * 2 + 1
+
+    cap = capture(f, (torch.ones(4),), "inductor", name="trusted_f")
+    for n in range(TrustedAfterChecks.CHECKED_CALLS):
+        assert not cap.trusted and torch.equal(cap(torch.full((4,), float(n))), torch.full((4,), 2.0 * n + 1))
+    assert cap.trusted and torch.equal(cap(torch.full((4,), 5.0)), torch.full((4,), 11.0))
+    with torch.compiler.set_stance("fail_on_recompile"):  # the caller's stance is kept around the call
+        assert torch.equal(cap(torch.ones(4)), torch.full((4,), 3.0))
+    moved = capture(f, (torch.ones(4),), "inductor", name="moved_f")
+    assert torch.equal(moved(torch.ones(5)), torch.full((5,), 3.0)) and moved.stats.recompiles == 1
+    moved(torch.ones(4))
+    assert not moved.trusted  # a bucket that recompiled keeps its guards: the other shape still gets its graph
+    assert torch.equal(moved(torch.ones(5)), torch.full((5,), 3.0)) and moved.stats.recompiles == 1
 
 
 def test_fresh_code_copy_keeps_behaviour():
