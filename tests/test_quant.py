@@ -121,7 +121,7 @@ def test_round_to_nearest_quantization_is_as_close_as_the_format_allows(name):
 
 def test_prepare_params_quantizes_linears_only_and_fuses_them():
     """Linears become quantized (their float weights dropped), embeddings stay, q/k/v and gate/up are one
-    quantized product each (members keep their format), a tied LM head quantizes, the input is untouched."""
+    quantized product each (members are views into it), a tied LM head quantizes, the input is untouched."""
     g = torch.Generator().manual_seed(6)
     lin = {name: {"weight": torch.randn(n, 64, generator=g)} for name, n in
            (("q_proj", 64), ("k_proj", 32), ("v_proj", 32), ("o_proj", 64))}
@@ -131,8 +131,11 @@ def test_prepare_params_quantizes_linears_only_and_fuses_them():
     params = {"model": {"embed_tokens": {"weight": embed}, "layers": [{"self_attn": lin, "mlp": mlp}]}}
     out = prepare_params(params, Ops(), quantization="int4")
     layer = out["model"]["layers"][0]
-    assert set(layer["self_attn"]["q_proj"]) == {"format"} and layer["self_attn"]["qkv_proj"]["format"].out_features \
-        == 128 and "qweight" in layer["self_attn"]["o_proj"] and "weight" not in layer["mlp"]["down_proj"]
+    qkv = layer["self_attn"]["qkv_proj"]
+    assert qkv["format"].out_features == 128 and "qweight" in layer["self_attn"]["o_proj"] and \
+        "weight" not in layer["mlp"]["down_proj"]
+    k_proj = layer["self_attn"]["k_proj"]  # a view of its column blocks in the fused copy
+    assert k_proj["qweight"].data_ptr() == qkv["qweight"][2].data_ptr() and k_proj["format"].out_features == 32
     assert out["model"]["embed_tokens"]["weight"] is embed and "qweight" in out["lm_head"]
     assert "lm_head" not in params and "weight" in params["model"]["layers"][0]["self_attn"]["q_proj"]
     x = torch.randn(3, 64, generator=g)
@@ -141,6 +144,7 @@ def test_prepare_params_quantizes_linears_only_and_fuses_them():
     for got, m in zip((q, k, v), ("q_proj", "k_proj", "v_proj")):
         alone = formats.quantize(lin[m], "int4")
         assert torch.equal(got, quant.reference(x, alone))  # a member's bits are its own product's
+        assert torch.equal(Ops().linear(x, layer["self_attn"][m]), got)  # and so is the member's view alone
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +206,31 @@ def test_quantization_names_are_checked(target):
     assert formats.on_load("gguf") is None and formats.on_load("ascend") is None and formats.on_load("int4") == "int4"
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with quantized weights is not supported"):
         Engine(target, quantization="int8", tensor_parallel_size=2)
+
+
+ZOO_METHODS = ["ngram", "suffix", "draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark"]
+
+
+@pytest.fixture(scope="module")
+def zoo_int4_ar():
+    from funcspec import zoo
+
+    prompts = [[5, 17, 300, 41, 5, 17, 300], [9, 100, 2000, 31]]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eng = Engine(str(zoo.model_path("target")), max_batch_size=2, quantization="int4")
+    return prompts, sp, [o.outputs[0].token_ids for o in eng.generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("method, head", [(m, None) for m in ZOO_METHODS] +
+                         [(m, "int8") for m in ZOO_METHODS if m not in ("ngram", "suffix")])
+def test_every_zoo_method_on_an_int4_target_equals_its_ar(zoo_int4_ar, method, head):
+    """The trained zoo target quantized to int4 on load, each method's trained head as stored or itself quantized
+    (int8): greedy speculation equals greedy AR of the same int4 target, token for token."""
+    from funcspec import zoo
+
+    prompts, sp, ar = zoo_int4_ar
+    extra = {"quantization": head} if head else {}
+    eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 3, **extra), max_batch_size=2,
+                 quantization="int4")
+    assert [o.outputs[0].token_ids for o in eng.generate(prompts, sp)] == ar
+    assert eng.stats["mean_acceptance_length"] > 1.0  # the trained heads still draft tokens the int4 target keeps

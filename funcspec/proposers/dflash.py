@@ -73,10 +73,11 @@ def hidden_layers(cfg: DFlashProposerConfig) -> tuple[int, ...]:
 
 def init_state(cfg: DFlashProposerConfig, params, num_slots: int, max_len: int) -> DFlashState:
     """Zeroed context K/V, staged target features [S+1, max_k+1, n·H] and their start positions."""
-    w = params["fc"]["weight"]
+    w, fc = params["embed_tokens"]["weight"], params["fc"]  # the activations' dtype; fc may be quantized
+    width = fc["format"].in_features if "format" in fc else fc["weight"].shape[1]  # n·H
     return DFlashState(
         dflash.init_context_kv(cfg.net, num_slots, max_len, w.dtype, w.device),
-        torch.zeros(num_slots + 1, cfg.max_k + 1, w.shape[1], dtype=w.dtype, device=w.device),
+        torch.zeros(num_slots + 1, cfg.max_k + 1, width, dtype=w.dtype, device=w.device),
         torch.zeros(num_slots + 1, dtype=torch.int64, device=w.device),
     )
 

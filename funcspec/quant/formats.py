@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from funcspec.kernels import quant as qk
+from funcspec.kernels.cpu import huge_empty
 
 SCHEMES = {"int8": (8, None), "int8-g32": (8, 32), "int4": (4, 32), "int4-g32": (4, 32), "int4-g128": (4, 128)}
 """``quantization=`` names funcspec quantizes to on load: name -> (bits, group; ``None``: per channel)."""
@@ -91,7 +92,9 @@ def fuse(ps: list[dict]) -> dict:
     f = [p["format"] for p in ps]
     if len({(x.bits, x.group, x.in_features, x.asym) for x in f}) != 1:
         raise ValueError(f"fused quantized layers must share one format, got {f}")
-    out = {key: torch.cat([p[key] for p in ps]) for key in ("qweight", "scales", "offsets") if key in ps[0]}
+    out = {key: torch.cat([p[key] for p in ps]) for key in ("scales", "offsets") if key in ps[0]}
+    q = [p["qweight"] for p in ps]  # the stream: in huge pages, as each member's was
+    out["qweight"] = torch.cat(q, out=huge_empty((sum(t.shape[0] for t in q), *q[0].shape[1:]), torch.uint8))
     sizes = [x.out_features for x in f]
     biases = [p.get("bias") for p in ps]
     if any(b is not None for b in biases):
@@ -101,4 +104,20 @@ def fuse(ps: list[dict]) -> dict:
                                                                                            qk.widths(sizes))])
     out["format"] = qk.QuantFormat(f[0].bits, f[0].group, sum(qk.widths(sizes)), f[0].in_features, f[0].asym,
                                    f[0].name)
+    return out
+
+
+def members(fused: dict, fmts: list) -> list[dict]:
+    """The members of a :func:`fuse`-d group (formats ``fmts``, in order) as views into its tensors: each takes
+    its own column blocks, so a path that multiplies one member alone (a DFlash context's k and v) reads the
+    fused copy, and no second one exists."""
+    out, b0, c0 = [], 0, 0
+    for f, w in zip(fmts, qk.widths([x.out_features for x in fmts])):
+        nb = -(-f.out_features // qk.QB)
+        p = {key: fused[key][b0:b0 + nb] for key in ("qweight", "scales", "offsets") if key in fused}
+        if "bias" in fused:
+            p["bias"] = fused["bias"][c0:c0 + f.out_features]
+        p["format"] = f
+        out.append(p)
+        b0, c0 = b0 + nb, c0 + w
     return out

@@ -105,7 +105,7 @@ def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
         ps = [out[m] for m in ms]
         if all("qweight" in p for p in ps) and _one_format(ps):
             out[g] = formats.fuse(ps)
-            out.update({m: {"format": p["format"]} for m, p in zip(ms, ps)})  # the fused copy serves them
+            out.update(zip(ms, formats.members(out[g], [p["format"] for p in ps])))  # views: no second copy
     return out
 
 
