@@ -79,3 +79,17 @@ def test_package_prompts_are_a_second_corpus_outside_the_stdlib():
     assert spec._corpus("package:numpy") == f"numpy {numpy.__version__} (installed package, outside the stdlib)"
     with pytest.raises(ValueError, match="prompts: package 'no_such_pkg' is not an installed package"):
         spec.load_prompts("package:no_such_pkg", tok, 1, 8)
+
+
+def test_bench_spec_runs_quantized_targets_with_stored_and_quantized_heads(tiny_llama, tiny_draft, tmp_path):
+    res = spec.run(tiny_llama, methods=["ngram", "draft_model"], ks=(2,), batches=(2,), prompts="repetitive",
+                   num_prompts=2, max_tokens=8, heads={"draft_model": tiny_draft}, hf=False, out_dir=tmp_path,
+                   quantization="int8", draft_quantizations=(None, "int4"))
+    rows = [(r["method"], r["quantization"], r["draft_quantization"]) for r in res["rows"]]
+    assert rows == [("ar", "int8", None), ("ngram", "int8", None), ("draft_model", "int8", None),
+                    ("draft_model", "int8", "int4")]
+    assert all(r["matches_ar_greedy"] for r in res["rows"]), "lossless against AR on the same int8 weights"
+    assert res["quantization"] == "int8" and spec.label(res["rows"][3]) == "funcspec draft_model (int4 head) K2 B2"
+    assert "| funcspec | draft_model (int4 head) | 2 | 2 |" in next(tmp_path.glob("*.md")).read_text()
+    with pytest.raises(ValueError, match="draft_quantizations must be one of"):
+        spec.run(tiny_llama, methods=["ngram"], draft_quantizations=("int3",), out_dir=tmp_path)

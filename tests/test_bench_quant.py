@@ -77,6 +77,9 @@ def test_quality_of_the_zoo_target(zoo_quality):
         assert abs(by[f]["cross_entropy"] - base["cross_entropy"]) < 0.01 and by[f]["greedy_agreement"] > 0.97
     for f in ("int4", "q4_0"):
         assert abs(by[f]["cross_entropy"] - base["cross_entropy"]) < 0.1 and by[f]["greedy_agreement"] > 0.8
+    for r in rows[1:]:  # W8A16 / W4A16 on the same weights: as close as W8A8 / W4A8 or closer
+        assert abs(r["cross_entropy_weights_only"] - base["cross_entropy"]) < \
+            abs(r["cross_entropy"] - base["cross_entropy"]) + 0.005
     assert sorted(p.name for p in cache.iterdir()) == ["model-q4_0.gguf", "model-q8_0.gguf"]
 
 

@@ -229,8 +229,10 @@ def _f(x, spec: str = ".2f") -> str:
 
 def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: int = 2,
             cache_dir=None) -> list[dict]:
-    """Held-out cross-entropy (nats/token, teacher-forced, fp32 activations) and greedy agreement (the argmax at
-    each position equals the unquantized model's) of each format, on ``sequences``; the unquantized row first.
+    """Held-out cross-entropy (nats/token, teacher-forced) and greedy agreement (the argmax at each position
+    equals the unquantized model's) of each format, on ``sequences``; the unquantized row first. Each format also
+    gives ``cross_entropy_weights_only``: its weights dequantized, activations left as they are (the kernel
+    quantizes activations to int8 per 32 k: W8A8 / W4A8; this is W8A16 / W4A16 on the same weights).
 
     GGUF formats are made from the checkpoint by :func:`gguf_file`, into ``cache_dir`` (default
     ``~/.cache/funcspec/quality/<checkpoint name>``: never into the checkpoint itself).
@@ -238,8 +240,9 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
     from funcspec import Engine
     from funcspec.nn.llama import forward, init_kv_cache
 
-    def logits_of(eng):
+    def logits_of(eng, dequantize: bool = False):
         cfg, params = eng.model.cfg, eng.params["target"]
+        params = dequantized(params) if dequantize else params
         out = []
         for seq in sequences:
             z = torch.zeros(1, dtype=torch.int64)
@@ -256,8 +259,26 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
         else:
             where = cache_dir or Path.home() / ".cache" / "funcspec" / "quality" / Path(model_dir).resolve().name
             eng = Engine(str(gguf_file(model_dir, fmt, threads, where)), max_batch_size=1)
-        rows.append(_quality_row(fmt, logits_of(eng), base, sequences))
+        row = _quality_row(fmt, logits_of(eng), base, sequences)
+        row["cross_entropy_weights_only"] = _quality_row(fmt, logits_of(eng, True), base, sequences)["cross_entropy"]
+        rows.append(row)
     return rows
+
+
+def dequantized(params):
+    """``params`` with every quantized linear as its float weight (the fused groups dropped: their members are
+    there): the same weights with unquantized activations, i.e. W8A16 / W4A16 arithmetic."""
+    from funcspec.kernels.quant import dequantize
+
+    if isinstance(params, list):
+        return [dequantized(p) for p in params]
+    if not isinstance(params, dict):
+        return params
+    if "qweight" in params:
+        f = params["format"]
+        w = dequantize(params["qweight"], params["scales"], params.get("offsets"), f)
+        return {"weight": w, **({"bias": params["bias"]} if params.get("bias") is not None else {})}
+    return {k: dequantized(v) for k, v in params.items() if k not in ("qkv_proj", "gate_up_proj")}
 
 
 def _quality_row(fmt: str, logits, base, sequences) -> dict:
@@ -273,11 +294,12 @@ def _quality_row(fmt: str, logits, base, sequences) -> dict:
 
 def quality_markdown(rows: list[dict], title: str) -> list[str]:
     base = rows[0]["cross_entropy"]
-    lines = [f"## Quality: {title}\n", "| format | cross-entropy (nats/token) | vs unquantized | greedy agreement |",
-             "|---|---|---|---|"]
+    lines = [f"## Quality: {title}\n", "| format | cross-entropy (nats/token) | vs unquantized | greedy agreement "
+             "| weights only (A16): vs unquantized |", "|---|---|---|---|---|"]
     for r in rows:
+        a16 = r.get("cross_entropy_weights_only")
         lines.append(f"| {r['format']} | {r['cross_entropy']:.4f} | {r['cross_entropy'] - base:+.4f} | "
-                     f"{100 * r['greedy_agreement']:.1f}% |")
+                     f"{100 * r['greedy_agreement']:.1f}% | {'-' if a16 is None else format(a16 - base, '+.4f')} |")
     return lines + [f"\n{rows[0]['tokens']} held-out tokens.\n"]
 
 

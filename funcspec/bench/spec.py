@@ -77,17 +77,21 @@ def _corpus(source: str) -> str:
     return {"heldout": "held-out stdlib files"}.get(source, source)
 
 
-def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None, nodes=None):
-    """One funcspec row: ``method`` at K = ``k`` (a tree: its node count), or the tree cut to ``nodes``."""
+def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, tree=None, nodes=None,
+                  quantization=None, draft_quantization=None):
+    """One funcspec row: ``method`` at K = ``k`` (a tree: its node count), or the tree cut to ``nodes``; the target
+    quantized on load as ``quantization``, the drafter's own weights as ``draft_quantization``."""
     from funcspec import Engine, SamplingParams
     from funcspec.zoo import speculative_config
 
     extra = dict(tree or {})
     if nodes is not None:  # every batch size of this engine drafts the tree's first / best N nodes
         extra["num_speculative_tokens_per_batch_size"] = [[1, batch, nodes]]
+    if draft_quantization:
+        extra["quantization"] = draft_quantization
     spec = None if method == "ar" else speculative_config(method, k, head, **extra)
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
-                 max_model_len=max(len(p) for p in prompts) + max_tokens + 8)
+                 max_model_len=max(len(p) for p in prompts) + max_tokens + 8, quantization=quantization)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:batch], sp)  # warm-up: captures every bucket this run uses
     eng.reset_stats()
@@ -98,7 +102,7 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
     st = eng.stats
     k = k if nodes is None else nodes
     return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
-            "tree": tree,
+            "tree": tree, "quantization": quantization, "draft_quantization": draft_quantization,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
             "step_ms_median": statistics.median(
@@ -203,7 +207,8 @@ def _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains: dict, s
 
 def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=(4,), backend: str = "eager",
         prompts: str = "heldout", num_prompts: int = 8, prompt_tokens: int = 128, max_tokens: int = 128,
-        heads: dict | None = None, hf: bool = True, out_dir=None, trees=(), tree_sizes=()) -> dict:
+        heads: dict | None = None, hf: bool = True, out_dir=None, trees=(), tree_sizes=(), quantization=None,
+        draft_quantizations=(None,)) -> dict:
     """Benchmark AR, each method at each K and batch, and HF, on the same prompts; writes and returns the result.
 
     ``model`` defaults to the zoo target; ``heads`` maps neural methods to their
@@ -212,8 +217,15 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
     e.g. ``("eagle3", {"speculative_token_tree": "[(0,), (1,)]"})``, each run
     beside its chain at K = N, and cut to each node count of ``tree_sizes``
     (e.g. ``(4, 8)``). Every row records whether its outputs equal funcspec AR
-    greedy's, token for token.
+    greedy's, token for token. ``quantization`` quantizes the target on load (every funcspec row, AR too: the
+    lossless check is against AR on the same weights; HF rows stay unquantized); each neural method runs once per
+    entry of ``draft_quantizations`` (``None``: the head as stored, else its own weights quantized on load).
     """
+    from funcspec.quant.formats import on_load
+
+    on_load(quantization)
+    for q in draft_quantizations:
+        on_load(q, "draft_quantizations")
     from funcspec import zoo
     from funcspec.checkpoints import load_model
 
@@ -223,13 +235,16 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
     ids = load_prompts(prompts, load_model(model).tokenizer, num_prompts, prompt_tokens)
     rows, ar = [], {}
     for b in batches:
-        ar[b] = _funcspec_run(model, ids, "ar", 0, backend, b, max_tokens, None)
+        ar[b] = _funcspec_run(model, ids, "ar", 0, backend, b, max_tokens, None, quantization=quantization)
         rows.append(ar[b])
         chains = {}
         for m in methods:
             for k in ks:
-                chains[m, k] = _funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m))
-                rows.append(chains[m, k])
+                for dq in draft_quantizations if m in heads else (None,):
+                    row = _funcspec_run(model, ids, m, k, backend, b, max_tokens, heads.get(m),
+                                        quantization=quantization, draft_quantization=dq)
+                    chains.setdefault((m, k), row)  # trees compare against the head as stored
+                    rows.append(row)
         rows += _tree_rows(model, ids, trees, backend, b, max_tokens, heads, chains, tree_sizes)
     if hf:
         rows.append(_hf_run(model, ids, max_tokens, "greedy", 0, None))
@@ -250,7 +265,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
             r["speedup_over_tau"] = r["speedup_vs_funcspec_ar"] / r["tau"]
     for r in rows:
         del r["outputs"]
-    result = {"model": model, "heads": heads, "backend": backend, "batches": list(batches), "ks": list(ks),
+    result = {"model": model, "heads": heads, "backend": backend, "quantization": quantization, "batches": list(batches), "ks": list(ks),
               "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
               "corpus": _corpus(prompts), "trees": [[m, dict(t)] for m, t in trees], "tree_sizes": sorted(set(tree_sizes)),
               "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -263,7 +278,8 @@ def label(r: dict) -> str:
     """A row's short name, e.g. ``funcspec eagle3 K4 B4``, ``funcspec eagle3 tree N16 B4`` or ``hf assistant K4``."""
     k = (f" tree N{r['k']}" if r.get("tree") else f" K{r['k']}") if r["k"] else ""
     b = f" B{r['batch']}" if r["engine"] == "funcspec" else ""
-    return f"{r['engine']} {r['method']}{k}{b}"
+    q = f" ({r['draft_quantization']} head)" if r.get("draft_quantization") else ""
+    return f"{r['engine']} {r['method']}{q}{k}{b}"
 
 
 def markdown(result: dict) -> str:
@@ -279,7 +295,8 @@ def markdown(result: dict) -> str:
         acc = ", ".join(f"{a:.2f}" for a in r.get("per_position_acceptance") or []) or "-"
         tree = json.dumps(r["tree"]).replace("|", "/") if r.get("tree") else "-"
         vs_chain = f"{r['speedup_vs_chain']:.2f}x, {r['tau_vs_chain']:.2f}x" if "speedup_vs_chain" in r else "-"
-        lines.append(f"| {r['engine']} | {r['method']} | {r['k']} | {r['batch']} | {r['backend']} | "
+        method = r["method"] + (f" ({r['draft_quantization']} head)" if r.get("draft_quantization") else "")
+        lines.append(f"| {r['engine']} | {method} | {r['k']} | {r['batch']} | {r['backend']} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_funcspec_ar']:.2f}x | {vs_hf} | {tau} | {sot} | "
                      f"{acc} | {r['matches_ar_greedy']} | {tree} | {vs_chain} |")
     return head + "\n".join(lines) + "\n"
@@ -356,6 +373,10 @@ def add_parser(kinds) -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--quantization", default=None, help="quantize the target on load (int8, int4, int4-g128, ...)")
+    p.add_argument("--draft-quantization", default="",
+                   help="comma list of the drafters' on-load quantizations, 'none' for the head as stored; each "
+                        "neural method runs once per entry (e.g. none,int4)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=JSON",
                    help='a token tree run beside its chain at K = N, e.g. eagle3=\'{"speculative_eagle_topk": 3, '
                         '"speculative_num_steps": 5, "speculative_num_draft_tokens": 17}\'')
@@ -368,6 +389,7 @@ def add_parser(kinds) -> None:
         heads = dict(h.split("=", 1) for h in a.head)
         run(a.model, [m for m in a.methods.split(",") if m], _ints(a.k), _ints(a.batch), a.backend, a.prompts,
             a.num_prompts, a.prompt_tokens, a.max_tokens, heads, not a.no_hf, a.out_dir,
-            [(m, json.loads(t)) for m, t in (x.split("=", 1) for x in a.tree)], _ints(a.tree_sizes))
+            [(m, json.loads(t)) for m, t in (x.split("=", 1) for x in a.tree)], _ints(a.tree_sizes), a.quantization,
+            tuple(None if q == "none" else q for q in a.draft_quantization.split(",") if q) or (None,))
 
     p.set_defaults(func=go)
