@@ -234,3 +234,16 @@ def test_every_zoo_method_on_an_int4_target_equals_its_ar(zoo_int4_ar, method, h
                  quantization="int4")
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, sp)] == ar
     assert eng.stats["mean_acceptance_length"] > 1.0  # the trained heads still draft tokens the int4 target keeps
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "mtp", "dflash"])
+def test_a_quantized_head_keeps_its_state_in_the_activation_dtype(method):
+    """Quantized linears hold fp16 scales; the drafter's caches and staged features still take the dtype the model
+    runs in (bf16 here), not the first float tensor found."""
+    from funcspec import zoo
+    from funcspec.tree import tree_leaves
+
+    eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 2, quantization="int8"),
+                 max_batch_size=1, quantization="int8", dtype=torch.bfloat16)
+    floats = {x.dtype for x in tree_leaves(eng.runner.state.proposer) if x.is_floating_point()}
+    assert floats == {torch.bfloat16}

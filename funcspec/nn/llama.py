@@ -442,6 +442,23 @@ def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window, mask
     return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read, tree=tree)
 
 
+def activation_ref(params) -> torch.Tensor:
+    """A float tensor of ``params`` (the first, in pytree order) that is not a quantized linear's scale or offset:
+    its dtype and device are the activations'. Scales are fp16 whatever the model runs in."""
+    def floats(node):
+        if isinstance(node, dict):
+            quantized = "qweight" in node
+            return [x for k, v in node.items() if not (quantized and k in ("scales", "offsets")) for x in floats(v)]
+        if isinstance(node, (list, tuple)):
+            return [x for v in node for x in floats(v)]
+        return [node] if isinstance(node, torch.Tensor) and node.is_floating_point() else []
+
+    found = floats(params)
+    if not found:
+        raise ValueError("params hold no float tensor outside quantized linears: the activation dtype is unknown")
+    return found[0]
+
+
 def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, T, 1, D] for positions pos [B, T]."""
     freqs = pos.unsqueeze(-1).float() * rope_inv_freq(cfg, pos.device)  # [B, T, D/2]

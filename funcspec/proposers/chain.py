@@ -42,10 +42,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from funcspec.nn.llama import KVCache, ModelConfig, init_kv_cache, window_start
+from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, init_kv_cache, window_start
 from funcspec.proposers import tree_draft
 from funcspec.token_tree import DynamicTree, TokenTree, truncate
-from funcspec.tree import pytree_dataclass, tree_leaves
+from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
 
@@ -118,7 +118,7 @@ def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
 
 def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
     """Zeroed head KV cache, staged features [S+1, block, F] and staged counts."""
-    ref = next(x for x in tree_leaves(params) if x.is_floating_point())
+    ref = activation_ref(params)
     return ChainState(
         init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),
         torch.zeros(num_slots + 1, cfg.block, cfg.feat_dim, dtype=ref.dtype, device=ref.device),

@@ -15,7 +15,8 @@ import torch
 
 from funcspec.checkpoints import medusa as ckpt
 from funcspec.nn import medusa as net
-from funcspec.tree import pytree_dataclass, tree_leaves
+from funcspec.nn.llama import activation_ref
+from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
 runs_on_host = False
@@ -54,7 +55,7 @@ def hidden_layers(cfg: MedusaProposerConfig) -> tuple[int, ...]:
 
 def init_state(cfg: MedusaProposerConfig, params, num_slots: int, max_len: int) -> MedusaState:
     """The last committed hidden state per slot, zeroed: [S+1, H]."""
-    w = next(x for x in tree_leaves(params) if x.is_floating_point())
+    w = activation_ref(params)
     return MedusaState(torch.zeros(num_slots + 1, cfg.head.hidden_size, dtype=w.dtype, device=w.device))
 
 
