@@ -43,19 +43,8 @@ constexpr int64_t QB = 32;    // outputs per column block: 2 zmm of fp32 accumul
 constexpr int64_t AB = 32;    // k per activation block (one scale and one sum per row)
 constexpr int64_t STEP = 128;  // weight bytes per step (QB outputs x 4 bytes)
 
-template <class T>
-inline float to_float(T v);
-template <>
-inline float to_float<float>(float v) { return v; }
-template <>
-inline float to_float<uint16_t>(uint16_t v) { return funcspec::bf16_to_float(v); }
-
-template <class T>
-inline T from_float(float f);
-template <>
-inline float from_float<float>(float f) { return f; }
-template <>
-inline uint16_t from_float<uint16_t>(float f) { return funcspec::float_to_bf16(f); }
+using funcspec::from_float;
+using funcspec::to_float;
 
 // Row m of x [M, K] as int8 blocks of 32: xq [K], d [K/32], and the sums of each half block, sums [K/16].
 template <class T>
