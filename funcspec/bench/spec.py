@@ -287,6 +287,8 @@ def markdown(result: dict) -> str:
     head = ("| engine | method | K | batch | backend | tokens/s | vs funcspec AR | vs HF greedy | τ | speedup/τ "
             "| per-position acceptance | = AR greedy | tree | tree vs chain (speed, τ) |\n")
     head += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    if result.get("quantization"):  # every funcspec row, AR included, runs the target quantized on load
+        head = f"Target quantized on load: {result['quantization']} (HF rows: unquantized).\n\n" + head
     lines = []
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
