@@ -53,8 +53,9 @@ def _madvise():
     return fn
 
 
-def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)`` on the CPU, backed by transparent huge pages where Linux grants them.
+def huge_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the CPU, backed by transparent huge pages where Linux grants them (on any
+    other ``device``: plain ``torch.empty``).
 
     NOTE: decode streams the packed weights (and reads the KV cache) once per
     step; with 4 KiB pages that is a TLB miss every 4 KiB. Many kernels only
@@ -66,8 +67,8 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """
     nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
+    if torch.device(device).type != "cpu" or madvise is None or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # [bytes + one page]
     off = -raw.data_ptr() % HUGE_PAGE
     madvise(raw.data_ptr() + off, nbytes // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)  # best effort: no check

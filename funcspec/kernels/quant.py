@@ -100,7 +100,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets, bits: int) -> tuple:
     else:
         octets = q.view(-1, QB, k // 8, 2, 4)  # [N'/32, 32, K/8, (low, high), 4]
         v = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N'/32, K/8, 32, 4]
-    packed = huge_empty(v.shape, torch.uint8).copy_(v)
+    packed = huge_empty(v.shape, torch.uint8, v.device).copy_(v)
 
     def groups(t):
         t = torch.nn.functional.pad(t.to(torch.float16), (0, 0, 0, pad))  # [N', K/G]
@@ -224,12 +224,14 @@ def reference(x: torch.Tensor, p: dict) -> torch.Tensor:
     xq = xq.view(xq.shape[0], -1, unit)  # [R, U, unit]
     sums = xq.sum(-1)  # [R, U]
     d = d.repeat_interleave(AB // unit, 1)  # [R, U]
-    dots = torch.einsum("ruk,nuk->rnu", xq, q.view(f.out_features, -1, unit).to(torch.int32))  # [R, N, U] exact
+    # NOTE: the integer sums in fp32: every partial sum is an integer below 32 * 255 * 127 < 2^24, so any order
+    # of adding them is exact, and float matmuls run on every device (CUDA has no int32 bmm).
+    dots = torch.einsum("ruk,nuk->rnu", xq.float(), q.view(f.out_features, -1, unit).float())  # [R, N, U] exact
     s = s.float().repeat_interleave(per, 1)  # [N, U]
     if f.asym:
-        units = dots.float() * s - o.float().repeat_interleave(per, 1) * sums.float().unsqueeze(1)
+        units = dots * s - o.float().repeat_interleave(per, 1) * sums.float().unsqueeze(1)
     else:
-        units = (dots - f.zero * sums.unsqueeze(1)).float() * s
+        units = (dots - f.zero * sums.unsqueeze(1)) * s
     y = (units * d.unsqueeze(1)).sum(-1)  # [R, N]
     if p.get("bias") is not None:
         y = y + p["bias"].float()

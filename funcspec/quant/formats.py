@@ -94,7 +94,8 @@ def fuse(ps: list[dict]) -> dict:
         raise ValueError(f"fused quantized layers must share one format, got {f}")
     out = {key: torch.cat([p[key] for p in ps]) for key in ("scales", "offsets") if key in ps[0]}
     q = [p["qweight"] for p in ps]  # the stream: in huge pages, as each member's was
-    out["qweight"] = torch.cat(q, out=huge_empty((sum(t.shape[0] for t in q), *q[0].shape[1:]), torch.uint8))
+    out["qweight"] = torch.cat(q, out=huge_empty((sum(t.shape[0] for t in q), *q[0].shape[1:]), torch.uint8,
+                                                 q[0].device))
     sizes = [x.out_features for x in f]
     biases = [p.get("bias") for p in ps]
     if any(b is not None for b in biases):
