@@ -1,4 +1,4 @@
-"""The host loop (DESIGN §6): admit, pick a bucket, run it, apply stop rules.
+"""The host loop: admit, pick a bucket, run it, apply stop rules.
 
 Each :meth:`Engine.step`:
 

@@ -1,4 +1,4 @@
-"""Explicit, counter-based random numbers (DESIGN §3).
+"""Explicit, counter-based random numbers.
 
 A *key* is an int64 tensor of any shape: one independent stream per element.
 Every draw is a pure function of (key, counter), computed with plain integer

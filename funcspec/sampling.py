@@ -1,7 +1,7 @@
 """Logit processing and sampling shared by autoregressive decoding and verifiers.
 
 Both paths call :func:`target_probs`, so speculative decoding verifies against
-exactly the distribution that plain sampling draws from (DESIGN §5).
+exactly the distribution that plain sampling draws from (ARCHITECTURE.md, "Contract").
 
 Per-row parameters are tensors, so one captured graph serves any mix of
 sampling settings: ``temperature [B]`` (0 means greedy), ``top_k [B]`` int64

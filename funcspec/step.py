@@ -1,4 +1,4 @@
-"""The speculative step: one pure function per (B, K) bucket (DESIGN §4-§6).
+"""The speculative step: one pure function per (B, K) bucket (ARCHITECTURE.md, "Contract").
 
     propose (in-graph proposer, or drafts fed in by a host proposer)
     -> target forward over [B, K+1] tokens

@@ -7,7 +7,7 @@ Inputs are two benchmark results:
 - ``funcspec bench spec``: ``rows[i].per_position_acceptance`` of a method,
   measured at K = ``rows[i].k``.
 
-Glossary (DESIGN §10): B is a batch bucket (the padded batch a graph runs), n
+Glossary: B is a batch bucket (the padded batch a graph runs), n
 an active batch size (1..max_batch), K the drafts per step, a_i the measured
 acceptance at draft position i.
 

@@ -1,5 +1,5 @@
-"""DESIGN §3 guard: the step path (verifiers, proposers, nn, step, sampling) reads no device data on the
-host and draws randomness only from funcspec.rng. The one allowed copy is the engine's ``readback``
+"""The no-host-sync rule (ARCHITECTURE.md, "Contract"): the step path (verifiers, proposers, nn, step, sampling)
+reads no device data on the host and draws randomness only from funcspec.rng. The one allowed copy is the engine's ``readback``
 (see test_engine.py's runtime count)."""
 
 from __future__ import annotations

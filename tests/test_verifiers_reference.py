@@ -1,6 +1,6 @@
 """The vectorised rules equal a slow per-row Python reference, draw for draw.
 
-The reference is written from the definitions (DESIGN §5, ALGORITHMS.md), loops
+The reference is written from the definitions (the published rejection-sampling and block-verification rules), loops
 over rows and positions, and consumes the same random numbers under the same
 key derivation: ``u = rng.uniform(fold_in(key, 0), K)`` and
 ``E = rng.exponential(fold_in(key, 1), V)``, the final token being

@@ -1,4 +1,4 @@
-"""Static graph capture per (B, K) bucket (DESIGN §6)."""
+"""Static graph capture per (B, K) bucket."""
 
 from funcspec.capture.backends import (
     BACKENDS,

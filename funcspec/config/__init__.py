@@ -1,9 +1,9 @@
 """Static configuration: per-request sampling parameters and the parsed ``speculative_config``.
 
-Configs are frozen, hashable dataclasses (DESIGN §3): they are part of a bucket's
+Configs are frozen, hashable dataclasses: they are part of a bucket's
 key and are never traced. Every constructor validates and normalises its fields,
 so an instance is always complete and consistent. A bad value raises
-``ValueError`` whose message names the field (DESIGN §8.8), for example
+``ValueError`` whose message names the field, for example
 ``speculative_config.num_speculative_tokens must be >= 1 for method 'ngram', got 0``.
 
 Modules, lowest first:

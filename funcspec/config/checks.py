@@ -1,7 +1,7 @@
 """The small validators every config shares, and the field paths their messages name.
 
 Each check returns the value (normalised where noted) or raises ``ValueError``
-whose message starts with the field's dotted path (DESIGN §8.8), for example
+whose message starts with the field's dotted path, for example
 ``speculative_config.num_speculative_tokens must be >= 1 ...``. Synthetic
 acceptance rates are checked by the synthetic verifier's own rule
 (:func:`synthetic_rates` only adds the field path), so config, verifier and

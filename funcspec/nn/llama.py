@@ -1,4 +1,4 @@
-"""Functional Llama / Qwen2 / Qwen3 decoder (DESIGN §7).
+"""Functional Llama / Qwen2 / Qwen3 decoder.
 
 ``params`` is the HF state dict nested on its dots (``params["model"]["layers"][i]
 ["self_attn"]["q_proj"]["weight"]``), so HF names survive round trips. The
@@ -139,7 +139,7 @@ def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Te
 
     Donates: cache.
     """
-    # NOTE: one full-tensor index_put_ (DESIGN §6): writing through a view
+    # NOTE: one full-tensor index_put_: writing through a view
     # (cache[layer]) or with scatter_ makes inductor copy the whole cache.
     h = torch.arange(x.shape[2], device=x.device).view(1, 1, -1)  # [1, 1, H_kv]
     l_idx = torch.full((1, 1, 1), layer, dtype=torch.int64, device=x.device)
@@ -171,7 +171,7 @@ def move_entries(kv: KVCache, slots: torch.Tensor, src: torch.Tensor, dst: torch
            torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
     src, dst = src.unsqueeze(0).unsqueeze(2), dst.unsqueeze(0).unsqueeze(2)  # [1, B, 1, M]
     for cache in (kv.k, kv.v):
-        # NOTE: gathered first (a copy), then one full-tensor index_put_ (DESIGN §6).
+        # NOTE: gathered first (a copy), then one full-tensor index_put_.
         cache.index_put_((*idx, dst), cache[(*idx, src)])
 
 

@@ -1,4 +1,4 @@
-"""Proposers: one module per method, all behind one contract (DESIGN §4).
+"""Proposers: one module per method, all behind one contract (ARCHITECTURE.md, "Contract").
 
 Each proposer module implements :class:`~funcspec.proposers.base.Proposer`::
 

@@ -252,7 +252,7 @@ def _most_supported(tree, cont, node, canon, rank, support):
     return tokens, parents
 
 
-# ---------------------------------------------------------------- protocol (DESIGN §4)
+# ---------------------------------------------------------------- protocol
 
 runs_on_host = False
 prefill = no_prefill

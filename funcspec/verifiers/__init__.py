@@ -1,4 +1,4 @@
-"""Verifiers: accept or reject draft tokens against the target model (DESIGN §5).
+"""Verifiers: accept or reject draft tokens against the target model (ARCHITECTURE.md, "Contract").
 
 Glossary (after vLLM's ``rejection_sampler.py``), for one row of the batch:
 
