@@ -79,7 +79,8 @@ def _tune_k(args) -> None:
 
 
 def _inspect(args) -> None:
-    """`funcspec inspect HEAD [--target TARGET]`: the head's layout, shapes and fit; exit 1 if it does not load."""
+    """`funcspec inspect PATH [--target TARGET]`: a head's layout, shapes and fit, or a target model's stored
+    quantization layer by layer; exit 1 if it does not load."""
     from funcspec.checkpoints.report import inspect
 
     try:
@@ -130,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune a token tree's node count N per batch size from the method's tree rows "
                         "(bench spec --tree-sizes) and tree buckets (bench capture --tree); JSON: which tree")
     p.add_argument("--out", default=None, help="default: tuned-k.json beside the capture result")
-    p = sub.add_parser("inspect", help="a draft head's published layout, method, shapes, and whether it fits a target")
-    p.add_argument("head", help="the draft head's directory (as speculative_config['model'])")
+    p = sub.add_parser("inspect", help="a draft head's published layout, method, shapes, and whether it fits a "
+                                       "target; a target model's quantization, layer by layer")
+    p.add_argument("head", help="the draft head's directory (as speculative_config['model']), or a target model's "
+                                "directory or GGUF file")
     p.add_argument("--target", default=None, help="the target model's directory: load the head for it")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     from funcspec.bench import add_bench_parser

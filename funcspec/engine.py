@@ -91,7 +91,10 @@ class Engine:
         quantization: quantize the target's linear layers on load
             (:data:`funcspec.quant.formats.SCHEMES`: ``"int8"``, ``"int4"``,
             ...); the drafter takes ``speculative_config["quantization"]``.
-            vLLM's names of stored formats (``"gguf"``, ...) quantize nothing.
+            A checkpoint stored quantized (GPTQ, AWQ, compressed-tensors,
+            vLLM-Ascend, GGUF) is read as it is stored whatever this says;
+            naming its format (vLLM's names: ``"gptq"``, ``"awq"``, ...)
+            checks that it is stored that way.
         tokenizer: a directory to take the tokenizer from (a GGUF file's
             vocabulary otherwise, or the checkpoint's own tokenizer files).
 
@@ -116,8 +119,9 @@ class Engine:
         self.followers = None
         if tensor_parallel_size != 1:
             device = distributed.rank_device(device, distributed.local_rank())
+        stored = None if self.quantization else quantization  # a stored format's name: the checkpoint must be in it
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device,
-                                                                        tokenizer=tokenizer)
+                                                                        tokenizer=tokenizer, quantization=stored)
         # NOTE: the kernels are chosen once, here, from the device: every ModelConfig (the target's, and the
         # drafter's, built from it) carries them into each bucket's static key.
         ops = kernels.resolve(device) if ops is None else ops

@@ -11,7 +11,7 @@ from funcspec import zoo
 from funcspec.bench import quant, scale
 
 TINY = dict(shape="tiny", backends="eager", sweep_backend="eager", batches="1,2", new_tokens=8, prompt_tokens=16,
-            copy_mb=16, reps=2, phases="bandwidth,ar,quant", quantization="int8,int4,q8_0,q4_0", quant_k=2,
+            copy_mb=16, reps=2, phases="bandwidth,ar,quant", quantization="int8,int4,q8_0,q4_0,ct-w8a8", quant_k=2,
             quant_alpha=0.8, quant_parts="heads,batch")
 
 
@@ -27,13 +27,17 @@ def result(tmp_path_factory):
 def test_quant_phase_rows_per_format(result):
     res, out = result
     q = res["quant"]
-    assert [r["format"] for r in q["rows"]] == ["int8", "int4", "q8_0", "q4_0"]
+    assert [r["format"] for r in q["rows"]] == ["int8", "int4", "q8_0", "q4_0", "ct-w8a8"]
     assert q["k"] == 2 and q["alpha"] == 0.8 and q["unquantized_ms_per_token"] == res["ar"][0]["ms_per_token"]
     by = {r["format"]: r for r in q["rows"]}
     # int4 in groups of 32 streams about half of int8's bytes; GGUF Q8_0 / Q4_0 the same as int8 / int4 g32
     # (the lm_head and norms are in every count, so the ratios are not exact)
     assert by["int4"]["streamed_bytes"] < 0.75 * by["int8"]["streamed_bytes"]
     assert by["q4_0"]["streamed_bytes"] < 0.75 * by["q8_0"]["streamed_bytes"]
+    # compressed-tensors W8A8 per channel streams what funcspec's own int8 does but for its lm_head [512, 64], kept
+    # in bf16 as published files keep it (int8 quantizes it too); it pairs with llama.cpp's Q8_0
+    assert 0 < by["ct-w8a8"]["streamed_bytes"] - by["int8"]["streamed_bytes"] < 512 * 64
+    assert by["ct-w8a8"]["source"] == "published" and by["ct-w8a8"]["llamacpp_file"] == "model-q8_0.gguf"
     for r in q["rows"]:
         assert r["ms_per_token"] > 0 and r["bound_ms"] > 0 and r["pct_of_bound"] > 0
         assert "llamacpp_ms_per_token" not in r  # no llama.cpp here: no pairing
@@ -62,25 +66,28 @@ def zoo_quality(tmp_path_factory):
     cache = tmp_path_factory.mktemp("quality-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant, "_has_llamacpp", lambda: False)
-        rows = quant.quality(model, seqs, ["int8", "int4", "q8_0", "q4_0"], cache_dir=cache)
+        rows = quant.quality(model, seqs, ["int8", "int4", "q8_0", "q4_0", "gptq-int4", "awq-int4", "ascend-w8a8"],
+                             cache_dir=cache)
     return rows, cache, seqs
 
 
 def test_quality_of_the_zoo_target(zoo_quality):
     rows, cache, seqs = zoo_quality
-    assert [r["format"] for r in rows] == ["unquantized", "int8", "int4", "q8_0", "q4_0"]
+    assert [r["format"] for r in rows] == ["unquantized", "int8", "int4", "q8_0", "q4_0", "gptq-int4", "awq-int4",
+                                           "ascend-w8a8"]
     base = rows[0]
     assert base["greedy_agreement"] == 1.0 and base["tokens"] == sum(len(s) - 1 for s in seqs)
     by = {r["format"]: r for r in rows}
     # 8-bit per channel / per 32: within 0.01 nats of the float model; 4-bit in groups of 32: within 0.1
-    for f in ("int8", "q8_0"):
+    for f in ("int8", "q8_0", "ascend-w8a8"):
         assert abs(by[f]["cross_entropy"] - base["cross_entropy"]) < 0.01 and by[f]["greedy_agreement"] > 0.97
-    for f in ("int4", "q4_0"):
+    for f in ("int4", "q4_0", "gptq-int4", "awq-int4"):
         assert abs(by[f]["cross_entropy"] - base["cross_entropy"]) < 0.1 and by[f]["greedy_agreement"] > 0.8
     for r in rows[1:]:  # W8A16 / W4A16 on the same weights: as close as W8A8 / W4A8 or closer
         assert abs(r["cross_entropy_weights_only"] - base["cross_entropy"]) < \
             abs(r["cross_entropy"] - base["cross_entropy"]) + 0.005
-    assert sorted(p.name for p in cache.iterdir()) == ["model-q4_0.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in cache.iterdir()) == ["model-q4_0.gguf", "model-q8_0.gguf", "published-ascend-w8a8",
+                                                       "published-awq-int4", "published-gptq-int4"]
 
 
 def test_bench_quality_cli_writes_json_and_markdown(tmp_path, monkeypatch, capsys):

@@ -3,11 +3,13 @@ batch, and quality (``funcspec bench scale --phases quant`` and ``funcspec bench
 
 Formats (:data:`FORMATS`): the checkpoint's own dtype, funcspec's quantize-on-load ``int8`` / ``int4`` /
 ``int4-g128``, and GGUF files made from the same weights, ``q8_0``, ``q4_0`` and ``q4_k_m``, by llama.cpp's own
-quantizer (``llama_model_quantize``, from the bf16 GGUF) and loaded by both funcspec and llama.cpp. Per format:
+quantizer (``llama_model_quantize``, from the bf16 GGUF) and loaded by both funcspec and llama.cpp, and
+checkpoints written in published layouts (``gptq-int4``, ``gptq-int8``, ``awq-int4``, ``ct-w4a16``, ``ct-w8a8``,
+``ascend-w8a8``: :data:`PUBLISHED`, group 128 where grouped). Per format:
 
 - funcspec AR (inductor, batch 1) ms/token, the bytes a step streams and the bound they set at the copy
-  bandwidth (the ``bandwidth`` phase's), and, on a GGUF format, llama.cpp on the same file, paired in
-  alternating runs (the median of the pair ratios);
+  bandwidth (the ``bandwidth`` phase's), and llama.cpp paired in alternating runs (the median of the pair
+  ratios): on a GGUF format the same file, on a published format llama.cpp's file of its bits (Q4_0, Q8_0);
 - speculation with synthetic acceptance alpha^(i+1) at K: the free ``echo`` drafter, and random EAGLE-3 and
   DFlash heads of the target's own shape (bf16, and the EAGLE-3 head quantized like the target), so the drafter's
   cost is real; each against funcspec AR and llama.cpp's AR;
@@ -26,8 +28,17 @@ from pathlib import Path
 import torch
 
 FORMATS = {"int8": ("load", "int8"), "int4": ("load", "int4"), "int4-g128": ("load", "int4-g128"),
-           "q8_0": ("gguf", "Q8_0"), "q4_0": ("gguf", "Q4_0"), "q4_k_m": ("gguf", "Q4_K_M")}
-"""Format name -> (where it comes from, its quantization: funcspec's scheme, or llama.cpp's file type)."""
+           "q8_0": ("gguf", "Q8_0"), "q4_0": ("gguf", "Q4_0"), "q4_k_m": ("gguf", "Q4_K_M"),
+           "gptq-int4": ("published", "gptq"), "gptq-int8": ("published", "gptq"), "awq-int4": ("published", "awq"),
+           "ct-w4a16": ("published", "compressed-tensors"), "ct-w8a8": ("published", "compressed-tensors"),
+           "ascend-w8a8": ("published", "ascend")}
+"""Format name -> (where it comes from, its quantization: funcspec's scheme, llama.cpp's file type, or the
+published format a checkpoint is written in)."""
+
+PUBLISHED = {"gptq-int4": ("write_gptq", {}), "gptq-int8": ("write_gptq", {"bits": 8}), "awq-int4": ("write_awq", {}),
+             "ct-w4a16": ("write_compressed_tensors", {}), "ct-w8a8": ("write_compressed_tensors", {"scheme": "w8a8"}),
+             "ascend-w8a8": ("write_ascend", {})}
+"""Published formats: the writer (:mod:`funcspec.checkpoints.quantized_write`) and its options (group 128)."""
 
 
 def llamacpp_ftype(kind: str) -> int:
@@ -90,11 +101,28 @@ def gguf_file(model_dir, fmt: str, threads: int, where=None) -> Path:
     return gguf_write.write(Path(model_dir), where / f"model-{fmt}.gguf", fmt)
 
 
+def published_checkpoint(model_dir, fmt: str, where: Path) -> Path:
+    """``model_dir`` written in published format ``fmt`` (:data:`PUBLISHED`; round-to-nearest values, not
+    GPTQ's or AWQ's calibration) into ``where/published-<fmt>``, once."""
+    from funcspec.checkpoints import quantized_write
+
+    path = Path(where) / f"published-{fmt}"
+    if not (path / "config.json").exists():
+        writer, options = PUBLISHED[fmt]
+        getattr(quantized_write, writer)(model_dir, path, **options)
+    return path
+
+
 def target_of(ctx: dict, fmt: str):
-    """(what the engine loads, its ``quantization``, the GGUF file llama.cpp loads or ``None``) for ``fmt``."""
+    """(what the engine loads, its ``quantization``, the GGUF file llama.cpp loads or ``None``) for ``fmt``; a
+    published format pairs with llama.cpp's file of its bits (Q4_0 or Q8_0), made from the same weights."""
     where, q = FORMATS[fmt]
     if where == "load":
         return ctx["model"], q, None
+    if where == "published":
+        same_bits = "q4_0" if "4" in fmt.split("-")[1] else "q8_0"
+        return (str(published_checkpoint(ctx["path"], fmt, Path(ctx["path"]))), q,
+                gguf_file(ctx["path"], same_bits, torch.get_num_threads()))
     path = gguf_file(ctx["path"], fmt, torch.get_num_threads())
     return str(path), None, path
 
@@ -120,6 +148,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
     ar = timing.timed_generate(ar_eng, [ctx["prompt"]], n, reps)
     nbytes = streamed_bytes(ar_eng.params["target"])
     row = {"format": fmt, "source": FORMATS[fmt][0], "quantization": FORMATS[fmt][1], "streamed_bytes": nbytes,
+           "llamacpp_file": None if gguf_path is None else gguf_path.name,
            "ms_per_token": ar["ms_per_token"], "step_ms": timing.step_ms(ar, 1, 0), "recompiles": ar["recompiles"],
            "bound_ms": nbytes / (bound_gbps * 1e9) * 1e3 if bound_gbps else None}
     row["pct_of_bound"] = 100 * row["bound_ms"] / row["ms_per_token"] if row["bound_ms"] else None
@@ -139,7 +168,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
             if not (path / "config.json").exists():
                 init_draft_head(method, ctx["model"], path, **({"num_layers": 1} if method == "dflash" else {}))
             heads[method] = {"method": method, "model": str(path)}
-            if method == "eagle3" and q is not None:
+            if method == "eagle3" and FORMATS[fmt][0] == "load":  # the head quantized by the target's scheme
                 heads["eagle3-quantized"] = {**heads[method], "quantization": q}
     row["speculation"] = {}
     for name, spec in heads.items():
@@ -192,7 +221,7 @@ def markdown(r: dict) -> list[str]:
     if not q:
         return []
     lines = [f"## Quantized formats ({q['backend']}, batch 1)\n",
-             "| format | MiB streamed | ms/token | % of bound | llama.cpp ms/token (same file) | funcspec / llama.cpp "
+             "| format | MiB streamed | ms/token | % of bound | llama.cpp ms/token (its file) | funcspec / llama.cpp "
              "(paired) | echo K={k} | EAGLE-3 K={k} | EAGLE-3 (quantized) K={k} | DFlash K={k} | K={k} step / AR step "
              "| batch {b} / 1 |".format(k=q["k"], b=next((x["batch"]["batch"] for x in q["rows"] if "batch" in x),
                                                           "-")),
@@ -209,7 +238,7 @@ def markdown(r: dict) -> list[str]:
         paired = row.get("paired")
         lines.append(
             f"| {row['format']} | {row['streamed_bytes'] / 2**20:.0f} | {row['ms_per_token']:.2f} | "
-            f"{_f(row['pct_of_bound'], '.0f')}% | {_f(row.get('llamacpp_ms_per_token'))} | "
+            f"{_f(row['pct_of_bound'], '.0f')}% | {_llamacpp_cell(row)} | "
             f"{_f(paired['ratio']) + 'x' if paired else '-'} | {spec(row, 'echo')} | {spec(row, 'eagle3')} | "
             f"{spec(row, 'eagle3-quantized')} | {spec(row, 'dflash')} | "
             f"{_f(row['speculation']['echo'].get('step_cost_vs_ar'))} | "
@@ -218,6 +247,12 @@ def markdown(r: dict) -> list[str]:
                  "shape with random weights (their cost is real, their acceptance synthetic). funcspec / llama.cpp "
                  "< 1: funcspec faster.\n")
     return lines
+
+
+def _llamacpp_cell(row: dict) -> str:
+    """llama.cpp's ms/token, naming its file where it is not the format's own (a published format's row)."""
+    ms = _f(row.get("llamacpp_ms_per_token"))
+    return f"{ms} ({row['llamacpp_file']})" if row.get("source") == "published" and ms != "-" else ms
 
 
 def _f(x, spec: str = ".2f") -> str:
@@ -234,7 +269,8 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
     gives ``cross_entropy_weights_only``: its weights dequantized, activations left as they are (the kernel
     quantizes activations to int8 per 32 k: W8A8 / W4A8; this is W8A16 / W4A16 on the same weights).
 
-    GGUF formats are made from the checkpoint by :func:`gguf_file`, into ``cache_dir`` (default
+    GGUF formats are made from the checkpoint by :func:`gguf_file`, published ones by
+    :func:`published_checkpoint`, into ``cache_dir`` (default
     ``~/.cache/funcspec/quality/<checkpoint name>``: never into the checkpoint itself).
     """
     from funcspec import Engine
@@ -254,11 +290,13 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
     rows = [_quality_row("unquantized", base, base, sequences)]
     for fmt in formats:
         where, q = FORMATS[fmt]
+        cache = cache_dir or Path.home() / ".cache" / "funcspec" / "quality" / Path(model_dir).resolve().name
         if where == "load":
             eng = Engine(str(model_dir), max_batch_size=1, quantization=q)
+        elif where == "published":
+            eng = Engine(str(published_checkpoint(model_dir, fmt, cache)), max_batch_size=1)
         else:
-            where = cache_dir or Path.home() / ".cache" / "funcspec" / "quality" / Path(model_dir).resolve().name
-            eng = Engine(str(gguf_file(model_dir, fmt, threads, where)), max_batch_size=1)
+            eng = Engine(str(gguf_file(model_dir, fmt, threads, cache)), max_batch_size=1)
         row = _quality_row(fmt, logits_of(eng), base, sequences)
         row["cross_entropy_weights_only"] = _quality_row(fmt, logits_of(eng, True), base, sequences)["cross_entropy"]
         rows.append(row)
@@ -268,15 +306,14 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
 def dequantized(params):
     """``params`` with every quantized linear as its float weight (the fused groups dropped: their members are
     there): the same weights with unquantized activations, i.e. W8A16 / W4A16 arithmetic."""
-    from funcspec.kernels.quant import dequantize
+    from funcspec.quant.formats import dequantize
 
     if isinstance(params, list):
         return [dequantized(p) for p in params]
     if not isinstance(params, dict):
         return params
     if "qweight" in params:
-        f = params["format"]
-        w = dequantize(params["qweight"], params["scales"], params.get("offsets"), f)
+        w = dequantize(params)
         return {"weight": w, **({"bias": params["bias"]} if params.get("bias") is not None else {})}
     return {k: dequantized(v) for k, v in params.items() if k not in ("qkv_proj", "gate_up_proj")}
 

@@ -831,7 +831,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--allow-mismatch", action="store_true", help="record, do not raise on, HF != funcspec tokens")
     p.add_argument("--quantization", default=d["quantization"],
-                   help="formats of the quant phase (default %(default)s; also int4-g128)")
+                   help="formats of the quant phase (default %(default)s; also int4-g128, and published layouts "
+                        "gptq-int4, gptq-int8, awq-int4, ct-w4a16, ct-w8a8, ascend-w8a8)")
     p.add_argument("--quant-k", type=int, default=d["quant_k"], help="K of the quant phase's speculation")
     p.add_argument("--quant-alpha", type=float, default=d["quant_alpha"], help="its synthetic acceptance base")
     p.add_argument("--quant-parts", default=d["quant_parts"],

@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from funcspec.kernels import quant as qk
+from funcspec.quant import formats
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """GGUF ``general.architecture`` values funcspec runs, and their HF architectures."""
@@ -175,14 +175,8 @@ def _k4_scales(s: np.ndarray) -> tuple:
 
 def quantized_linear(q: np.ndarray, scales: np.ndarray, offsets, bits: int, name: str) -> dict:
     """funcspec's quantized linear of GGUF blocks (:func:`blocks`), packed for the kernel."""
-    n, k = q.shape
-    qweight, s, o = qk.pack(torch.from_numpy(q), torch.from_numpy(scales),
-                            None if offsets is None else torch.from_numpy(offsets), bits)
-    group = k // scales.shape[1]
-    p = {"qweight": qweight, "scales": s, "format": qk.QuantFormat(bits, group, n, k, offsets is not None, name)}
-    if o is not None:
-        p["offsets"] = o
-    return p
+    return formats.linear(torch.from_numpy(q), torch.from_numpy(scales), bits, name,
+                          offsets=None if offsets is None else torch.from_numpy(offsets))
 
 
 def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict, dict]:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from funcspec.checkpoints import gguf
+from funcspec.checkpoints import gguf, quantized
 from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config
 from funcspec.nn.llama import ModelConfig
 
@@ -148,6 +148,8 @@ class Model:
         tokenizer: a transformers tokenizer, or ``None`` if the checkpoint has none.
         path: the checkpoint directory.
         hf_config: the raw ``config.json`` dict.
+        quantization: how its weights were stored quantized (:class:`funcspec.checkpoints.quantized.Scheme`:
+            GPTQ, AWQ, compressed-tensors, vLLM-Ascend, GGUF), or ``None``.
     """
 
     cfg: ModelConfig
@@ -155,6 +157,7 @@ class Model:
     tokenizer: Any
     path: str
     hf_config: dict
+    quantization: Optional[quantized.Scheme] = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -183,49 +186,85 @@ def _embedded_head(key: str, num_layers: int) -> bool:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
-               tokenizer: Optional[str | os.PathLike] = None) -> Model:
+               tokenizer: Optional[str | os.PathLike] = None, quantization: Optional[str] = None) -> Model:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not),
     or a GGUF file (:mod:`funcspec.checkpoints.gguf`: its Q8_0 / Q4_0 / Q4_K blocks stay quantized).
+
+    A directory quantized as published (GPTQ, AWQ, compressed-tensors,
+    vLLM-Ascend W8A8: :mod:`funcspec.checkpoints.quantized`) keeps its
+    quantized linears, read as they are stored. ``quantization``: a stored
+    format's vLLM name (``"gptq"``, ``"awq"``, ``"gguf"``, ...) the checkpoint
+    must be in; ``None`` reads whatever it declares.
 
     Draft heads saved in the same checkpoint (:data:`EMBEDDED_HEADS`) are
     skipped: they belong to their proposer. ``tokenizer``: a directory to take
     the tokenizer from instead of the checkpoint's. Raises ``FileNotFoundError``
     for a missing directory or file and ``ValueError`` for an unsupported
-    architecture, a corrupt file, or missing / unexpected / mis-shaped keys.
+    architecture or quantization, a corrupt file, or missing / unexpected / mis-shaped keys.
     """
     gguf_file = gguf.path_of(path)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, dtype, device, tokenizer)
+        model = _load_gguf(gguf_file, dtype, device, tokenizer)
+        quantized.check_requested(quantization, model.quantization, str(gguf_file))
+        return model
     path, hf = read_config(path)
     cfg = model_config(hf, str(path / "config.json"))
+    scheme = quantized.detect(path, hf)
+    quantized.check_requested(quantization, scheme, str(path))
     shapes = expected_shapes(cfg)
     weights = find_weights(path)
-    keys = [k for k in weights.keys() if not _embedded_head(k, cfg.num_layers)]
+    every = weights.keys()
+    keys = [k for k in every if not _embedded_head(k, cfg.num_layers)]
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
         keys.remove("lm_head.weight")  # some exporters save the tied copy
     tensors = weights.read(keys)
+    linears = {}
+    if scheme is not None:
+        quantized.check_description(scheme, every)
+        linears, used = quantized.read(tensors, scheme, _linear_shapes(shapes), dtype, str(weights))
+        tensors = {k: v for k, v in tensors.items() if k not in used}
+        for module, p in linears.items():
+            shapes.pop(module + ".weight")
+            if "bias" in p or module + ".bias" in used:
+                shapes.pop(module + ".bias", None)
     check_keys(tensors, shapes, str(weights))
-    params = nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
-    return Model(cfg, params, load_tokenizer(Path(tokenizer)) if tokenizer else load_tokenizer(path), str(path), hf)
+    params = _with_linears(nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}), linears, device)
+    return Model(cfg, params, load_tokenizer(Path(tokenizer)) if tokenizer else load_tokenizer(path), str(path), hf,
+                 scheme)
+
+
+def _linear_shapes(shapes: dict) -> dict[str, tuple]:
+    """Every linear module of a decoder's ``shapes`` (the embedding is read by row, not multiplied) -> (N, K)."""
+    return {k[:-len(".weight")]: s for k, s in shapes.items()
+            if k.endswith(".weight") and len(s) == 2 and k != "model.embed_tokens.weight"}
+
+
+def _with_linears(params: dict, linears: dict, device) -> dict:
+    """``params`` with each quantized linear (module path -> its params) put at its path, beside a float bias
+    the file keeps there."""
+    for module, p in linears.items():
+        p = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+        *parents, leaf = module.split(".")
+        node = params
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        node[leaf] = {**p, **({"bias": node[leaf]["bias"]} if isinstance(node.get(leaf), dict) else {})}
+    return params
 
 
 def _load_gguf(path: Path, dtype, device, tokenizer) -> Model:
     """A GGUF file as a :class:`Model`: float tensors as usual, quantized linears as funcspec's (kept quantized)."""
-    hf, floats, quantized = gguf.read(path, dtype, device)
+    hf, floats, linears = gguf.read(path, dtype, device)
     cfg = model_config(hf, str(path))
     shapes = expected_shapes(cfg)
-    for module, p in quantized.items():
+    for module, p in linears.items():
         want = shapes.pop(module + ".weight", (cfg.vocab_size, cfg.hidden_size) if module == "lm_head" else None)
         f = p["format"]
         if want != (f.out_features, f.in_features):
             raise ValueError(f"{path}: {module}: expected {want}, got a quantized [{f.out_features}, "
                              f"{f.in_features}]")
     check_keys(floats, shapes, str(path))
-    params = nest(floats)
-    for module, p in quantized.items():
-        *parents, leaf = module.split(".")
-        node = params
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        node[leaf] = {**p, **({"bias": node[leaf]["bias"]} if isinstance(node.get(leaf), dict) else {})}
-    return Model(cfg, params, gguf.load_tokenizer(path, tokenizer), str(path), hf)
+    scheme = quantized.Scheme("gguf", "GGUF " + ", ".join(sorted({p["format"].name for p in linears.values()})),
+                              {}, str(path)) if linears else None
+    return Model(cfg, _with_linears(nest(floats), linears, device), gguf.load_tokenizer(path, tokenizer), str(path),
+                 hf, scheme)

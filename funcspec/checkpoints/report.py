@@ -1,4 +1,5 @@
-"""``funcspec inspect``: what a draft-head directory is, as funcspec reads it, and whether it fits a target.
+"""``funcspec inspect``: what a draft-head directory is, as funcspec reads it, and whether it fits a target;
+for a target model, how its weights are stored (quantized as published, or float) layer by layer.
 
 :func:`inspect` recognises the layout (:mod:`funcspec.checkpoints.layouts`),
 reads the key names and shapes (tensor data is not loaded for safetensors),
@@ -14,7 +15,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-from funcspec.checkpoints import layouts
+from funcspec.checkpoints import gguf, layouts, quantized
 from funcspec.checkpoints.files import read_config
 from funcspec.checkpoints.llama import load_model, model_config
 from funcspec.nn.llama import ModelConfig
@@ -48,6 +49,8 @@ class Report:
         target: the target checked against, if any.
         parsed: the head's static config as loaded for ``target``.
         problem: why it does not load (for ``target``, or at all), or ``None``.
+        model: for a target model rather than a head: its decoder, its stored quantization and which linears
+            are quantized (:func:`funcspec.checkpoints.quantized.layer_report`).
     """
 
     path: str
@@ -60,14 +63,22 @@ class Report:
     target: Optional[str] = None
     parsed: Any = None
     problem: Optional[str] = None
+    model: Optional[dict] = None
 
     @property
     def fits(self) -> bool:
-        """Whether the head loads (for the target, when one was given)."""
-        return self.layout is not None and self.problem is None
+        """Whether the head (or the target model) loads (for the target, when one was given)."""
+        return (self.layout is not None or self.model is not None) and self.problem is None
 
     def __str__(self) -> str:
         lines = [f"{self.path}"]
+        if self.model is not None:
+            m = self.model
+            lines += [f"  target model: {_show(m['cfg'])}", f"  quantization: {m['quantization']}"]
+            for name, modules in m["layers"]["quantized"].items():
+                lines.append(f"    {name}: {', '.join(modules)}")
+            lines.append(f"    float: {', '.join(m['layers']['float']) or '-'}")
+            return "\n".join(lines)
         if self.layout is None:
             return "\n".join(lines + [f"  not a draft head funcspec reads: {self.problem}"])
         lines += [f"  layout:  {self.layout.name} ({self.layout.source})",
@@ -118,8 +129,8 @@ def inspect(path, target=None) -> Report:
         head = layouts.read_head(path, layout.family, layout.method)
     except (ValueError, FileNotFoundError) as e:
         report.problem = str(e)
-        if _target_arch(path):
-            report.problem = f"a {_target_arch(path)} target model with no draft head saved in it"
+        if _target_arch(path) or gguf.path_of(path) is not None:
+            return _target_report(path, report)
         return report
     report.layout, report.weights, report.skipped = layout, str(weights), len(head.skipped)
     report.shapes, report.fields = _shapes(head), _fields(hf, layout.family)
@@ -139,6 +150,20 @@ def inspect(path, target=None) -> Report:
             report.parsed = module.load_params(path, model)[0]
     except (ValueError, FileNotFoundError) as e:
         report.problem = str(e)
+    return report
+
+
+def _target_report(path, report: Report) -> Report:
+    """A target model's report: its decoder and how each linear is stored (or why it does not load)."""
+    try:
+        model = load_model(path)
+    except (ValueError, FileNotFoundError) as e:
+        report.problem = f"a target model that does not load: {e}"
+        return report
+    q = model.quantization
+    report.problem = None
+    report.model = {"cfg": model.cfg, "quantization": q.summary if q else "none (float weights)",
+                    "layers": quantized.layer_report(model.params)}
     return report
 
 

@@ -153,7 +153,10 @@ class Ops:
         return [self.linear(x, p) for p in ps]
 
     def _quantized(self, x: torch.Tensor, p: dict) -> torch.Tensor:
-        """A quantized linear: the kernel where it runs, else its math in torch (:func:`quant.reference`)."""
+        """A quantized linear: the kernel where it runs, else its math in torch (:func:`quant.reference`).
+        A linear stored in another input order (GPTQ's act-order: ``perm``) reads x in that order."""
+        if "perm" in p:
+            x = x.index_select(-1, p["perm"])
         if self.quantized and x.device.type == "cpu" and x.dtype in quant.DTYPES:
             return quant.qlinear(x, p)
         return quant.reference(x, p)

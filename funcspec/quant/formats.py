@@ -31,8 +31,10 @@ SCHEMES = {"int8": (8, None), "int8-g32": (8, 32), "int4": (4, 32), "int4-g32": 
 STORED = frozenset({"gguf", "ascend", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8",
                     "bitsandbytes", "modelopt", "experts_int8"})
 """vLLM's ``quantization`` names of formats a checkpoint is stored in: they say how to read the weights, not
-how to quantize them. ``gguf`` is read from ``.gguf`` files; the others are not read yet, so naming one changes
-nothing (the checkpoint is read as it is stored)."""
+how to quantize them. The format is read from the checkpoint itself (``funcspec.checkpoints.quantized``:
+GPTQ, AWQ, compressed-tensors, vLLM-Ascend; and GGUF files); naming one checks that the checkpoint is stored
+that way, as vLLM does. ``fp8``, ``bitsandbytes``, ``modelopt`` and ``experts_int8`` are names funcspec knows
+but does not read."""
 
 
 def on_load(name, field: str = "quantization"):
@@ -86,12 +88,77 @@ def quantize(p: dict, name: str) -> dict:
     return out
 
 
+def linear(q: torch.Tensor, scales: torch.Tensor, bits: int, name: str, zeros=None, offsets=None, perm=None,
+           bias=None) -> dict:
+    """A quantized linear's params, packed for the kernel, from values as a checkpoint stores them.
+
+    q [N, K] unsigned values (below 2^bits); scales [N, K/G] (G = K / its columns). Either ``zeros`` [N, K/G],
+    integer zero points (W = s (q - z)), or ``offsets`` [N, K/G] (W = s q - o, GGUF's K-quants), or neither: the
+    format's own zero (128 / 8). Zeros that all equal it are symmetric; others become offsets s z, rounded to fp16
+    as every scale is (a relative 2^-11 of s z, far below a step s). ``perm`` [K]: the input order the values
+    are stored in (GPTQ's act-order, :func:`act_order`): the columns are taken in that order, and the product
+    gathers x the same way.
+    """
+    n, k = q.shape
+    group = k // scales.shape[1]
+    qk.check_shape(n, k, bits, group)
+    if zeros is not None and not bool((zeros == (128 if bits == 8 else 8)).all()):
+        offsets = scales.float() * zeros.float()
+    if perm is not None:
+        q = q[:, perm]
+    qweight, s, o = qk.pack(q.to(torch.uint8), scales, offsets, bits)
+    p = {"qweight": qweight, "scales": s, "format": qk.QuantFormat(bits, group, n, k, o is not None, name)}
+    if o is not None:
+        p["offsets"] = o
+    if perm is not None:
+        p["perm"] = perm
+    if bias is not None:
+        p["bias"] = bias
+    return p
+
+
+def act_order(g_idx, k: int, group: int, where: str):
+    """The input permutation that makes GPTQ's act-order groups (``g_idx`` [K]: each input's group) contiguous, or
+    ``None`` when they already are (``g_idx[k] = k // G``). ``ValueError`` when its groups do not hold G inputs
+    each."""
+    if g_idx is None:
+        return None
+    g = g_idx.long().flatten()
+    natural = torch.arange(k) // group
+    if g.shape != (k,):
+        raise ValueError(f"{where}: g_idx must be [{k}], got {list(g_idx.shape)}")
+    if torch.equal(g, natural):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], natural):
+        raise ValueError(f"{where}: g_idx does not hold {group} inputs in each of its {k // group} groups")
+    return perm
+
+
+def dequantize(p: dict, dtype=torch.float32) -> torch.Tensor:
+    """A quantized linear's W [N, K] in ``dtype``, its inputs in their original order (``perm`` undone)."""
+    w = qk.dequantize(p["qweight"], p["scales"], p.get("offsets"), p["format"], dtype)
+    if "perm" not in p:
+        return w
+    out = torch.empty_like(w)
+    out[:, p["perm"]] = w
+    return out
+
+
+def same_format(ps: list[dict]) -> bool:
+    """Whether quantized linears ``ps`` can be one product: one format and one input order."""
+    f = [p["format"] for p in ps]
+    perms = [p.get("perm") for p in ps]
+    return len({(x.bits, x.group, x.in_features, x.asym) for x in f}) == 1 and (
+        all(x is None for x in perms) or all(x is not None and torch.equal(x, perms[0]) for x in perms))
+
+
 def fuse(ps: list[dict]) -> dict:
     """Quantized linears of one input and one format as one product (q/k/v, gate/up): their packed column blocks
     one after another, so each output but the last takes whole blocks of 32 (:func:`funcspec.kernels.quant.widths`)."""
     f = [p["format"] for p in ps]
-    if len({(x.bits, x.group, x.in_features, x.asym) for x in f}) != 1:
-        raise ValueError(f"fused quantized layers must share one format, got {f}")
+    if not same_format(ps):
+        raise ValueError(f"fused quantized layers must share one format and input order, got {f}")
     out = {key: torch.cat([p[key] for p in ps]) for key in ("scales", "offsets") if key in ps[0]}
     q = [p["qweight"] for p in ps]  # the stream: in huge pages, as each member's was
     out["qweight"] = torch.cat(q, out=huge_empty((sum(t.shape[0] for t in q), *q[0].shape[1:]), torch.uint8,
@@ -105,6 +172,8 @@ def fuse(ps: list[dict]) -> dict:
                                                                                            qk.widths(sizes))])
     out["format"] = qk.QuantFormat(f[0].bits, f[0].group, sum(qk.widths(sizes)), f[0].in_features, f[0].asym,
                                    f[0].name)
+    if "perm" in ps[0]:
+        out["perm"] = ps[0]["perm"]
     return out
 
 
@@ -116,6 +185,8 @@ def members(fused: dict, fmts: list) -> list[dict]:
     for f, w in zip(fmts, qk.widths([x.out_features for x in fmts])):
         nb = -(-f.out_features // qk.QB)
         p = {key: fused[key][b0:b0 + nb] for key in ("qweight", "scales", "offsets") if key in fused}
+        if "perm" in fused:
+            p["perm"] = fused["perm"]
         if "bias" in fused:
             p["bias"] = fused["bias"][c0:c0 + f.out_features]
         p["format"] = f

@@ -103,15 +103,10 @@ def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
         out[g] = _stream_group([node[m] for m in ms])
     for g, ms in groups.items():
         ps = [out[m] for m in ms]
-        if all("qweight" in p for p in ps) and _one_format(ps):
+        if all("qweight" in p for p in ps) and formats.same_format(ps):
             out[g] = formats.fuse(ps)
             out.update(zip(ms, formats.members(out[g], [p["format"] for p in ps])))  # views: no second copy
     return out
-
-
-def _one_format(ps) -> bool:
-    f = [p["format"] for p in ps]
-    return len({(x.bits, x.group, x.in_features, x.asym) for x in f}) == 1
 
 
 def _streams_together(ps, ops: Ops) -> bool:
