@@ -212,13 +212,18 @@ def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: missing config.json")
+    return path, read_json_object(cfg_file)
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object; ``ValueError`` naming the file otherwise."""
     try:
-        hf = json.loads(cfg_file.read_text())
+        value = json.loads(Path(file).read_text())
     except ValueError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
-    if not isinstance(hf, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
-    return path, hf
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def load_tokenizer(path: Path):

@@ -49,13 +49,13 @@ b = deq_scale (quant_bias + input_offset sum_k q)).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from funcspec.checkpoints.files import read_json_object
 from funcspec.quant import formats
 
 DESCRIPTION = "quant_model_description.json"
@@ -196,12 +196,7 @@ def _ct_scheme(qc: dict, where: str) -> Scheme:
 
 
 def _ascend_scheme(path: Path) -> Scheme:
-    try:
-        desc = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(desc, dict):
-        raise ValueError(f"{path}: expected a JSON object of tensor name -> quant type")
+    desc = read_json_object(path)  # tensor name -> quant type
     kinds = sorted({v for k, v in desc.items() if k.endswith(".weight") and isinstance(v, str)})
     bad = [k for k in kinds if k not in (*ASCEND_TYPES, "FLOAT")]
     if bad:
