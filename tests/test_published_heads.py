@@ -469,7 +469,9 @@ def test_inspect_reports_the_layout_and_whether_it_fits(cases, capsys):
     mimo = inspect(cases["mtp_mimo"].head)
     assert mimo.layout.name == "mtp-mimo" and mimo.skipped > 0  # the target's own tensors, beside the module
     assert mimo.shapes["eh_proj.weight"][0] == "model.mtp_layers.0.input_proj.weight"
-    assert "target model with no draft head" in inspect(cases["eagle1_bin"].target).problem
+    target = inspect(cases["eagle1_bin"].target)  # a target, not a head: its decoder and float weights
+    assert target.problem is None and target.layout is None
+    assert target.model["quantization"] == "none (float weights)" and target.model["cfg"].num_layers == 8
 
     main(["inspect", cases["medusa_pt"].head, "--target", cases["medusa_pt"].target])
     out = capsys.readouterr().out
