@@ -324,7 +324,14 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     context and the query's ancestors (:func:`visible_keys`). ``window``, if
     given, is an int64 [B] first readable position per row (draft KV window).
     """
-    b, t, _ = x.shape
+    q, k, v = attention_qkv(cfg, p, x, cos, sin)
+    write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
+    write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
+    return attention_out(cfg, p, kv.k[layer], kv.v[layer], q, slots, pos, window, read, tree)
+
+
+def attention_qkv(cfg: ModelConfig, p: dict, x, cos, sin):
+    """q [B, T, H, D] and k, v [B, T, H_kv, D] of x [B, T, H], with RoPE (and Qwen3's q/k norms) applied."""
     q, k, v = cfg.ops.linears(x, [p["q_proj"], p["k_proj"], p["v_proj"]], p.get("qkv_proj"))
     q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))  # [B, T, H, D]
     k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))  # [B, T, H_kv, D]
@@ -332,10 +339,14 @@ def attention(cfg: ModelConfig, p: dict, kv: KVCache, layer: int, x, slots, pos,
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"]["weight"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
-    write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
-    keys, vals = read_cache(kv.k, layer, slots, read), read_cache(kv.v, layer, slots, read)  # [B, H_kv, T_read, D]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_out(cfg: ModelConfig, p: dict, k_cache, v_cache, q, slots, pos, window=None,
+                  read: KVRead = FULL_READ, tree: Optional[TreeMask] = None):
+    """o_proj(attention of q [B, T, H, D] over one layer's caches [S+1, H_kv, T_max, D], already written); [B, T, H]."""
+    kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # the layer's [1, S+1, H_kv, T_max, D]
+    keys, vals = read_cache(kv.k, 0, slots, read), read_cache(kv.v, 0, slots, read)  # [B, H_kv, T_read, D]
     visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
     return row_parallel(cfg, attend(cfg.ops, q, keys, vals, visible), p["o_proj"])
 
@@ -364,27 +375,34 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
                   tree: Optional[TreeMask] = None):
     """:func:`decoder_layer` ``layer`` of a stack whose layers share one shape; compiled once per stack.
 
-    NOTE: under ``torch.compile`` every layer is a call of the one
-    ``nested_compile_region`` :func:`_layer_region`, with its layer's cache
-    passed as the views ``kv.k[layer]``, ``kv.v[layer]``: inductor lowers and
-    compiles one layer and calls it L times, instead of compiling L copies.
-    Cold compile of one step (inductor caches off, 2-core CPU under load): a
-    16-layer toy 32 s against 126 s, llama-600m (8 layers) 25 s against 53 s.
-    The region's
-    ``index_put_`` writes the views in place: no copy of the cache. Eager (and
-    device graphs captured from eager) calls the layer directly.
+    NOTE: under ``torch.compile`` a layer is two calls of ``nested_compile_region``
+    functions, :func:`_qkv_region` (norm, q/k/v, RoPE) and :func:`_out_region`
+    (attention, o_proj, MLP), with the cache writes between them in the step's
+    own graph: inductor lowers and compiles one layer and calls it L times,
+    instead of compiling L copies. Cold compile of one step (inductor caches
+    off, 2-core CPU under load): a 16-layer toy 32 s against 126 s, llama-600m
+    (8 layers) 25 s against 53 s. The writes stay outside the regions because a
+    region that mutates its cache views is functionalised: from a few hundred
+    cache positions on, inductor cloned the layer's whole K and V caches into
+    the region and copied them back, every layer of every step (the zoo target
+    at 8 slots x 2048 positions: 9-27 ms a step against 1.7 at 256 positions).
+    The out region only reads the views ``kv.k[layer]``, ``kv.v[layer]``.
+    Eager (and device graphs captured from eager) calls the layer directly.
     """
     if not torch.compiler.is_compiling():
         return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read, tree=tree)
     statics = (_constants(cfg), _constants(read))
     masks = None if tree is None else (tree.positions, tree.base, tree.ancestors)
-    return _layer_region(statics, _formats_as_constants(p), kv.k[layer], kv.v[layer], x, slots, pos, cos, sin,
-                         window, masks)
+    p = _formats_as_constants(p)
+    q, k, v = _qkv_region(statics, p, x, cos, sin).split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=2)
+    write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
+    write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
+    return _out_region(statics, p, kv.k[layer], kv.v[layer], q, x, slots, pos, window, masks)
 
 
 def _formats_as_constants(p):
     """A layer's params with each quantized linear's ``format`` (a frozen dataclass) as the tuple of its values,
-    for the same reason as the static config (:func:`_layer_region`); :func:`_formats_back` undoes it."""
+    for the same reason as the static config (:func:`_qkv_region`); :func:`_formats_back` undoes it."""
     if not isinstance(p, dict):
         return p
     return {k: _constants(v) if k == "format" else _formats_as_constants(v) for k, v in p.items()}
@@ -425,8 +443,8 @@ _REGION_FIELDS = _field_classes(ModelConfig) | _field_classes(KVRead)
 
 
 @torch.compiler.nested_compile_region
-def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window, masks):
-    """One decoder layer over its own caches k, v [S+1, H_kv, T_max, D] (see :func:`stacked_layer`).
+def _qkv_region(statics: tuple, p, x, cos, sin):
+    """A layer's q [B, T, H, D], k, v [B, T, H_kv, D] from its input x [B, T, H] (see :func:`stacked_layer`).
 
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
@@ -435,11 +453,21 @@ def _layer_region(statics: tuple, p, k, v, x, slots, pos, cos, sin, window, mask
     at llama-600m); so the tree's mask comes in as its tensors (``masks``), and
     quantized linears' formats as tuples, too.
     """
+    cfg, p = _from_constants(ModelConfig, statics[0]), _formats_back(p)
+    q, k, v = attention_qkv(cfg, p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps), cos, sin)
+    # NOTE: one output tensor: with q, k, v as three outputs (v a view of the fused product) the compiled
+    # step read wrong values (torch 2.13 CPU: greedy tokens went to 0 after the first)
+    return torch.cat([q, k, v], dim=2)  # [B, T, H + 2 H_kv, D]
+
+
+@torch.compiler.nested_compile_region
+def _out_region(statics: tuple, p, k_cache, v_cache, q, x, slots, pos, window, masks):
+    """The rest of a layer once its caches [S+1, H_kv, T_max, D] hold this step's k, v: x + attention, + MLP."""
     cfg, read = _from_constants(ModelConfig, statics[0]), _from_constants(KVRead, statics[1])
     p = _formats_back(p)
-    kv = KVCache(k.unsqueeze(0), v.unsqueeze(0), None)  # this layer's [1, S+1, H_kv, T_max, D]
     tree = None if masks is None else TreeMask(*masks)
-    return decoder_layer(cfg, p, kv, 0, x, slots, pos, cos, sin, window, read, tree=tree)
+    h = x + attention_out(cfg, p["self_attn"], k_cache, v_cache, q, slots, pos, window, read, tree)
+    return h + mlp(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
 def activation_ref(params) -> torch.Tensor:
