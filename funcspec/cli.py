@@ -22,8 +22,12 @@ def _generate(args) -> None:
     from funcspec import Engine, SamplingParams
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
+    t0 = time.perf_counter()
     engine = Engine(args.model, speculative_config=spec, backend=args.backend,
-                    max_batch_size=max(1, len(args.prompt)), max_model_len=args.max_model_len)
+                    max_batch_size=max(1, len(args.prompt)), max_model_len=args.max_model_len, capture=args.capture)
+    graphs = engine.stats["graphs"]
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}; captured {len(graphs)} "
+          f"graph(s) at start-up in {engine.startup_seconds:.1f}s: {', '.join(graphs) or 'none'})")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
@@ -48,6 +52,26 @@ def _run_default(args) -> None:
     if args.speculative_config is None:
         args.speculative_config = json.dumps(zoo.speculative_config(args.method, args.k))
     _generate(args)
+
+
+def _precompile(args) -> None:
+    """`funcspec precompile`: capture every graph an engine can need, then save torch's compile cache."""
+    import os
+    import tempfile
+
+    from funcspec import LLM
+    from funcspec.capture import cache
+
+    # NOTE: an empty inductor cache, so that every entry is created (and recorded) in this process.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="funcspec-precompile-")
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              dtype=args.dtype, quantization=args.quantization)
+    held = cache.save(args.out)
+    graphs = llm.engine.stats["graphs"]
+    print(f"captured {len(graphs)} graph(s) in {llm.engine.startup_seconds:.1f}s: {', '.join(graphs)}")
+    print(f"wrote {args.out} ({held}); start from it with "
+          f"LLM(..., compilation_config={{'compile_cache': {str(args.out)!r}}}) and the same engine arguments")
 
 
 def _tune_k(args) -> None:
@@ -106,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--ignore-eos", action="store_true")
-        p.add_argument("--backend", default="eager", help="eager | inductor | cudagraph | aclgraph | auto")
+        p.add_argument("--backend", default="auto",
+                       help="eager | inductor | cudagraph | aclgraph | auto (inductor on CPU, as LLM's default)")
+        p.add_argument("--capture", default="startup", choices=("startup", "lazy"),
+                       help="capture every graph while the engine starts (default), or each on first use")
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--speculative-config", default=None, help="vLLM speculative_config as JSON")
 
@@ -136,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("head", help="the draft head's directory (as speculative_config['model']), or a target model's "
                                 "directory or GGUF file")
     p.add_argument("--target", default=None, help="the target model's directory: load the head for it")
+    p = sub.add_parser("precompile", help="capture every graph an engine can need and save torch's compile cache "
+                                          "to a file that another machine of the same ISA starts warm from")
+    p.add_argument("model", help="the target checkpoint (as LLM's model)")
+    p.add_argument("--speculative-config", default=None, help="vLLM speculative_config as JSON")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--out", default="funcspec-compile-cache.bin", help="the file to write (default %(default)s)")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     from funcspec.bench import add_bench_parser
 
@@ -160,6 +196,8 @@ def main(argv=None) -> None:
         _tune_k(args)
     elif args.command == "inspect":
         _inspect(args)
+    elif args.command == "precompile":
+        _precompile(args)
     else:
         args.func(args)
 

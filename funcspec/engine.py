@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec import distributed, kernels, methods, sampling
-from funcspec.capture import BucketPlan, resolve_backend
+from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, cache, resolve_backend
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
@@ -71,15 +71,21 @@ class Engine:
         max_model_len: prompt + output limit; defaults to min(max_position_embeddings, 2048).
         additional_config: vLLM-Ascend ``additional_config`` (rejection sampler,
             draft window, dynamic spec).
-        batch_buckets: batch bucket sizes (default: powers of two).
-        eager_capture: capture every bucket at construction (else lazily).
+        batch_buckets: batch bucket sizes (default: every size up to
+            ``max_batch_size`` where the batch is symbolic (inductor), else powers of two).
+        capture: ``"startup"`` (default) captures every graph a request can
+            need while the engine is built (a progress bar per graph), so no
+            ``generate`` ever compiles; ``"lazy"`` captures each bucket on first
+            use (a notebook that wants to start at once).
         seed: engine seed for requests without ``SamplingParams.seed``.
         device, dtype: where and in what precision to run.
         kv_transfer_config: vLLM's hidden-states connector, for
             ``method="extract_hidden_states"``.
-        context_buckets: KV lengths that a step's attention reads (default:
-            powers of two from 256, then the whole cache). A step reads the
-            smallest that holds its longest row, so it costs the live KV.
+        context_buckets: KV lengths that a step's attention reads. A step
+            reads the smallest that holds its longest row, so it costs the live
+            KV. Default: one, the whole cache, where the CPU decode-attention
+            kernel serves the model (it reads only each row's live positions
+            whatever the length); else powers of two from 256, then the whole cache.
         tensor_parallel_size: ranks the target is sharded across
             (:mod:`funcspec.distributed`). From a plain process, this engine is
             rank 0 and spawns the others, which replay its public calls; under
@@ -97,6 +103,9 @@ class Engine:
             checks that it is stored that way.
         tokenizer: a directory to take the tokenizer from (a GGUF file's
             vocabulary otherwise, or the checkpoint's own tokenizer files).
+        compile_cache: a file written by ``funcspec precompile``
+            (:mod:`funcspec.capture.cache`), loaded into torch's compile caches
+            before the graphs are captured, so that they compile from the cache.
 
     Attributes:
         model, spec, backend, plan, proposer: what the engine runs (``model``
@@ -109,12 +118,14 @@ class Engine:
 
     def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
                  max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
-                 batch_buckets: Optional[Sequence[int]] = None, eager_capture: bool = False, seed: int = 0,
+                 batch_buckets: Optional[Sequence[int]] = None, capture: str = "startup", seed: int = 0,
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
                  ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
-                 tokenizer: Optional[str] = None):
+                 tokenizer: Optional[str] = None, compile_cache: Optional[str] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
         self.quantization = on_load(quantization)
         self.followers = None
         if tensor_parallel_size != 1:
@@ -159,8 +170,12 @@ class Engine:
         # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)
         sizes = [spec.k_for_batch_size(n) for n in range(1, max_batch_size + 1)] \
             if tree and spec.num_speculative_tokens_per_batch_size else None
-        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, eager_capture, self.t_max,
-                                          context_buckets, tree=tree, tree_sizes=sizes)
+        if context_buckets is None and ops.reads_live_only(dtype, cfg.head_dim, device):
+            context_buckets = (self.t_max,)
+        startup = capture == "startup" and self.backend != "eager"  # eager has nothing to capture
+        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, startup, self.t_max,
+                                          context_buckets, tree=tree, tree_sizes=sizes,
+                                          symbolic_batch=self.backend == "inductor")
         self.num_slots = max_batch_size
         from funcspec.proposers import BuildContext, build_proposer
 
@@ -177,6 +192,8 @@ class Engine:
         # refused engine leaves no processes behind; proposers were built from the whole target.
         self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
         self._stats = collections.Counter()
+        self.startup_seconds = 0.0  # spent capturing graphs while the engine was built
+        self.compile_cache: Optional[dict] = None  # what a loaded compile cache held, by kind
         # a tree accepts at most one node per depth: its per-position acceptance is per depth
         # (of the whole tree: a tree cut to N nodes may be shallower, its deeper counts stay 0)
         self._accepted_per_pos = [0] * (spec.tree.depth if spec and spec.tree else max_k)
@@ -193,18 +210,40 @@ class Engine:
                                  spec.synthetic_acceptance_rates if spec else None, hooks,
                                  spec.tree if spec else None,
                                  tree_frontiers=spec is None or methods.lookup(spec.method).model != methods.NONE)
-            if eager_capture:
-                # NOTE: up front, only the general mode, which serves any request;
-                # the runner then never captures at run time.
-                todo = [(b, k, t) for b, k in self.plan.buckets for t in self.plan.context_buckets]
-                for b, k, t in tqdm(todo, desc="capturing buckets"):
-                    self.runner.graph(b, k, t, sampling.FILTERED)
+            if compile_cache is not None:
+                self.compile_cache = cache.load(compile_cache)  # before any capture
+            if startup:
+                self._capture_all()
             if self.followers is not None:
                 self.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
         except BaseException as e:
             if self.followers is not None:
                 self.followers.fail(e)  # stops every rank; raises, naming a failed follower if there is one
             raise
+
+    def startup_graphs(self) -> list[tuple[int, int, int, str]]:
+        """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch
+        size up to ``max_batch_size`` with the K it runs (the K table, or every K under a confidence budget),
+        every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING`."""
+        ks = lambda n: self.plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
+        todo = {}
+        for n in range(1, self.num_slots + 1):
+            b = self.plan.batch_bucket(n)
+            for k in ks(n):
+                for t in self.plan.context_buckets or (self.t_max,):
+                    for mode in STARTUP_SAMPLING:
+                        todo.setdefault(self.runner.graph_key(b, k, t, sampling.MODES[mode]), (b, k, t, mode))
+        return sorted(todo.values())
+
+    def _capture_all(self) -> None:
+        """Capture every graph of :meth:`startup_graphs` now, with a progress bar naming each."""
+        t0 = time.perf_counter()
+        todo = self.startup_graphs()
+        with tqdm(todo, desc="capturing graphs", unit="graph") as bar:
+            for b, k, t, mode in bar:
+                bar.set_postfix_str(graph_name(self.runner.graph_key(b, k, t, sampling.MODES[mode])))
+                self.runner.graph(b, k, t, sampling.MODES[mode])
+        self.startup_seconds = time.perf_counter() - t0
 
     def _prepare(self, ops) -> None:
         """Pack, fuse and quantize the target's and the drafter's weights for ``ops``, once; a tensor they share
@@ -426,7 +465,7 @@ class Engine:
         with a token tree, whose accepted path reached depth i+1 (per-depth acceptance).
         """
         s = self._stats
-        graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.graphs.items())}
+        graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.runner.compiled.items())}
         spec_rows = s["spec_row_steps"]
         return {
             "backend": self.backend,
@@ -436,6 +475,7 @@ class Engine:
             "graph_breaks": sum(g["graph_breaks"] for g in graphs.values()),
             "graphs": graphs,
             "capture_seconds": sum(g["capture_seconds"] for g in graphs.values()),
+            "startup_capture_seconds": self.startup_seconds,
             "buckets_used": dict(self._buckets_used),
             "mean_acceptance_length": s["emitted"] / s["row_steps"] if s["row_steps"] else 0.0,
             "per_position_acceptance": [a / spec_rows if spec_rows else 0.0 for a in self._accepted_per_pos],

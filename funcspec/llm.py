@@ -26,11 +26,7 @@ def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Ca
     matching several n names all of them (e.g. 4 = 1·(3+1) = 4·(0+1)): an
     extra bucket costs a capture, a missing one would pad batches further.
     """
-    if compilation_config is None:
-        return None
-    get = compilation_config.get if isinstance(compilation_config, dict) else (
-        lambda k, d=None: getattr(compilation_config, k, d))
-    sizes = get("cudagraph_capture_sizes", None)
+    sizes = compilation_option(compilation_config, "cudagraph_capture_sizes")
     if not sizes:
         return None
     buckets = set()
@@ -43,12 +39,29 @@ def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Ca
     return sorted(buckets)
 
 
+def compilation_option(compilation_config: Any, key: str, default=None):
+    """One key of a ``compilation_config`` dict or object (``default`` when absent)."""
+    if compilation_config is None:
+        return default
+    if isinstance(compilation_config, dict):
+        return compilation_config.get(key, default)
+    return getattr(compilation_config, key, default)
+
+
+def capture_from_compilation(compilation_config: Any) -> str:
+    """When the engine captures its graphs: ``compilation_config["capture"]`` (funcspec's key:
+    ``"startup"``, the default, or ``"lazy"``)."""
+    return compilation_option(compilation_config, "capture", "startup")
+
+
 class LLM:
     """vLLM-compatible entry point: ``LLM(model=PATH, **engine_args).generate(prompts, params)``.
 
     Mapped: ``max_model_len``, ``max_num_seqs`` (slots), ``enforce_eager`` (eager
     backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
-    batch buckets), ``additional_config``, ``seed``, ``dtype``, ``quantization``
+    batch buckets; funcspec's ``"capture": "lazy"`` captures each graph on first
+    use instead of while ``LLM(...)`` starts, ``"compile_cache": FILE`` loads
+    ``funcspec precompile``'s file first), ``additional_config``, ``seed``, ``dtype``, ``quantization``
     (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
     ``.gguf`` model, whose weights come quantized), ``tokenizer`` (a directory). funcspec's own
     ``backend`` and ``device`` may also be given. Arguments with no effect here
@@ -88,6 +101,8 @@ class LLM:
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
+            capture=capture_from_compilation(compilation_config),
+            compile_cache=compilation_option(compilation_config, "compile_cache", None),
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

@@ -9,6 +9,7 @@ pure step function, for people who capture or export it themselves.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -31,9 +32,10 @@ BucketKey = tuple[int, int, int, str]  # (B, K, T, mode name)
 
 
 def graph_name(key: BucketKey) -> str:
-    """``B{b}_K{k}_T{t}_{mode}``: the stats name of the captured step of bucket ``key``."""
+    """``B{b}_K{k}_T{t}_{mode}``: the stats name of the captured step of bucket ``key``
+    (``Bn``: the graph with a symbolic batch, ``b = 0``)."""
     b, k, t, mode = key
-    return f"B{b}_K{k}_T{t}_{mode}"
+    return f"B{b or 'n'}_K{k}_T{t}_{mode}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,11 @@ def readback(out) -> tuple[list, list, list, Optional[torch.Tensor]]:
     return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf
 
 
+def batch_dims(inputs: StepInputs) -> list[tuple[torch.Tensor, int]]:
+    """The (tensor, dim) of a step's inputs whose size is the batch B: the rows' slots and host drafts."""
+    return [(x, 0) for x in (inputs.slots, inputs.drafts, inputs.draft_parents) if x is not None]
+
+
 def _next_pow2(n: int, lo: int) -> int:
     b = lo
     while b < n:
@@ -117,7 +124,9 @@ class Runner:
         self.tree, self.tree_frontiers = tree, tree_frontiers
         self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
-        self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> captured step
+        self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
+        self.compiled: dict[BucketKey, Any] = {}  # (plan.graph_batch(B), K, T, mode name) -> captured step
+        self.replay_ms: dict[BucketKey, list[float]] = collections.defaultdict(list)  # per bucket: step wall ms
 
     def _init_state(self, dtype) -> EngineState:
         s, dev = self.num_slots, self.device
@@ -169,21 +178,30 @@ class Runner:
         fn = functools.partial(spec_step, self.step_config(k, t, mode))
         return Bucket((b, k, t, mode.name), fn, (self.params, self.state, self.inputs(live, b, k)), live)
 
+    def graph_key(self, b: int, k: int, t: int, mode: sampling.Mode) -> BucketKey:
+        """The key of the graph that runs bucket (b, k, t, mode): buckets above B = 1 share one graph when
+        the plan's batch is symbolic."""
+        return self.plan.graph_batch(b), k, t, mode.name
+
     @torch.no_grad()
     def graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
         """The captured step of bucket (b, k, t, mode), captured on first use (under no_grad, which
         Dynamo guards on)."""
         key = (b, k, self.t_max if t is None else t, mode.name)
         if key not in self.graphs:
-            # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
-            bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
-            self.graphs[key] = capture(bucket.fn, bucket.args, self.backend,
-                                       name=f"spec_step_b{b}_k{k}_t{key[2]}_{mode.name}")
+            gkey = self.graph_key(b, *key[1:3], mode)
+            if gkey not in self.compiled:
+                # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
+                bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
+                self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend, name=f"spec_step_{graph_name(gkey)}",
+                                              symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else ())
+            self.graphs[key] = self.compiled[gkey]
         return self.graphs[key]
 
     def pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
-        """The exact bucket's graph; with ``eager_capture``, the general mode's graph that is already there."""
-        if self.plan.eager_capture and (b, k, t, mode.name) not in self.graphs:
+        """The exact bucket's graph; after a start-up capture, a mode that was not captured runs in the
+        general mode's graph (``filtered`` serves every request), so that no step compiles."""
+        if self.plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
             mode = sampling.FILTERED
         return self.graph(b, k, t, mode)
 
@@ -202,7 +220,9 @@ class Runner:
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
         result = readback(out)  # SYNC: the step's one device-to-host copy
-        graph.stats.replay_ms.append((time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        graph.stats.replay_ms.append(ms)  # per graph (shared by the buckets of a symbolic batch)
+        self.replay_ms[(b, k, t, mode.name)].append(ms)  # per bucket
         return result
 
     def move_slot(self, src: int, dst: int) -> None:

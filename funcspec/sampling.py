@@ -83,7 +83,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # mass strictly before each sorted position: keep while it is < top_p
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep = before < p
+    keep = (before < p) | (p >= 1.0)  # top_p = 1 keeps every token (fp32 cumsums can round past 1)
     # the smallest kept logit is the nucleus threshold
     thresh = torch.where(keep, sorted_logits, float("inf")).amin(dim=-1, keepdim=True)
     return logits.masked_fill(logits < thresh, float("-inf"))

@@ -281,9 +281,9 @@ def test_whole_step_captures_as_one_graph(zoo, method, monkeypatch, tmp_path):
     if method in ("dflash", "dspark"):
         head = init_draft_head(method, zoo.target, tmp_path / method, markov_rank=8)
         eng = Engine(zoo.target, {"method": method, "model": str(head), "num_speculative_tokens": 2},
-                     backend="inductor", max_batch_size=4, batch_buckets=[4], max_model_len=96)
+                     backend="inductor", max_batch_size=4, batch_buckets=[4], max_model_len=96, capture="lazy")
     else:
-        eng = spec_engine(zoo, method, 2, backend="inductor", batch_buckets=[4])
+        eng = spec_engine(zoo, method, 2, backend="inductor", batch_buckets=[4], capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
@@ -336,7 +336,7 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
 
         monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
-    eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4])
+    eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert eng.plan.ks == (0, 7) and eng.plan.capture_sizes()[7] == [32]
     bucket = eng.bucket(4, 7, mode="greedy")
     sig = tree_signature(bucket.args[1])
@@ -359,7 +359,7 @@ def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree
 
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
-    eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor", batch_buckets=[4])
+    eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar

@@ -225,10 +225,10 @@ def test_a_quantized_draft_model_on_inductor_compiles_once_and_equals_ar(written
     """A published quantized checkpoint as both target and draft model, on inductor (act-order's gather
     inside the graph): greedy equals AR and nothing recompiles after warm-up."""
     path = str(written(name))
-    ar = [o.outputs[0].token_ids for o in Engine(path, max_batch_size=2, backend="inductor").generate(PROMPTS,
+    ar = [o.outputs[0].token_ids for o in Engine(path, max_batch_size=2, backend="inductor", capture="lazy").generate(PROMPTS,
                                                                                                       GREEDY)]
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    eng = Engine(path, spec, max_batch_size=2, backend="inductor")
+    eng = Engine(path, spec, max_batch_size=2, backend="inductor", capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar

@@ -64,7 +64,7 @@ def test_greedy_lossless_inductor(tiny_llama, tiny_draft, reference, method, k):
     """
     prompts, want = reference
     eng = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), backend="inductor",
-                 max_batch_size=4, batch_buckets=[4], max_model_len=96)
+                 max_batch_size=4, batch_buckets=[4], max_model_len=96, capture="lazy")
     assert _ids(eng.generate(prompts[:12], GREEDY)) == want[:12]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[12:], GREEDY)) == want[12:]
@@ -76,7 +76,7 @@ def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):
     prompts, want = reference
     spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 4, 1]])
     eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
-                 max_model_len=96)
+                 max_model_len=96, capture="lazy")
     assert _ids(eng.generate(prompts[:6], GREEDY)) == want[:6]  # captures K=1 and K=3
     used = set(eng.stats["buckets_used"])
     assert used == {"B4_K1", "B4_K3"}

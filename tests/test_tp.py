@@ -125,7 +125,7 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
         ref_spec = {**spec, "draft_tensor_parallel_size": 1} if name == "draft_sharded" else spec
         res[f"{name}/tp1"] = tokens(Engine(paths["target"], ref_spec, backend="eager", **ENGINE))
         for backend in ("eager", "inductor") if name in COMPILED else ("eager",):
-            eng = Engine(paths["target"], spec, backend=backend, tensor_parallel_size=2, **ENGINE)
+            eng = Engine(paths["target"], spec, backend=backend, tensor_parallel_size=2, capture="lazy", **ENGINE)
             res[f"{name}/{backend}"] = tokens(eng)
             if backend == "inductor":
                 with torch.compiler.set_stance("fail_on_recompile"):

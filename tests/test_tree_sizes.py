@@ -79,12 +79,12 @@ def _run(eng, zoo, groups):
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_engine_with_a_tree_size_per_batch_size_is_greedy_lossless(zoo, tree):
-    """1 row drafts 2 nodes, 2 rows none, 3-4 rows 5 nodes; eager capture makes exactly those buckets."""
+    """1 row drafts 2 nodes, 2 rows none, 3-4 rows 5 nodes; a start-up capture makes exactly the buckets used."""
     keys = {"speculative_token_tree": str(TREE)} if tree == "static" else DYNAMIC
-    eng = spec_engine(zoo, "eagle3", k=7, eager_capture=True,
+    eng = spec_engine(zoo, "eagle3", k=7,
                       spec={**keys, "num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 0], [3, 4, 5]]})
     assert eng.plan.buckets == [(1, 0), (1, 2), (2, 0), (4, 0), (4, 5)]
-    assert sorted(k[:2] for k in eng.graphs) == eng.plan.buckets
+    assert sorted({key[:2] for key in eng.startup_graphs()}) == [(1, 2), (2, 0), (4, 5)]
     _run(eng, zoo, [[0], [1, 2], [0, 1, 2, 3], [3]])
     assert eng.stats["buckets_used"].keys() == {"B1_K2", "B2_K0", "B4_K5"}
     acc = eng.stats["per_position_acceptance"]
@@ -116,7 +116,7 @@ def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, monkeypatch):
     import torch._inductor.compile_fx as cfx
 
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
-    eng = spec_engine(zoo, "eagle3", k=7, backend="inductor", batch_buckets=[1, 4],
+    eng = spec_engine(zoo, "eagle3", k=7, backend="inductor", batch_buckets=[1, 4], capture="lazy",
                       spec={"speculative_token_tree": str(TREE), "num_speculative_tokens_per_batch_size": [[1, 1, 3],
                                                                                                            [2, 4, 6]]})
     _run(eng, zoo, [[1], [0, 1, 2, 3]])

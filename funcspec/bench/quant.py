@@ -131,7 +131,7 @@ def _engine(model, quantization, backend: str, batch: int, max_len: int, spec=No
     from funcspec import Engine
 
     return Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch, max_model_len=max_len,
-                  dtype=torch.bfloat16, quantization=quantization)
+                  dtype=torch.bfloat16, quantization=quantization, capture="lazy")  # greedy only
 
 
 def _rates(alpha: float, k: int) -> list[float]:

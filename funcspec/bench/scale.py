@@ -275,7 +275,7 @@ def _engine(model, dtype: str, backend: str, max_batch: int, max_len: int, spec:
     from funcspec import Engine
 
     return Engine(model, speculative_config=spec, backend=backend, max_batch_size=max_batch,
-                  max_model_len=max_len, dtype=DTYPES[dtype])
+                  max_model_len=max_len, dtype=DTYPES[dtype], capture="lazy")  # greedy only
 
 
 def ar_row(ctx: dict, backend: str) -> dict:

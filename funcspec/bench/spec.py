@@ -91,7 +91,8 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
         extra["quantization"] = draft_quantization
     spec = None if method == "ar" else speculative_config(method, k, head, **extra)
     eng = Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch,
-                 max_model_len=max(len(p) for p in prompts) + max_tokens + 8, quantization=quantization)
+                 max_model_len=max(len(p) for p in prompts) + max_tokens + 8, quantization=quantization,
+                 capture="lazy")  # greedy only: the warm-up captures what it uses
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:batch], sp)  # warm-up: captures every bucket this run uses
     eng.reset_stats()
@@ -106,7 +107,7 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
             "step_ms_median": statistics.median(
-                [m for g in eng.graphs.values() for m in g.stats.replay_ms]) if eng.graphs else None,
+                [m for times in eng.runner.replay_ms.values() for m in times]) if eng.runner.replay_ms else None,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 

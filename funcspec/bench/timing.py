@@ -17,8 +17,9 @@ def random_prompts(ids: tuple[int, int], num: int, length: int, seed: int) -> li
 
 
 def bucket_name(key) -> str:
-    """``B{b}_K{k}`` of a graph key: ``(B, K)`` or ``(B, K, T, mode)`` (context / sampling-mode buckets)."""
-    return f"B{key[0]}_K{key[1]}"
+    """``B{b}_K{k}`` of a bucket or graph key: ``(B, K)`` or ``(B, K, T, mode)`` (context / sampling-mode
+    buckets); ``Bn``: a graph whose batch is symbolic."""
+    return f"B{key[0] or 'n'}_K{key[1]}"
 
 
 def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: bool = True) -> dict:
@@ -39,12 +40,13 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
     if warm:
         eng.generate(prompts, sp)
     eng.reset_stats()
-    marks = {key: len(g.stats.replay_ms) for key, g in eng.graphs.items()}  # replays before the timed runs
+    replays = eng.runner.replay_ms  # per bucket (buckets of a symbolic batch share one graph)
+    marks = {key: len(v) for key, v in replays.items()}  # replays before the timed runs
     ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
     while len(ms) < reps:
-        before = set(eng.graphs)
+        before = set(eng.runner.compiled)
         outs = eng.generate(prompts, sp)
-        if set(eng.graphs) != before and retries < 2:
+        if set(eng.runner.compiled) != before and retries < 2:
             retries += 1
             continue
         tokens = len(outs[0].outputs[0].token_ids)
@@ -54,8 +56,9 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
                   / max(tokens - 1, 1) * 1e3)
         prefill.append(statistics.median(o.metrics["time_to_first_token_s"] for o in outs))
     replay, capture = collections.defaultdict(list), collections.defaultdict(float)
-    for key, g in eng.graphs.items():
-        replay[bucket_name(key)] += g.stats.replay_ms[marks.get(key, 0):]
+    for key, times in replays.items():
+        replay[bucket_name(key)] += times[marks.get(key, 0):]
+    for key, g in eng.runner.compiled.items():
         capture[bucket_name(key)] += g.stats.capture_seconds
     st = eng.stats
     return {"ms_per_token": statistics.median(ms), "ms_per_token_reps": ms,

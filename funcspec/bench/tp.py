@@ -46,12 +46,13 @@ def run_one(model: str, spec, tp: int, backend: str, prompts, max_tokens: int, b
     """One (method, TP) row: warm up, reset the counters, time one greedy batch on rank 0."""
     from funcspec import LLM, SamplingParams
 
-    llm = LLM(model, tensor_parallel_size=tp, speculative_config=spec, backend=backend, max_num_seqs=batch)
+    llm = LLM(model, tensor_parallel_size=tp, speculative_config=spec, backend=backend, max_num_seqs=batch,
+              compilation_config={"capture": "lazy"})  # greedy only: the warm-up captures what it uses
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts, params)  # warm-up: captures every bucket the timed run uses
         llm.engine.reset_stats()
-        for g in llm.engine.graphs.values():
+        for g in llm.engine.runner.compiled.values():
             g.stats.replay_ms.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)

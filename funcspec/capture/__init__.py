@@ -1,5 +1,7 @@
 """Static graph capture per (B, K) bucket."""
 
+from funcspec.capture import cache
+
 from funcspec.capture.backends import (
     BACKENDS,
     Captured,
@@ -8,11 +10,14 @@ from funcspec.capture.backends import (
     fresh_code_copy,
     resolve_backend,
 )
-from funcspec.capture.plan import BucketPlan, default_batch_buckets
+from funcspec.capture.plan import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, default_batch_buckets
 
 __all__ = [
     "BACKENDS",
     "BucketPlan",
+    "CAPTURE_MODES",
+    "STARTUP_SAMPLING",
+    "cache",
     "Captured",
     "CaptureStats",
     "capture",

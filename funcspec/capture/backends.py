@@ -13,7 +13,7 @@ import importlib
 import statistics
 import time
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -163,7 +163,13 @@ def wrap_int64_overflow() -> None:
 
 
 def compile_inductor(fn: Callable, name: str, stats: CaptureStats) -> Callable:
-    """``torch.compile(fullgraph=True, dynamic=False)`` of a private code copy of ``fn``."""
+    """``torch.compile(fullgraph=True, dynamic=False)`` of a private code copy of ``fn``: static shapes but for
+    sizes the caller marks with ``torch._dynamo.mark_dynamic`` before the first call.
+
+    NOTE: ``dynamic=False`` keeps Dynamo's automatic dynamic shapes off, which would otherwise make symbolic
+    any int that differed between calls of a shared code object: the compile regions' static configs
+    (a quantized format's group size came out as a symbol and failed the region's lookup).
+    """
     wrap_int64_overflow()
     return torch.compile(fresh_code_copy(fn, name), backend=_counting_inductor(stats), fullgraph=True, dynamic=False)
 
@@ -249,7 +255,8 @@ _POOLS: dict[str, Any] = {}
 
 
 def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: str = "step",
-            precompile: bool = False, npu_mode: str = "graph") -> Captured:
+            precompile: bool = False, npu_mode: str = "graph",
+            symbolic: Sequence[tuple[torch.Tensor, int]] = ()) -> Captured:
     """Capture ``fn`` for the shapes of ``example_args`` with ``backend``.
 
     Args:
@@ -263,6 +270,9 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
         precompile: for device graphs, compile ``fn`` with inductor first.
         npu_mode: ``graph`` (torch.npu.NPUGraph, shared with CUDA) or
             ``npugraph_ex`` (torchair's backend).
+        symbolic: ``(tensor, dim)`` of ``example_args`` whose size the graph
+            leaves symbolic (inductor only: one graph then serves every size;
+            device graphs replay fixed addresses and shapes).
     """
     stats = CaptureStats(backend)
     t0 = time.perf_counter()
@@ -271,6 +281,10 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
         call = fn
     elif backend == "inductor":
         call = compile_inductor(fn, name, stats)
+        import torch._dynamo
+
+        for tensor, dim in symbolic:
+            torch._dynamo.mark_dynamic(tensor, dim)
         call(*example_args)  # compile now, so capture_seconds is honest
     elif backend in ("cudagraph", "aclgraph"):
         mod = torch.cuda if backend == "cudagraph" else _npu_module()

@@ -31,6 +31,14 @@ def default_context_buckets(t_max: int) -> tuple[int, ...]:
     return tuple(out + [t_max])
 
 
+CAPTURE_MODES = ("startup", "lazy")
+"""When an engine captures its graphs: all at start-up (nothing compiles once it is built), or each on first use."""
+
+STARTUP_SAMPLING = ("greedy", "filtered")
+"""Sampling modes captured at start-up: greedy, and the general mode that serves every other request
+(a ``random`` bucket then runs in the ``filtered`` graph; its top-k/top-p are off, so it draws the same)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
     """The static (B, K, T) buckets one engine captures.
@@ -38,13 +46,18 @@ class BucketPlan:
     Attributes:
         batch_buckets: sorted, distinct batch sizes.
         ks: sorted, distinct K values (0 is autoregressive decoding).
-        eager_capture: capture every bucket up front (else on first use).
+        eager_capture: the graphs were captured at start-up (``capture="startup"``):
+            a mode that was not captured runs in the general mode's graph, never
+            compiling a new one (else each bucket is captured on first use).
         context_buckets: sorted, distinct KV lengths T that attention reads; a
             step takes the smallest that holds every row's live tokens, so its
             cost follows the live context, not the cache's capacity. Empty: one
             bucket, the whole cache.
         pairs: the sorted (B, K) buckets when only some B pair with some K (a
             token tree with a node count N per batch size); empty: every B with every K.
+        symbolic_batch: every batch bucket above 1 shares one graph whose batch
+            size is symbolic (inductor); B = 1 keeps its own static graph
+            (Dynamo specialises sizes 0 and 1).
     """
 
     batch_buckets: tuple[int, ...]
@@ -52,6 +65,7 @@ class BucketPlan:
     eager_capture: bool = False
     context_buckets: tuple[int, ...] = ()
     pairs: tuple[tuple[int, int], ...] = ()
+    symbolic_batch: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "context_buckets", tuple(self.context_buckets))
@@ -79,25 +93,36 @@ class BucketPlan:
     @staticmethod
     def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, eager_capture=False,
                    t_max: int | None = None, context_buckets=None, tree: bool = False,
-                   tree_sizes: Optional[Sequence[int]] = None) -> "BucketPlan":
+                   tree_sizes: Optional[Sequence[int]] = None, symbolic_batch: bool = False) -> "BucketPlan":
         """Default plan: power-of-two batches, K from 0 to ``max_k``, power-of-two contexts up to ``t_max``.
+
+        With ``symbolic_batch`` every batch size is its own bucket by default (they
+        share one graph, so a batch of 3 runs 3 rows, not 4).
 
         With a token ``tree`` of ``max_k`` nodes a bucket is (B, N), and a step
         verifies N + 1 tokens per row. ``tree_sizes[n - 1]`` is the N that n active
         rows draft (the batch-size table): the plan holds (B, N) for the N of each
         n that pads to B, and (B, 0) for every B. Without ``tree_sizes``, N is ``max_k``.
         """
-        buckets = default_batch_buckets(max_batch_size) if batch_buckets is None else tuple(batch_buckets)
+        if batch_buckets is None:
+            batch_buckets = range(1, max_batch_size + 1) if symbolic_batch else default_batch_buckets(max_batch_size)
+        buckets = tuple(batch_buckets)
+        symbolic_batch = symbolic_batch and sum(b > 1 for b in buckets) > 1  # one bucket above 1 stays static
         if context_buckets is None:
             context_buckets = default_context_buckets(t_max) if t_max is not None else ()
         elif t_max is not None and (not context_buckets or max(context_buckets) != t_max):
             raise ValueError(f"context_buckets must end at the cache length {t_max} (max_model_len + K + 1), "
                              f"got {list(context_buckets)}")
         if not tree:
-            return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture, tuple(context_buckets))
+            return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture, tuple(context_buckets),
+                              symbolic_batch=symbolic_batch)
         pairs = tree_pairs(sorted(buckets), [max_k] * max_batch_size if tree_sizes is None else tree_sizes)
         ks = tuple(sorted({k for _, k in pairs}))
-        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets), pairs)
+        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets), pairs, symbolic_batch)
+
+    def graph_batch(self, b: int) -> int:
+        """The batch of the graph that runs bucket B: ``b``, or 0 (any B > 1) with a symbolic batch."""
+        return 0 if self.symbolic_batch and b > 1 else b
 
     @property
     def buckets(self) -> list[tuple[int, int]]:

@@ -170,6 +170,13 @@ class Ops:
         """Whether the decode attention kernel takes these operands (static)."""
         return self.decode_attention and attention.supports(q, keys, vals)
 
+    def reads_live_only(self, dtype: torch.dtype, head_dim: int, device) -> bool:
+        """Whether decode and verify attention of a model with this dtype and head size takes the decode
+        kernel, which reads only each row's live positions: then a step's cost does not depend on how
+        much of the cache it is handed, and one context bucket serves every length."""
+        return (self.decode_attention and torch.device(device).type == "cpu" and dtype in attention.DTYPES
+                and head_dim <= attention.MAX_HEAD_DIM)
+
     def attend(self, q, keys, vals, visible) -> torch.Tensor:
         """The decode attention kernel (:func:`funcspec.kernels.attention.decode_attention`); needs :meth:`attends`."""
         return attention.decode_attention(q, keys, vals, visible)

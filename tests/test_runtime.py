@@ -1,0 +1,90 @@
+"""The runtime: every graph compiled while the engine starts, none afterwards; lazy capture; the compile cache."""
+
+import pytest
+import torch
+
+from funcspec import LLM, Engine, SamplingParams, sampling
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[5, 17, 33, 5, 17], list(range(10, 25)), [44, 9, 71, 8, 44, 9], [3] * 7]
+LONG = [7, 8, 9, 10, 11] * 14  # 70 tokens
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _mixed(eng):
+    """Batch 4 greedy, one top-p request, two plain-temperature ones, then 3 long prompts: every batch size
+    1..4 as requests finish, all three sampling modes, and contexts from 5 to 90 tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return (_ids(eng.generate(PROMPTS, [greedy, greedy, SamplingParams(temperature=0.0, max_tokens=5,
+                                                                       ignore_eos=True), greedy]))
+            + _ids(eng.generate(PROMPTS[:1], SamplingParams(temperature=0.9, top_p=0.8, max_tokens=10, seed=1,
+                                                            ignore_eos=True)))
+            + _ids(eng.generate(PROMPTS[1:3], SamplingParams(temperature=0.7, max_tokens=8, seed=2,
+                                                             ignore_eos=True)))
+            + _ids(eng.generate([LONG] * 3, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))))
+
+
+def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_llama):
+    """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length; then the mixed
+    workload (batches 1-4, greedy / top-p / plain temperature, 5-90 tokens of context) compiles nothing, its
+    plain-temperature requests run in the filtered graph, and every token equals the eager engine's."""
+    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_batch_size=4, max_model_len=96)
+    t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
+    assert eng.plan.context_buckets == (t,) and eng.startup_seconds > 0
+    assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
+                                           (1, 2, t, "filtered"), (1, 2, t, "greedy")]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = _mixed(eng)
+    assert len(eng.runner.compiled) == 4 and eng.stats["recompiles"] == 0
+    assert {key[3] for key in eng.graphs} == {"greedy", "filtered"}
+    assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats["buckets_used"])
+    assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96))
+
+
+def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
+    eng = Engine(tiny_llama, backend="inductor", max_batch_size=2, max_model_len=32, capture="lazy")
+    assert eng.runner.compiled == {} and eng.startup_seconds == 0.0
+    eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert list(eng.runner.compiled) == [(1, 0, 33, "greedy")]
+    llm = LLM(tiny_llama, max_num_seqs=2, max_model_len=32, compilation_config={"capture": "lazy"})
+    assert llm.engine.backend == "inductor" and llm.engine.runner.compiled == {}
+    with pytest.raises(ValueError, match="capture must be one of \\('startup', 'lazy'\\), got 'eventually'"):
+        Engine(tiny_llama, capture="eventually")
+
+
+def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
+    """One bucket above 1 stays a static graph; eager and device graphs never take a symbolic batch."""
+    one = Engine(tiny_llama, backend="inductor", max_batch_size=4, batch_buckets=[4], capture="lazy")
+    assert not one.plan.symbolic_batch and one.runner.graph_key(4, 0, 10, sampling.GREEDY)[0] == 4
+    eager = Engine(tiny_llama, backend="eager", max_batch_size=4)
+    assert not eager.plan.symbolic_batch and eager.plan.batch_buckets == (1, 2, 4)
+
+
+def test_precompile_writes_a_compile_cache_that_an_engine_loads(tiny_llama, tmp_path, monkeypatch, capsys):
+    from funcspec.cli import main
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # restored after the test
+    out = tmp_path / "cache.bin"
+    main(["precompile", tiny_llama, "--max-num-seqs", "1", "--max-model-len", "32", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "captured 2 graph(s)" in printed and "B1_K0_T33_greedy" in printed and out.stat().st_size > 0
+    eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, compile_cache=str(out))
+    assert eng.compile_cache["bytes"] == out.stat().st_size and eng.compile_cache.get("inductor", 0) >= 2
+    with pytest.raises(ValueError, match="compile_cache: .*missing.bin is not a file"):
+        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.bin"))
+
+
+def test_bench_runtime_splits_a_step_into_graph_and_host(tiny_llama):
+    from funcspec.bench import runtime
+
+    eng = Engine(tiny_llama, backend="eager", max_batch_size=4, max_model_len=64)
+    row = runtime.host_split(eng, [5, 6, 7], batch=4, steps=16)
+    assert row["batch"] == 4 and row["steps"] >= 14
+    assert 0 < row["graph_ms"] <= row["step_ms"] and row["host_ms"] >= 0
+    assert row["host_fraction"] == pytest.approx(row["host_ms"] / row["step_ms"])
+    assert [m[0] for m in runtime.models(["zoo"])] == ["zoo-eagle3", "zoo-ar"]
+    with pytest.raises(ValueError, match="--models: 'gpt5' is neither 'zoo' nor a bench scale shape"):
+        runtime.models(["gpt5"])
