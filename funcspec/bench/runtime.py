@@ -44,13 +44,15 @@ def workload(llm, max_tokens: int) -> None:
     """The mixed workload: batch 4 greedy, one top-p request, two plain-temperature ones, 3 long prompts."""
     from funcspec import SamplingParams
 
+    eng = llm.engine
+    short = [{"prompt_token_ids": _ids(eng.model.tokenizer, p, eng.model.cfg.vocab_size)} for p in WORKLOAD_PROMPTS]
+    long = {"prompt_token_ids": _ids(eng.model.tokenizer, LONG_PROMPT, eng.model.cfg.vocab_size)}
     g = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(WORKLOAD_PROMPTS, g)
-    llm.generate(WORKLOAD_PROMPTS[:1], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens // 3,
-                                                       seed=1, ignore_eos=True))
-    llm.generate(WORKLOAD_PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=max_tokens // 5, seed=2,
-                                                       ignore_eos=True))
-    llm.generate([LONG_PROMPT] * 3, g)
+    llm.generate(short, g)
+    llm.generate(short[:1], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens // 3, seed=1,
+                                           ignore_eos=True))
+    llm.generate(short[:2], SamplingParams(temperature=0.8, max_tokens=max_tokens // 5, seed=2, ignore_eos=True))
+    llm.generate([long] * 3, g)
 
 
 def _ids(tokenizer, prompt, vocab: int) -> list[int]:
