@@ -188,6 +188,8 @@ def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, metho
 def test_cli_generate_prints_text_and_speed(default_model, capsys):
     from funcspec.cli import main
 
-    main(["generate", "--model", default_model, "--max-tokens", "5", "--ignore-eos", "--max-model-len", "64"])
+    main(["generate", "--model", default_model, "--max-tokens", "5", "--ignore-eos", "--max-model-len", "64",
+          "def f():"])  # the default backend (inductor here), one prompt: B = 1, greedy and filtered
     out = capsys.readouterr().out
     assert "tokens/s" in out and "Generated:" in out
+    assert "backend=inductor; captured 2 graph(s) at start-up in " in out and "B1_K0_T65_greedy" in out

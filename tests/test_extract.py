@@ -18,6 +18,7 @@ def test_guide_example_saves_target_hidden_states(tmp_path):
                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}},
         kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "hs")}},
+        compilation_config={"capture": "lazy"},  # not in the guide: this test reads hidden states, not capture
     )
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=1))

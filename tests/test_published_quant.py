@@ -239,9 +239,10 @@ def test_llm_reads_the_format_and_checks_a_named_one(written):
     """``LLM(model)`` detects the format; naming it (vLLM's name, or its marlin kernel's) is accepted, naming
     another is the error vLLM gives."""
     path = str(written("gptq-int4-g128"))
-    want = [o.outputs[0].token_ids for o in LLM(path).generate(PROMPTS, GREEDY)]
+    lazy = {"capture": "lazy"}  # the name check, not capture (test_runtime.py covers start-up capture)
+    want = [o.outputs[0].token_ids for o in LLM(path, compilation_config=lazy).generate(PROMPTS, GREEDY)]
     for name in ("gptq", "gptq_marlin"):
-        llm = LLM(path, quantization=name, compilation_config={"capture": "lazy"})  # the name check, not capture
+        llm = LLM(path, quantization=name, compilation_config=lazy)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     with pytest.raises(ValueError, match=r"quantization='awq', but .* is stored as 'gptq'"):
         LLM(path, quantization="awq")
