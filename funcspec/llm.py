@@ -48,12 +48,6 @@ def compilation_option(compilation_config: Any, key: str, default=None):
     return getattr(compilation_config, key, default)
 
 
-def capture_from_compilation(compilation_config: Any) -> str:
-    """When the engine captures its graphs: ``compilation_config["capture"]`` (funcspec's key:
-    ``"startup"``, the default, or ``"lazy"``)."""
-    return compilation_option(compilation_config, "capture", "startup")
-
-
 class LLM:
     """vLLM-compatible entry point: ``LLM(model=PATH, **engine_args).generate(prompts, params)``.
 
@@ -101,7 +95,7 @@ class LLM:
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
             device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
-            capture=capture_from_compilation(compilation_config),
+            capture=compilation_option(compilation_config, "capture", "startup"),  # funcspec's key: or "lazy"
             compile_cache=compilation_option(compilation_config, "compile_cache", None),
         )
 

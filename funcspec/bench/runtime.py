@@ -89,7 +89,7 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     """One process's measurements (see the module docstring); run by :func:`run` in a subprocess."""
     import torch
 
-    from funcspec import LLM, SamplingParams
+    from funcspec import LLM
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -110,7 +110,6 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     out["host"] = [host_split(eng, ids, b, 64) for b in (1, min(8, eng.num_slots))]
     if spec is None:
         out["ar"] = ar_vs_bounds(eng, model, dtype, ids, out["host"][0])
-    eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     out["compiles_after_startup"] = sum(r["new_graphs"] for r in runs)
     return out
 

@@ -41,6 +41,6 @@ def _counts(info) -> dict:
     """{kind: number of entries} of a ``CacheInfo`` (inductor, aot_autograd, ...)."""
     if info is None:
         return {}
-    kinds = ("inductor", "aot_autograd", "autotune", "pgo", "precompile")
-    return {k: len(getattr(info, f"{k}_artifacts", None) or ()) for k in kinds
-            if getattr(info, f"{k}_artifacts", None)}
+    entries = {k: getattr(info, f"{k}_artifacts", None) for k in ("inductor", "aot_autograd", "autotune", "pgo",
+                                                                   "precompile")}
+    return {k: len(v) for k, v in entries.items() if v}
