@@ -314,6 +314,25 @@ class Engine:
         self.scheduler.add([req])
         return req.request_id
 
+    @mirrored
+    def abort_request(self, request_id) -> None:
+        """Abort requests by id (one id, or an iterable of ids), as vLLM's ``LLMEngine.abort_request``.
+
+        A waiting request leaves the queue; a running one frees its slot now
+        (finish reason ``"abort"``), so the next :meth:`step` runs without it
+        and can admit another request into the slot. Ids that are unknown or
+        already finished are ignored: a server's client may disconnect just as
+        its request finishes, and that race must not be an error.
+        """
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        sched = self.scheduler
+        for req in [r for r in sched.waiting if r.request_id in ids]:
+            sched.waiting.remove(req)
+            req.finish_reason = "abort"
+        for req in [r for r in sched.running.values() if r.request_id in ids]:
+            req.finish_reason = "abort"
+            self._retire(req)  # NOTE: the same compaction as a finished request: slots 0..n-1 stay filled
+
     def has_unfinished_requests(self) -> bool:
         """Whether any added request still waits for a slot or runs."""
         return self.scheduler.has_unfinished()
