@@ -1,9 +1,10 @@
-"""Command line: ``funcspec generate``, ``funcspec bench capture``, ``funcspec bench spec``, ``funcspec tune-k``,
-``funcspec inspect``.
+"""Command line: ``funcspec generate``, ``funcspec serve``, ``funcspec bench capture``, ``funcspec bench spec``,
+``funcspec tune-k``, ``funcspec inspect``.
 
 ``funcspec run-default`` is what ``make run`` calls: generate with the zoo
 target and a zoo drafter, and print tokens/s and acceptance stats.
 ``funcspec train <role>`` runs the zoo's recipes (:mod:`funcspec.train`).
+``funcspec serve MODEL ...`` is vLLM's ``vllm serve`` (:mod:`funcspec.serve`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None)
     p.add_argument("--out", default="funcspec-compile-cache.bin", help="the file to write (default %(default)s)")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
+    sub.add_parser("serve", help="an OpenAI-compatible server, as `vllm serve` (funcspec serve --help)",
+                   add_help=False)
     from funcspec.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -187,6 +190,10 @@ def main(argv=None) -> None:
         from funcspec.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["serve"]:  # NOTE: its own parser: it passes vLLM flags it does not know on to LLM
+        from funcspec.serve.args import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         _generate(args)

@@ -1,0 +1,164 @@
+"""``funcspec serve``'s command line: vLLM's flag names, mapped onto ``LLM(...)``'s arguments.
+
+The flags funcspec maps are parsed here. Every other ``--flag [VALUE]`` is
+handed to :class:`~funcspec.LLM` as a keyword, so the vLLM flags that have no
+effect here (``--gpu-memory-utilization 0.9``, ``--no-enable-prefix-caching``,
+``--trust-remote-code``, ...) are accepted with ``LLM``'s one warning, and a
+flag that is no engine argument at all is refused by the same check as
+``LLM(unknown=...)``. Nothing here imports FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Optional
+
+from funcspec.serve.protocol import MAX_BODY_BYTES
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+# Flags that become LLM(...) keywords when given (absent ones keep LLM's defaults).
+ENGINE_FLAGS = ("speculative_config", "max_num_seqs", "max_model_len", "dtype", "enforce_eager",
+                "tensor_parallel_size", "seed", "quantization", "compilation_config", "additional_config",
+                "kv_transfer_config", "tokenizer", "backend", "device")
+
+
+def json_flag(name: str):
+    """An argparse type for a flag whose value is a JSON object (the error names the flag)."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object: {err}") from err
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``funcspec serve`` (flags it does not know are kept for :func:`extra_engine_args`)."""
+    p = argparse.ArgumentParser(
+        prog="funcspec serve",
+        description="An OpenAI-compatible server (vLLM's `vllm serve`): /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /version, /metrics. Other vLLM engine flags are accepted; those with "
+                    "no effect in funcspec are named in one warning.")
+    p.add_argument("model", help="the target checkpoint (as LLM's model)")
+    engine = p.add_argument_group("engine (vLLM's names)")
+    engine.add_argument("--speculative-config", "-sc", type=json_flag("--speculative-config"), default=None,
+                        help="vLLM speculative_config as JSON")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="KV slots (LLM's default: 8)")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (auto: float32)")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="the eager backend: no graph is compiled")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument("--quantization", "-q", default=None)
+    engine.add_argument("--compilation-config", type=json_flag("--compilation-config"), default=None)
+    engine.add_argument("--additional-config", type=json_flag("--additional-config"), default=None)
+    engine.add_argument("--kv-transfer-config", type=json_flag("--kv-transfer-config"), default=None)
+    engine.add_argument("--tokenizer", default=None, help="a directory to take the tokenizer from")
+    engine.add_argument("--backend", default=None, help="funcspec's backend name (overrides --enforce-eager)")
+    engine.add_argument("--device", default=None, help="funcspec's device (default cpu)")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="default %(default)s (loopback only)")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model name(s) requests may give (default: the model argument)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one (default: the tokenizer's own)")
+    server.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help="larger request bodies get 413 (default %(default)s)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    return p
+
+
+def extra_engine_args(tokens: list[str]) -> dict[str, Any]:
+    """Flags the parser did not know, as ``LLM`` keywords: ``--a-b V`` / ``--a-b=V`` -> ``a_b=V`` (V read as
+    JSON when it is JSON, else kept as a string), ``--a-b`` -> ``True``, ``--no-a-b`` -> ``a_b=False``."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise ValueError(f"unexpected argument {token!r} (the model is the only positional argument)")
+        name, eq, text = token[2:].partition("=")
+        if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            eq, text, i = "=", tokens[i + 1], i + 1
+        if eq:
+            value = _json_or_text(text)
+        elif name.startswith("no-"):
+            name, value = name[3:], False
+        else:
+            value = True
+        out[name.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    """A flag's value: JSON (numbers, booleans, objects) when it parses, else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def engine_kwargs(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(args.model, **engine_kwargs(...))``: the given engine flags, then the unknown ones as they came."""
+    given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    clash = sorted(set(given) & set(extra))
+    if clash:
+        raise ValueError(f"flags given twice: {clash}")
+    return {**given, **extra}
+
+
+def chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``: a file's contents when the value names a file, else the value itself (vLLM's rule)."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    try:
+        path = Path(value)
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    return value
+
+
+def main(argv: list[str]) -> None:
+    """``funcspec serve ...``: parse, build the engine as ``LLM(...)`` does, and serve it until interrupted."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        kwargs = engine_kwargs(args, extra_engine_args(rest))
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        from funcspec.serve import app
+    except ImportError as err:  # FastAPI, uvicorn or prometheus_client missing
+        raise SystemExit(f"funcspec serve needs the serve extra (pip install 'funcspec[serve]'): {err}") from err
+    from funcspec import LLM
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(args.model, **kwargs)  # NOTE: LLM's own warning names the vLLM flags with no effect here
+    except ValueError as err:  # a bad flag value or an unknown flag: the message names it
+        raise SystemExit(f"funcspec serve: {err}") from err
+    names = tuple(args.served_model_name or [args.model])
+    settings = app.Settings(names, args.model, args.api_key, chat_template(args.chat_template),
+                            args.max_request_body_bytes)
+    engine = llm.engine
+    print(f"funcspec serve: engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}, "
+          f"max_num_seqs={engine.num_slots}, max_model_len={engine.max_model_len}); serving {list(names)} "
+          f"on http://{args.host}:{args.port}", flush=True)
+    app.run(app.build_app(engine, settings, on_shutdown=llm.close), args.host, args.port, args.uvicorn_log_level)

@@ -1,0 +1,360 @@
+"""One engine loop for every connection.
+
+A dedicated thread owns the :class:`~funcspec.Engine`: only it calls
+``add_request``, ``abort_request`` and ``step``, one call at a time, so the
+engine needs no lock, and the event loop never waits on a step. One background
+task drives it::
+
+    wait until a request is queued, aborted or running
+    in the engine thread: add the queued requests, abort the aborted ones,
+                          step once, read every request's new tokens
+    on the event loop:    push each request's new tokens (and its finish) to its batch's queue
+
+A step that raises fails the requests it was running (each gets an error
+update: a 500) and the loop goes on with the rest; only when the engine cannot
+even drop those requests is it dead, and every request then fails.
+
+Nothing here imports FastAPI: the loop is plain asyncio over the public
+engine API (``running``, ``step``'s outputs, each request's counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Optional
+
+
+class EngineDead(RuntimeError):
+    """The engine failed in a way that a request cannot be served any more (the server answers 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """How a request ended: the engine's finish reason and stop reason, its output text and tokens."""
+
+    reason: str
+    stop_reason: Any
+    text: str
+    token_ids: tuple
+    prompt_token_ids: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """One step's news for one request: its new tokens, and its :class:`Finish` or error when it ended."""
+
+    token_ids: tuple = ()
+    finish: Optional[Finish] = None
+    error: Optional[str] = None
+
+    @property
+    def final(self) -> bool:
+        """Whether nothing follows this update."""
+        return self.finish is not None or self.error is not None
+
+
+@dataclasses.dataclass
+class SpecDelta:
+    """One step's speculative-decoding counts, vLLM's: drafts made, tokens drafted, tokens accepted (and at which
+    position: ``per_pos[j]`` counts the drafts whose first j + 1 tokens were accepted)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_pos: list = dataclasses.field(default_factory=list)
+
+    def add_row(self, draft_tokens: int, accepted: int) -> None:
+        """One request's row-step: it drafted ``draft_tokens`` and ``accepted`` of them were kept."""
+        if draft_tokens > 0:
+            self.drafts += 1
+        self.draft_tokens += draft_tokens
+        self.accepted += accepted
+        for j in range(min(accepted, len(self.per_pos))):
+            self.per_pos[j] += 1
+
+
+class Batch:
+    """The engine requests of one HTTP request; iterate it for ``(index, Update)`` until each has ended."""
+
+    def __init__(self, request_ids: list[str], prompt_token_ids: list[tuple]):
+        self.request_ids, self.prompt_token_ids = request_ids, prompt_token_ids
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.open = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        """Whether every request of the batch has ended."""
+        return not self.open
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, Update]:
+        if not self.open:
+            raise StopAsyncIteration
+        index, update = await self.queue.get()
+        if update.final:
+            self.open.discard(index)
+        return index, update
+
+
+@dataclasses.dataclass
+class _Job:
+    """Prompts queued by a handler, and the future its :class:`Batch` (or the refusal) goes to."""
+
+    prompts: list[dict]
+    params: Any
+    arrival: float
+    future: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Track:
+    """What the event loop keeps about one live engine request (timings for the metrics)."""
+
+    batch: Batch
+    index: int
+    arrival: float
+    prompt_len: int
+    t_first: Optional[float] = None
+    n_out: int = 0
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What the engine thread has already reported of one request."""
+
+    tokens: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+
+@dataclasses.dataclass
+class _StepResult:
+    """What one hop to the engine thread brings back."""
+
+    added: list = dataclasses.field(default_factory=list)  # (job, request ids or None, error or None)
+    updates: dict = dataclasses.field(default_factory=dict)  # request id -> Update
+    spec: Optional[SpecDelta] = None
+    running: int = 0
+    busy: bool = False
+
+
+class EngineLoop:
+    """Every request of the server through one :class:`~funcspec.Engine`, stepped by one background task.
+
+    ``await submit(prompts, params)`` queues engine prompts (``{"prompt",
+    "prompt_token_ids"}`` dicts) and returns their :class:`Batch` once the
+    engine has accepted them (a ``ValueError`` from its checks otherwise);
+    :meth:`abort` drops a batch's unfinished requests before the next step.
+    ``metrics`` (optional) receives the counts (:class:`~funcspec.serve.metrics.Metrics`).
+    """
+
+    def __init__(self, engine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        # NOTE: one thread, always the same: the engine is driven by one caller, and torch's per-thread state
+        # (grad mode, streams) stays put.
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="funcspec-engine")
+        self._positions = len(engine.stats["per_position_acceptance"])
+        self._jobs: list[_Job] = []
+        self._aborts: set[str] = set()
+        self._tracks: dict[str, _Track] = {}
+        self._seen: dict[str, _Seen] = {}  # engine thread only
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self.dead: Optional[BaseException] = None
+
+    # ------------------------------------------------------------ event loop
+    def start(self) -> None:
+        """Start the background task (call from inside the running event loop)."""
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="funcspec-engine-loop")
+
+    async def stop(self) -> None:
+        """Stop the task; a step under way finishes first."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._thread.shutdown(wait=True)
+
+    async def submit(self, prompts: list[dict], params, arrival: Optional[float] = None) -> Batch:
+        """Queue ``prompts`` with ``params``; their :class:`Batch` once the engine took them all.
+
+        Raises the engine's ``ValueError`` when it refuses one (then none of
+        them runs), :class:`EngineDead` when the engine is gone.
+        """
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed: {self.dead}")
+        future = asyncio.get_running_loop().create_future()
+        self._jobs.append(_Job(list(prompts), params, arrival or time.perf_counter(), future))
+        self._wake.set()
+        return await future
+
+    def abort(self, batch: Batch) -> None:
+        """Drop ``batch``'s unfinished requests; their slots are freed before the next step."""
+        for rid in batch.request_ids:
+            track = self._tracks.pop(rid, None)
+            if track is not None:
+                self._aborts.add(rid)
+                self._count_finish(track, "abort")
+        self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not ended (waiting or running)."""
+        return len(self._tracks)
+
+    async def _run(self) -> None:
+        """The loop of the module docstring."""
+        aloop, busy = asyncio.get_running_loop(), False
+        while True:
+            if not (busy or self._jobs or self._aborts):
+                self._wake.clear()
+                await self._wake.wait()
+            jobs, self._jobs = self._jobs, []
+            aborts, self._aborts = self._aborts, set()
+            try:
+                result = await aloop.run_in_executor(self._thread, self._work, jobs, aborts)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # noqa: BLE001 (the engine cannot drop a failed step's requests)
+                self._die(err, jobs)
+                return
+            busy = result.busy
+            self._dispatch(result)
+
+    def _dispatch(self, result: _StepResult) -> None:
+        """Hand each job its batch (or refusal), then each request its update; count what happened."""
+        now = time.perf_counter()
+        for job, ids, err in result.added:
+            if err is not None:
+                if not job.future.done():
+                    job.future.set_exception(err)
+            elif job.future.done():  # the handler went away while the engine took its requests
+                self._aborts.update(ids)
+            else:
+                batch = Batch(ids, [tuple(p["prompt_token_ids"]) for p in job.prompts])
+                for i, rid in enumerate(ids):
+                    self._tracks[rid] = _Track(batch, i, job.arrival, len(job.prompts[i]["prompt_token_ids"]))
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(sum(t.prompt_len for t in map(self._tracks.get, ids)))
+                job.future.set_result(batch)
+        for rid, update in result.updates.items():
+            track = self._tracks.get(rid)
+            if track is None:  # aborted by its handler while this step ran
+                continue
+            self._count_tokens(track, update, now)
+            if update.final:
+                del self._tracks[rid]
+                self._count_finish(track, update.finish.reason if update.finish else "error", now)
+            track.batch.queue.put_nowait((track.index, update))
+        if self.metrics is not None:
+            self.metrics.step(result.spec, result.running, len(self._tracks) - result.running)
+
+    def _count_tokens(self, track: _Track, update: Update, now: float) -> None:
+        """Tokens and time to first token, as the client sees them (from the request's arrival)."""
+        if not update.token_ids:
+            return
+        if track.t_first is None:
+            track.t_first = now
+            if self.metrics is not None:
+                self.metrics.ttft.observe(now - track.arrival)
+        track.n_out += len(update.token_ids)
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(len(update.token_ids))
+
+    def _count_finish(self, track: _Track, reason: str, now: Optional[float] = None) -> None:
+        """A request ended: its reason, end-to-end latency and time per output token after the first."""
+        if self.metrics is None:
+            return
+        now = now or time.perf_counter()
+        self.metrics.finished(reason, now - track.arrival,
+                              (now - track.t_first) / (track.n_out - 1) if track.n_out > 1 else None)
+
+    def _die(self, err: BaseException, jobs: list[_Job]) -> None:
+        """The engine is unusable: fail every live request and every queued job."""
+        self.dead = err
+        message = f"the engine failed and cannot serve: {err}"
+        for job in jobs + self._jobs:
+            if not job.future.done():
+                job.future.set_exception(EngineDead(message))
+        self._jobs = []
+        for rid, track in list(self._tracks.items()):
+            track.batch.queue.put_nowait((track.index, Update(error=message)))
+            self._count_finish(track, "error")
+        self._tracks.clear()
+
+    # ---------------------------------------------------------- engine thread
+    def _work(self, jobs: list[_Job], aborts: set[str]) -> _StepResult:
+        """In the engine thread: add, abort, step once, and read what every request got."""
+        engine, result = self.engine, _StepResult()
+        result.added = [self._add(job) for job in jobs]
+        if aborts:
+            self._drop(aborts)
+        if engine.has_unfinished_requests():
+            try:
+                finished = engine.step()
+            except Exception as err:  # noqa: BLE001 (a failed step fails its requests, not the server)
+                result.updates = self._fail_step(err)
+            else:
+                result.updates, result.spec = self._collect(finished)
+        result.running, result.busy = len(engine.running), engine.has_unfinished_requests()
+        return result
+
+    def _add(self, job: _Job) -> tuple:
+        """Add a job's prompts, all or none: ``(job, ids, None)``, or ``(job, None, error)``."""
+        ids: list[str] = []
+        try:
+            for prompt in job.prompts:
+                ids.append(self.engine.add_request(prompt, job.params))
+                self._seen[ids[-1]] = _Seen()
+        except Exception as err:  # noqa: BLE001 (a ValueError is the client's 400; anything else its 500)
+            self._drop(ids)
+            return job, None, err
+        return job, ids, None
+
+    def _drop(self, ids) -> None:
+        """Abort requests in the engine and forget them."""
+        if ids:
+            self.engine.abort_request(list(ids))
+        for rid in ids:
+            self._seen.pop(rid, None)
+
+    def _fail_step(self, err: Exception) -> dict:
+        """A step raised: abort every request it may have touched (all but the waiting ones) and fail them.
+
+        NOTE: the step may have finished some requests before it raised; their
+        outputs are lost with the exception, so they fail too rather than hang.
+        """
+        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        failed = [rid for rid in self._seen if rid not in waiting]
+        self._drop(failed)  # if this raises too, the engine is dead (_run)
+        message = f"the engine step failed: {type(err).__name__}: {err}"
+        return {rid: Update(error=message) for rid in failed}
+
+    def _collect(self, finished) -> tuple[dict, SpecDelta]:
+        """Every request's new tokens since the last step, the finished ones' ends, and the step's spec counts."""
+        updates, spec = {}, SpecDelta(per_pos=[0] * self._positions)
+        for req in self.engine.running.values():
+            seen = self._seen[req.request_id]
+            spec.add_row(*self._advance(seen, req.num_draft_tokens, req.num_accepted_tokens))
+            if len(req.output_ids) > seen.tokens:
+                updates[req.request_id] = Update(tuple(req.output_ids[seen.tokens:]))
+                seen.tokens = len(req.output_ids)
+        for out in finished:
+            seen, done = self._seen.pop(out.request_id), out.outputs[0]
+            spec.add_row(*self._advance(seen, out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"]))
+            finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
+                            tuple(out.prompt_token_ids))
+            updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish)
+        return updates, spec
+
+    @staticmethod
+    def _advance(seen: _Seen, draft_tokens: int, accepted: int) -> tuple[int, int]:
+        """This step's (drafted, accepted) tokens of one request, from its running totals."""
+        delta = (draft_tokens - seen.draft_tokens, accepted - seen.accepted)
+        seen.draft_tokens, seen.accepted = draft_tokens, accepted
+        return delta
