@@ -250,8 +250,8 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
     try:
         async for i, update in batch:
             if update.error is not None:
-                yield P.sse(P.APIError(500, update.error).body())
-                break
+                yield P.sse(P.APIError(500, update.error).body()) + P.DONE  # vLLM's way: an error event, then DONE
+                return
             end = update.finish  # NOTE: the final text, not the tokens, ends a stream: it is cut at a stop string
             text = texts[i].finish(end.text) if end else texts[i].feed(update.token_ids)
             counts[i] += len(update.token_ids)
@@ -276,12 +276,12 @@ async def _chat_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, rid: s
     text_stream, count = P.TextStream(tokenizer, req.params.stop), 0
     prompt_ids = list(batch.prompt_token_ids[0]) if req.return_token_ids else None
     first = P.chat_delta(0, {"role": "assistant", "content": ""})
-    yield P.sse(P.envelope("chat.completion.chunk", rid, model, [first], created, prompt_token_ids=prompt_ids))
     try:
+        yield P.sse(P.envelope("chat.completion.chunk", rid, model, [first], created, prompt_token_ids=prompt_ids))
         async for _, update in batch:
             if update.error is not None:
-                yield P.sse(P.APIError(500, update.error).body())
-                break
+                yield P.sse(P.APIError(500, update.error).body()) + P.DONE  # vLLM's way: an error event, then DONE
+                return
             end = update.finish
             text = text_stream.finish(end.text) if end else text_stream.feed(update.token_ids)
             count += len(update.token_ids)

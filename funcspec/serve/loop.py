@@ -202,11 +202,6 @@ class EngineLoop:
                 self._count_finish(track, "abort")
         self._wake.set()
 
-    @property
-    def num_requests(self) -> int:
-        """Requests accepted and not ended (waiting or running)."""
-        return len(self._tracks)
-
     async def _run(self) -> None:
         """The loop of the module docstring."""
         aloop, busy = asyncio.get_running_loop(), False
