@@ -27,8 +27,10 @@ def _generate(args) -> None:
     engine = Engine(args.model, speculative_config=spec, backend=args.backend,
                     max_batch_size=max(1, len(args.prompt)), max_model_len=args.max_model_len, capture=args.capture)
     graphs = engine.stats["graphs"]
+    loaded = sum(g["loaded"] for g in graphs.values())
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}; captured {len(graphs)} "
-          f"graph(s) at start-up in {engine.startup_seconds:.1f}s: {', '.join(graphs) or 'none'})")
+          f"graph(s) at start-up in {engine.startup_seconds:.1f}s, {loaded} loaded from the compiled-step store: "
+          f"{', '.join(graphs) or 'none'})")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
@@ -56,7 +58,8 @@ def _run_default(args) -> None:
 
 
 def _precompile(args) -> None:
-    """`funcspec precompile`: capture every graph an engine can need, then save torch's compile cache."""
+    """`funcspec precompile`: capture every graph an engine can need, then save torch's compile cache and the
+    compiled steps in one file."""
     import os
     import tempfile
 
@@ -68,7 +71,8 @@ def _precompile(args) -> None:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               dtype=args.dtype, quantization=args.quantization)
-    held = cache.save(args.out)
+    steps = [g.stats.stored for g in llm.engine.runner.compiled.values() if g.stats.stored]
+    held = cache.save(args.out, steps)
     graphs = llm.engine.stats["graphs"]
     print(f"captured {len(graphs)} graph(s) in {llm.engine.startup_seconds:.1f}s: {', '.join(graphs)}")
     print(f"wrote {args.out} ({held}); start from it with "
@@ -172,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--out", default="funcspec-compile-cache.bin", help="the file to write (default %(default)s)")
+    p.add_argument("--out", default="funcspec-compile-cache.zip", help="the file to write (default %(default)s)")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     sub.add_parser("serve", help="an OpenAI-compatible server, as `vllm serve` (funcspec serve --help)",
                    add_help=False)

@@ -105,7 +105,8 @@ class Engine:
             vocabulary otherwise, or the checkpoint's own tokenizer files).
         compile_cache: a file written by ``funcspec precompile``
             (:mod:`funcspec.capture.cache`), loaded into torch's compile caches
-            before the graphs are captured, so that they compile from the cache.
+            and the compiled-step store before the graphs are captured, so that
+            they load instead of compiling.
 
     Attributes:
         model, spec, backend, plan, proposer: what the engine runs (``model``

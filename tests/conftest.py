@@ -58,6 +58,17 @@ def tiny_draft(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture
+def traced_codegen(monkeypatch):
+    """Inductor's C++ codegen swapped for the Dynamo graph itself, for tests about what Dynamo captures (one
+    fullgraph, no recompiles) that cannot afford a cold compile each. The graph store is off: no store key
+    can see the swap, and a real compiled graph must not stand in for the traced one."""
+    import torch._inductor.compile_fx as cfx
+
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
+    monkeypatch.setenv("FUNCSPEC_GRAPH_STORE", "0")
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The default zoo model (built on first use, as `make run` does)."""

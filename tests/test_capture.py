@@ -73,16 +73,13 @@ def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
     assert torch.equal(new.kv.lens, lens) and int(new.kv.lens[4]) == 0
 
 
-def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, monkeypatch):
+def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced_codegen):
     """Batches 1..10 run in buckets 1..10 (no padding) on two graphs per mode: B = 1, and one with a symbolic
     batch for the rest; both are captured while the engine starts, and nothing compiles afterwards.
 
     Inductor's code generation is swapped for the traced graph itself to keep this test fast (Dynamo still
     traces, guards and counts compiles); the tests above and test_runtime.py run real inductor code.
     """
-    import torch._inductor.compile_fx as cfx
-
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24)
     assert eng.plan.batch_buckets == tuple(range(1, 11)) and eng.plan.symbolic_batch
     assert sorted(eng.runner.compiled) == [(0, 0, 25, "filtered"), (0, 0, 25, "greedy"),

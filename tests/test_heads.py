@@ -268,16 +268,13 @@ def test_propose_compiles_fullgraph(zoo):
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp", "dflash", "dspark"])
-def test_whole_step_captures_as_one_graph(zoo, method, monkeypatch, tmp_path):
+def test_whole_step_captures_as_one_graph(zoo, method, traced_codegen, tmp_path):
     """Each head's K-step draft loop traces into the bucket's single fullgraph step, never recompiles,
     and stays lossless. Inductor's C++ codegen is swapped for the traced graph: the graph-capture
     property is Dynamo's, and six cold compiles would not fit CI's budget (see spec tests for real
     inductor runs)."""
-    import torch._inductor.compile_fx as cfx
-
     from funcspec.checkpoints import init_draft_head
 
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     if method in ("dflash", "dspark"):
         head = init_draft_head(method, zoo.target, tmp_path / method, markov_rank=8)
         eng = Engine(zoo.target, {"method": method, "model": str(head), "num_speculative_tokens": 2},
@@ -324,7 +321,7 @@ DYNAMIC = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative
 
 @pytest.mark.parametrize("tree, codegen", [(TREE, "traced"), (DYNAMIC, "traced"),
                                            pytest.param(TREE, "inductor", marks=pytest.mark.slow)])
-def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, tree, codegen, monkeypatch):
+def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, tree, codegen, request):
     """Bucket (B, N) = (4, 7), static and dynamic (both depth 3): the step keeps the state's
     structure, emits [B, D+1] tokens, and one
     fullgraph serves every step greedy-losslessly with 0 recompiles after warm-up.
@@ -332,9 +329,7 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     NOTE: "traced" swaps inductor's codegen for the Dynamo graph (as the test above does); the
     real inductor compile of the tree step took 141 s on CI's 2 cores, so it is marked slow."""
     if codegen == "traced":
-        import torch._inductor.compile_fx as cfx
-
-        monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
+        request.getfixturevalue("traced_codegen")
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert eng.plan.ks == (0, 7) and eng.plan.capture_sizes()[7] == [32]
@@ -352,12 +347,9 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
 
 @pytest.mark.parametrize("method, tree", [("eagle", TREE), ("mtp", DYNAMIC), ("draft_model", TREE),
                                           ("draft_model", DYNAMIC)])
-def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree, monkeypatch):
+def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree, traced_codegen):
     """The other tree methods (eagle3's test is above; ngram and suffix: test_history_trees.py): one
     fullgraph (4, 7) bucket, greedy output equal to AR, 0 recompiles after warm-up (traced codegen)."""
-    import torch._inductor.compile_fx as cfx
-
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]

@@ -118,15 +118,13 @@ def test_history_tree_greedy_equals_autoregressive(tiny_llama, reference, method
 
 
 @pytest.mark.parametrize("method, shape, codegen", [("ngram", "dynamic", "inductor"), ("suffix", "static", "traced")])
-def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference, method, shape, codegen, monkeypatch):
+def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference, method, shape, codegen, request):
     """One bucket (4, N) serves every step greedy-losslessly with 0 recompiles after warm-up.
 
     NOTE: "traced" swaps inductor's codegen for the Dynamo graph (the fullgraph trace and its
     guards are what recompiles); ngram's tree gets a real inductor compile."""
     if codegen == "traced":
-        import torch._inductor.compile_fx as cfx
-
-        monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
+        request.getfixturevalue("traced_codegen")
     prompts, want = reference
     spec = {**_spec(method, None), **TREES[shape]}
     eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],

@@ -63,18 +63,47 @@ def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
     assert not eager.plan.symbolic_batch and eager.plan.batch_buckets == (1, 2, 4)
 
 
-def test_precompile_writes_a_compile_cache_that_an_engine_loads(tiny_llama, tmp_path, monkeypatch, capsys):
+def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny_llama, tmp_path, monkeypatch,
+                                                                           capsys):
+    """`funcspec precompile` writes torch's cache entries and the compiled steps; an engine on an empty
+    inductor cache (a second machine) given that file traces and compiles nothing, and decodes as eager does."""
     from funcspec.cli import main
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # restored after the test
-    out = tmp_path / "cache.bin"
+    out = tmp_path / "cache.zip"
     main(["precompile", tiny_llama, "--max-num-seqs", "1", "--max-model-len", "32", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "captured 2 graph(s)" in printed and "B1_K0_T33_greedy" in printed and out.stat().st_size > 0
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "second-machine"))
     eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, compile_cache=str(out))
-    assert eng.compile_cache["bytes"] == out.stat().st_size and eng.compile_cache.get("inductor", 0) >= 2
-    with pytest.raises(ValueError, match="compile_cache: .*missing.bin is not a file"):
-        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.bin"))
+    assert eng.compile_cache["bytes"] == out.stat().st_size and eng.compile_cache["steps"] == 2
+    assert [(g.stats.loaded, g.stats.compiles) for g in eng.runner.compiled.values()] == [(True, 0)] * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eager = Engine(tiny_llama, backend="eager", max_batch_size=1, max_model_len=32)
+    assert _ids(eng.generate(PROMPTS[:1], greedy)) == _ids(eager.generate(PROMPTS[:1], greedy))
+    with pytest.raises(ValueError, match="compile_cache: .*missing.zip is not a file written by `funcspec precompile`"):
+        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"))
+
+
+def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch):
+    """The step store: an identical engine started again loads its graphs (nothing traced), decoding the same
+    tokens; another K is another key, compiled anew; ``FUNCSPEC_GRAPH_STORE=0`` compiles without the store."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = dict(backend="inductor", max_batch_size=3, max_model_len=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = Engine(tiny_llama, NGRAM, **args)
+    again = Engine(tiny_llama, NGRAM, **args)  # B = 1 and the symbolic batch, greedy and filtered
+    assert [g.stats.loaded for g in first.runner.compiled.values()] == [False] * 4
+    assert [g.stats.loaded for g in again.runner.compiled.values()] == [True] * 4
+    ragged = [greedy, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), greedy, greedy]
+    assert _ids(again.generate(PROMPTS, ragged)) == _ids(first.generate(PROMPTS, ragged))  # batches 3, 2 and 1
+    other = Engine(tiny_llama, {**NGRAM, "num_speculative_tokens": 1}, capture="lazy", **args)
+    other.generate(PROMPTS[:1], greedy)
+    assert [g.stats.loaded for g in other.runner.compiled.values()] == [False]
+    monkeypatch.setenv("FUNCSPEC_GRAPH_STORE", "0")
+    plain = Engine(tiny_llama, NGRAM, capture="lazy", **args)
+    assert _ids(plain.generate(PROMPTS, greedy)) == _ids(first.generate(PROMPTS, greedy))
+    assert all(g.stats.compiles == 1 and not g.stats.loaded for g in plain.runner.compiled.values())
 
 
 def test_bench_runtime_splits_a_step_into_graph_and_host(tiny_llama):

@@ -110,12 +110,9 @@ def test_draft_model_tree_size_per_batch_size_is_greedy_lossless(zoo):
     assert eng.stats["buckets_used"].keys() == {"B1_K4", "B4_K6"}
 
 
-def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, monkeypatch):
+def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, traced_codegen):
     """Buckets (1, 3) and (4, 6) as fullgraphs (Dynamo's graph in place of inductor's codegen, as the
     heads' tree test does): greedy lossless, each compiled once, 0 recompiles after warm-up."""
-    import torch._inductor.compile_fx as cfx
-
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **options: gm.forward)
     eng = spec_engine(zoo, "eagle3", k=7, backend="inductor", batch_buckets=[1, 4], capture="lazy",
                       spec={"speculative_token_tree": str(TREE), "num_speculative_tokens_per_batch_size": [[1, 1, 3],
                                                                                                            [2, 4, 6]]})

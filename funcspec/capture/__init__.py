@@ -1,6 +1,6 @@
 """Static graph capture per (B, K) bucket."""
 
-from funcspec.capture import cache
+from funcspec.capture import cache, store
 
 from funcspec.capture.backends import (
     BACKENDS,
@@ -18,6 +18,7 @@ __all__ = [
     "CAPTURE_MODES",
     "STARTUP_SAMPLING",
     "cache",
+    "store",
     "Captured",
     "CaptureStats",
     "capture",

@@ -13,10 +13,13 @@ import importlib
 import statistics
 import time
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch._dynamo
 import torch.utils._pytree as pytree
+
+from funcspec.capture import store
 
 BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
 """Backend names; ``auto`` is resolved per device by :func:`resolve_backend`."""
@@ -29,6 +32,8 @@ class CaptureStats:
     backend: str
     capture_seconds: float = 0.0
     compiles: int = 0
+    loaded: bool = False  # inductor: the compiled function came from the store (nothing traced or compiled)
+    stored: Optional[str] = None  # inductor: its file in the store (what a compile cache bundles), if filed
     graph_breaks: int = 0
     graph_memory_bytes: int | None = None
     replay_ms: list[float] = dataclasses.field(default_factory=list)
@@ -46,6 +51,7 @@ class CaptureStats:
             "replay_ms_median": round(statistics.median(self.replay_ms), 4) if self.replay_ms else None,
             "calls": len(self.replay_ms),
             "recompiles": self.recompiles,
+            "loaded": self.loaded,
             "graph_breaks": self.graph_breaks,
             "graph_memory_bytes": self.graph_memory_bytes,
         }
@@ -64,15 +70,14 @@ class Captured:
 class TrustedAfterChecks(Captured):
     """An inductor bucket whose guards stop being evaluated once it is known to be static.
 
-    NOTE: Dynamo checks every guard of a compiled frame at every call: on a
+    NOTE: the guards of a compiled function are checked at every call: on a
     step whose params are ~100 tensors that took 0.6-1.5 ms of a 6 ms
     llama-600m decode step (2-core Zen 4), 13% of the step in paired runs.
-    Each bucket is its own code copy with one cache entry, and the host loop
-    calls it with the same shapes, dtypes and strides every step, so after
-    :data:`CHECKED_CALLS` calls that compiled nothing new its guards can only
-    pass; the later calls skip them (``skip_guard_eval_unsafe``). A bucket that
-    ever recompiled keeps its guards. The stance in force (e.g. a test's
-    ``fail_on_recompile``) is kept.
+    The host loop calls a bucket with the same shapes, dtypes and strides every
+    step, so after :data:`CHECKED_CALLS` calls its guards can only pass; the
+    later calls skip them. A bucket that ever recompiled keeps its guards (an
+    ahead-of-time function never recompiles: a call that fails its guards
+    raises). The stance in force (e.g. a test's ``fail_on_recompile``) is kept.
     """
 
     CHECKED_CALLS = 2
@@ -89,6 +94,11 @@ class TrustedAfterChecks(Captured):
     def __call__(self, *args):
         if not self.trusted:
             self.checked += 1
+            out = self._call(*args)
+            if self.trusted and hasattr(self._call, "disable_guard_check"):
+                self._call.disable_guard_check()  # an ahead-of-time function
+            return out
+        if hasattr(self._call, "disable_guard_check"):
             return self._call(*args)
         from torch._dynamo.eval_frame import _stance  # the stance in force, to keep it
 
@@ -162,15 +172,44 @@ def wrap_int64_overflow() -> None:
     cpp_builder._get_optimization_cflags = with_fwrapv
 
 
-def compile_inductor(fn: Callable, name: str, stats: CaptureStats) -> Callable:
-    """``torch.compile(fullgraph=True, dynamic=False)`` of a private code copy of ``fn``: static shapes but for
-    sizes the caller marks with ``torch._dynamo.mark_dynamic`` before the first call.
+def compile_inductor(fn: Callable, name: str, stats: CaptureStats, example_args: tuple,
+                     symbolic: Sequence[tuple[torch.Tensor, int]] = ()) -> Callable:
+    """``fn`` compiled by inductor for ``example_args`` (fullgraph), static but for the ``symbolic`` sizes:
+    loaded from :mod:`funcspec.capture.store` when a start before compiled the same graph, else traced and
+    compiled ahead of time (``aot_compile``) and filed there.
 
     NOTE: ``dynamic=False`` keeps Dynamo's automatic dynamic shapes off, which would otherwise make symbolic
     any int that differed between calls of a shared code object: the compile regions' static configs
-    (a quantized format's group size came out as a symbol and failed the region's lookup).
+    (a quantized format's group size came out as a symbol and failed the region's lookup). An ahead-of-time
+    function never recompiles: a call that fails its guards (other shapes or dtypes) raises.
     """
     wrap_int64_overflow()
+    key = store.key(fn, example_args, tuple(symbolic), INDUCTOR_OPTIONS) if store.enabled() else None
+    path = store.path_for(name, key) if key else None
+    loaded = store.load(path) if path else None
+    if loaded is not None:
+        stats.loaded, stats.stored = True, str(path)
+        return loaded
+    # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
+    # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
+    for tensor, dim in symbolic:
+        torch._dynamo.mark_dynamic(tensor, dim)
+    if key is None:
+        return _compile_plain(fn, name, stats)
+    compiled = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False,
+                             options={**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+    try:
+        aot = compiled.aot_compile((example_args, {}))
+    except Exception:  # NOTE: a graph that cannot be compiled ahead of time (say, a backend whose output does
+        return _compile_plain(fn, name, stats)  # not serialize) compiles as usual; a real error raises there
+    stats.compiles += 1
+    if store.save(aot, path):
+        stats.stored = str(path)
+    return aot
+
+
+def _compile_plain(fn: Callable, name: str, stats: CaptureStats) -> Callable:
+    """``torch.compile`` of a private code copy of ``fn`` (compiled at its first call; not filed in the store)."""
     return torch.compile(fresh_code_copy(fn, name), backend=_counting_inductor(stats), fullgraph=True, dynamic=False)
 
 
@@ -280,17 +319,13 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
     if backend == "eager":
         call = fn
     elif backend == "inductor":
-        call = compile_inductor(fn, name, stats)
-        import torch._dynamo
-
-        for tensor, dim in symbolic:
-            torch._dynamo.mark_dynamic(tensor, dim)
-        call(*example_args)  # compile now, so capture_seconds is honest
+        call = compile_inductor(fn, name, stats, example_args, symbolic)
+        call(*example_args)  # the first call loads kernels: part of capture_seconds
     elif backend in ("cudagraph", "aclgraph"):
         mod = torch.cuda if backend == "cudagraph" else _npu_module()
         if backend == "cudagraph" and not torch.cuda.is_available():
             raise RuntimeError("backend='cudagraph' needs a CUDA GPU; none is available")
-        inner = compile_inductor(fn, name, stats) if precompile else fn
+        inner = compile_inductor(fn, name, stats, example_args) if precompile else fn
         if backend == "aclgraph" and npu_mode == "npugraph_ex":
             importlib.import_module("torchair")
             call = torch.compile(fresh_code_copy(fn, name), backend="npugraph_ex", fullgraph=True, dynamic=False,
