@@ -2,13 +2,19 @@
 
 A dedicated thread owns the :class:`~funcspec.Engine`: only it calls
 ``add_request``, ``abort_request`` and ``step``, one call at a time, so the
-engine needs no lock, and the event loop never waits on a step. One background
-task drives it::
+engine needs no lock, and the event loop never waits on a step. The thread
+steps as long as requests run, without waiting for the event loop::
 
-    wait until a request is queued, aborted or running
-    in the engine thread: add the queued requests, abort the aborted ones,
-                          step once, read every request's new tokens
+    in the engine thread: wait until a request is queued, aborted or running;
+                          add the queued requests, abort the aborted ones,
+                          step once, read every request's new tokens,
+                          hand them to the event loop (call_soon_threadsafe), and go on
     on the event loop:    push each request's new tokens (and its finish) to its batch's queue
+
+NOTE: the event loop is not on the path from one step to the next: a step
+starts as soon as the last one's tokens are read (a round trip through the
+event loop and back cost ~0.1 ms a step, and the loop's own work, streaming
+the last step's chunks, overlaps the next step instead of delaying it).
 
 A step that raises fails the requests it was running (each gets an error
 update: a 500) and the loop goes on with the rest; only when the engine cannot
@@ -21,8 +27,8 @@ engine API (``running``, ``step``'s outputs, each request's counters).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
+import threading
 import time
 from typing import Any, Optional
 
@@ -77,7 +83,8 @@ class SpecDelta:
 
 
 class Batch:
-    """The engine requests of one HTTP request; iterate it for ``(index, Update)`` until each has ended."""
+    """The engine requests of one HTTP request; iterate it for ``(index, Update)`` until each has ended (a
+    one-request batch whose reader fell behind gets the queued steps' news merged into one update)."""
 
     def __init__(self, request_ids: list[str], prompt_token_ids: list[tuple]):
         self.request_ids, self.prompt_token_ids = request_ids, prompt_token_ids
@@ -96,6 +103,11 @@ class Batch:
         if not self.open:
             raise StopAsyncIteration
         index, update = await self.queue.get()
+        # NOTE: a consumer that fell behind the engine (more steps' news queued than it has read) gets them as
+        # one update: one chunk and one write for several steps, so an overloaded event loop catches up.
+        while not update.final and len(self.request_ids) == 1 and not self.queue.empty():
+            _, later = self.queue.get_nowait()
+            update = Update(update.token_ids + later.token_ids, later.finish, later.error)
         if update.final:
             self.open.discard(index)
         return index, update
@@ -130,6 +142,7 @@ class _Seen:
     tokens: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    decode_seconds: float = 0.0  # Engine.step time of the steps after the one that gave its first token
 
 
 @dataclasses.dataclass
@@ -141,10 +154,12 @@ class _StepResult:
     spec: Optional[SpecDelta] = None
     running: int = 0
     busy: bool = False
+    step_seconds: Optional[float] = None  # the Engine.step call's wall time (None: no step ran)
+    engine_tpot: list = dataclasses.field(default_factory=list)  # per request ended by the step: see _collect
 
 
 class EngineLoop:
-    """Every request of the server through one :class:`~funcspec.Engine`, stepped by one background task.
+    """Every request of the server through one :class:`~funcspec.Engine`, stepped by one engine thread.
 
     ``await submit(prompts, params)`` queues engine prompts (``{"prompt",
     "prompt_token_ids"}`` dicts) and returns their :class:`Batch` once the
@@ -155,30 +170,35 @@ class EngineLoop:
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
-        # NOTE: one thread, always the same: the engine is driven by one caller, and torch's per-thread state
-        # (grad mode, streams) stays put.
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="funcspec-engine")
         self._positions = len(engine.stats["per_position_acceptance"])
+        # Handed from the event loop to the engine thread, under _lock; _wake tells the thread.
+        self._lock, self._wake = threading.Lock(), threading.Event()
         self._jobs: list[_Job] = []
         self._aborts: set[str] = set()
-        self._tracks: dict[str, _Track] = {}
+        self._calls: list[tuple] = []  # (function, future): run in the engine thread between two steps
+        self._stopping = False
+        self._tracks: dict[str, _Track] = {}  # event loop only
         self._seen: dict[str, _Seen] = {}  # engine thread only
-        self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        # NOTE: one thread, always the same: the engine is driven by one caller, and torch's per-thread state
+        # (grad mode, streams) stays put.
+        self._thread: Optional[threading.Thread] = None
+        self._aloop: Optional[asyncio.AbstractEventLoop] = None
         self.dead: Optional[BaseException] = None
 
     # ------------------------------------------------------------ event loop
     def start(self) -> None:
-        """Start the background task (call from inside the running event loop)."""
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="funcspec-engine-loop")
+        """Start the engine thread (call from inside the running event loop, which receives its results)."""
+        self._aloop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._engine_main, name="funcspec-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        """Stop the task; a step under way finishes first."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._thread.shutdown(wait=True)
+        """Stop the engine thread; a step under way finishes first."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
 
     async def submit(self, prompts: list[dict], params, arrival: Optional[float] = None) -> Batch:
         """Queue ``prompts`` with ``params``; their :class:`Batch` once the engine took them all.
@@ -189,37 +209,40 @@ class EngineLoop:
         if self.dead is not None:
             raise EngineDead(f"the engine failed: {self.dead}")
         future = asyncio.get_running_loop().create_future()
-        self._jobs.append(_Job(list(prompts), params, arrival or time.perf_counter(), future))
+        with self._lock:
+            self._jobs.append(_Job(list(prompts), params, arrival or time.perf_counter(), future))
+        self._wake.set()
+        return await future
+
+    async def engine_stats(self) -> dict:
+        """``Engine.stats``, read in the engine thread between two steps (never while a step runs).
+
+        Raises ``RuntimeError`` when the engine thread is not running (stopped, or the engine died).
+        """
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._stopping or self.dead is not None or self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the engine thread is not running")
+            self._calls.append((lambda: self.engine.stats, future))
         self._wake.set()
         return await future
 
     def abort(self, batch: Batch) -> None:
         """Drop ``batch``'s unfinished requests; their slots are freed before the next step."""
+        ids = []
         for rid in batch.request_ids:
             track = self._tracks.pop(rid, None)
             if track is not None:
-                self._aborts.add(rid)
+                ids.append(rid)
                 self._count_finish(track, "abort")
-        self._wake.set()
+        self._queue_aborts(ids)
 
-    async def _run(self) -> None:
-        """The loop of the module docstring."""
-        aloop, busy = asyncio.get_running_loop(), False
-        while True:
-            if not (busy or self._jobs or self._aborts):
-                self._wake.clear()
-                await self._wake.wait()
-            jobs, self._jobs = self._jobs, []
-            aborts, self._aborts = self._aborts, set()
-            try:
-                result = await aloop.run_in_executor(self._thread, self._work, jobs, aborts)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as err:  # noqa: BLE001 (the engine cannot drop a failed step's requests)
-                self._die(err, jobs)
-                return
-            busy = result.busy
-            self._dispatch(result)
+    def _queue_aborts(self, ids) -> None:
+        """Have the engine thread abort ``ids`` before its next step."""
+        if ids:
+            with self._lock:
+                self._aborts.update(ids)
+            self._wake.set()
 
     def _dispatch(self, result: _StepResult) -> None:
         """Hand each job its batch (or refusal), then each request its update; count what happened."""
@@ -229,7 +252,7 @@ class EngineLoop:
                 if not job.future.done():
                     job.future.set_exception(err)
             elif job.future.done():  # the handler went away while the engine took its requests
-                self._aborts.update(ids)
+                self._queue_aborts(ids)
             else:
                 batch = Batch(ids, [tuple(p["prompt_token_ids"]) for p in job.prompts])
                 for i, rid in enumerate(ids):
@@ -247,7 +270,8 @@ class EngineLoop:
                 self._count_finish(track, update.finish.reason if update.finish else "error", now)
             track.batch.queue.put_nowait((track.index, update))
         if self.metrics is not None:
-            self.metrics.step(result.spec, result.running, len(self._tracks) - result.running)
+            self.metrics.step(result.spec, result.running, len(self._tracks) - result.running,
+                              result.step_seconds, result.engine_tpot)
 
     def _count_tokens(self, track: _Track, update: Update, now: float) -> None:
         """Tokens and time to first token, as the client sees them (from the request's arrival)."""
@@ -273,16 +297,66 @@ class EngineLoop:
         """The engine is unusable: fail every live request and every queued job."""
         self.dead = err
         message = f"the engine failed and cannot serve: {err}"
-        for job in jobs + self._jobs:
+        with self._lock:
+            queued, self._jobs = self._jobs, []
+            calls, self._calls = self._calls, []
+        for job in jobs + queued:
             if not job.future.done():
                 job.future.set_exception(EngineDead(message))
-        self._jobs = []
+        for _, future in calls:
+            if not future.done():
+                future.set_exception(RuntimeError(message))
         for rid, track in list(self._tracks.items()):
             track.batch.queue.put_nowait((track.index, Update(error=message)))
             self._count_finish(track, "error")
         self._tracks.clear()
 
     # ---------------------------------------------------------- engine thread
+    def _engine_main(self) -> None:
+        """The engine thread: the loop of the module docstring, until :meth:`stop` or the engine dies."""
+        busy = False
+        while True:
+            if not busy:
+                self._wake.wait()
+            with self._lock:
+                self._wake.clear()  # NOTE: under the lock: anything queued after this sets it again
+                if self._stopping:
+                    return
+                jobs, self._jobs = self._jobs, []
+                aborts, self._aborts = self._aborts, set()
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                self._run_call(fn, future)
+            if not (busy or jobs or aborts):
+                continue
+            try:
+                result = self._work(jobs, aborts)
+            except BaseException as err:  # noqa: BLE001 (the engine cannot drop a failed step's requests)
+                self._post(self._die, err, jobs)
+                return
+            busy = result.busy
+            self._post(self._dispatch, result)
+
+    def _post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event loop (in order with everything posted before)."""
+        try:
+            self._aloop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody waits
+            pass
+
+    def _run_call(self, fn, future: asyncio.Future) -> None:
+        """``fn()`` here; its result (or exception) to ``future`` on the event loop."""
+        try:
+            value, error = fn(), None
+        except Exception as err:  # noqa: BLE001 (handed to the caller)
+            value, error = None, err
+
+        def settle():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
+
+        self._post(settle)
+
     def _work(self, jobs: list[_Job], aborts: set[str]) -> _StepResult:
         """In the engine thread: add, abort, step once, and read what every request got."""
         engine, result = self.engine, _StepResult()
@@ -290,12 +364,14 @@ class EngineLoop:
         if aborts:
             self._drop(aborts)
         if engine.has_unfinished_requests():
+            t0 = time.perf_counter()
             try:
                 finished = engine.step()
             except Exception as err:  # noqa: BLE001 (a failed step fails its requests, not the server)
                 result.updates = self._fail_step(err)
             else:
-                result.updates, result.spec = self._collect(finished)
+                result.step_seconds = time.perf_counter() - t0
+                result.updates, result.spec, result.engine_tpot = self._collect(finished, result.step_seconds)
         result.running, result.busy = len(engine.running), engine.has_unfinished_requests()
         return result
 
@@ -330,22 +406,34 @@ class EngineLoop:
         message = f"the engine step failed: {type(err).__name__}: {err}"
         return {rid: Update(error=message) for rid in failed}
 
-    def _collect(self, finished) -> tuple[dict, SpecDelta]:
-        """Every request's new tokens since the last step, the finished ones' ends, and the step's spec counts."""
-        updates, spec = {}, SpecDelta(per_pos=[0] * self._positions)
+    def _collect(self, finished, seconds: float) -> tuple[dict, SpecDelta, list]:
+        """Every request's new tokens since the last step, the finished ones' ends, the step's spec counts, and
+        each finished request's time per output token in Engine.step time (``seconds``: this step's).
+
+        That time is a request's TPOT as the client measures it (from its first token to its last, over its
+        tokens after the first), with the wall time replaced by the Engine.step calls in between: what the
+        request would see if the server and the client cost nothing.
+        """
+        updates, spec, engine_tpot = {}, SpecDelta(per_pos=[0] * self._positions), []
         for req in self.engine.running.values():
             seen = self._seen[req.request_id]
+            if seen.tokens:
+                seen.decode_seconds += seconds
             spec.add_row(*self._advance(seen, req.num_draft_tokens, req.num_accepted_tokens))
             if len(req.output_ids) > seen.tokens:
                 updates[req.request_id] = Update(tuple(req.output_ids[seen.tokens:]))
                 seen.tokens = len(req.output_ids)
         for out in finished:
             seen, done = self._seen.pop(out.request_id), out.outputs[0]
+            if seen.tokens:
+                seen.decode_seconds += seconds
+            if len(done.token_ids) > 1:
+                engine_tpot.append(seen.decode_seconds / (len(done.token_ids) - 1))
             spec.add_row(*self._advance(seen, out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"]))
             finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
                             tuple(out.prompt_token_ids))
             updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish)
-        return updates, spec
+        return updates, spec, engine_tpot
 
     @staticmethod
     def _advance(seen: _Seen, draft_tokens: int, accepted: int) -> tuple[int, int]:
