@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, kernels, methods, sampling
+from funcspec import distributed, kernels, methods, rng, sampling
 from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, cache, resolve_backend
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
@@ -37,7 +37,7 @@ from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.quant import prepare_params, quantized
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
-from funcspec.scheduler import Request, Scheduler
+from funcspec.scheduler import Request, Scheduler, logprob_dict
 from funcspec.verifiers import verify_config
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
@@ -340,8 +340,10 @@ class Engine:
 
     @mirrored
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then run one decode step; returns the outputs of the requests that finished."""
-        return [self._output(r) for r in self._advance()]
+        """Admit what fits, then run one decode step; returns the outputs of the requests that finished
+        (a request with ``n`` completions once all of them have)."""
+        done = {id(r.group[0]): r.group[0] for r in self._advance() if all(s.finish_reason for s in r.group)}
+        return [self._output(r) for r in done.values()]
 
     @torch.no_grad()
     def _advance(self) -> list[Request]:
@@ -354,8 +356,8 @@ class Engine:
             mode = sampling.mode_for(r.params for r in rows)
             host = self.proposer is not None and self.proposer.runs_on_host
             drafts = self.proposer.host_drafts(rows, b, k) if host else None
-            tokens, n, used, conf = self.runner.step(len(rows), b, k, t, mode, drafts)
-            finished += self._record(rows, tokens, n, used, k, b)
+            tokens, n, used, conf, lps = self.runner.step(len(rows), b, k, t, mode, drafts)
+            finished += self._record(rows, tokens, n, used, k, b, lps)
             if self.dyn is not None and k > 0:
                 self._observe_confidence(len(rows), conf, used, k)
         return finished
@@ -390,12 +392,16 @@ class Engine:
         """Prefill newly admitted ``reqs`` together and emit each one's first token; returns those done."""
         if not reqs:
             return []
-        seeds = [r.params.seed if r.params.seed is not None else (self.seed << 32) + int(r.request_id)
-                 for r in reqs]
-        firsts = self.runner.prefill(reqs, seeds)
-        for req, first in zip(reqs, firsts):
+        seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
+                                     else (self.seed << 32) + int(r.request_id), r.index) for r in reqs]
+        firsts, first_lps, prompt_lps = self.runner.prefill(reqs, seeds)
+        for req, first, lp, plp in zip(reqs, firsts, first_lps, prompt_lps):
             req.t_first = time.perf_counter()
+            if plp is not None:
+                req.prompt_logprobs = [None] + self._logprob_dicts(req.prompt_ids[1:], plp, req.params.prompt_logprobs)
             self.scheduler.append(req, [first])
+            if lp is not None:
+                req.logprobs += self._logprob_dicts([first], tuple([x] for x in lp), req.params.logprobs)
         done = [r for r in reqs if r.finish_reason]
         for req in done:
             self._retire(req)
@@ -426,8 +432,15 @@ class Engine:
         used = max(drafts[:rows], default=0)
         self._dyn_k = min(self.dyn.max_k, max(self.dyn.budget_k, used + (used == k)))
 
-    def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int) -> list[Request]:
-        """Count the step, append each row's tokens, retire the finished rows; returns them."""
+    def _logprob_dicts(self, tokens: list[int], lps: tuple, k: int) -> list[dict]:
+        """vLLM's dicts for ``tokens`` from unpacked logprobs ``(logprob [E], rank [E], top [E][M], ids [E][M])``."""
+        tok = self.model.tokenizer
+        decode = (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)  # noqa: E731
+        lp, rank, top, ids = lps
+        return [logprob_dict(t, lp[j], rank[j], top[j], ids[j], k, decode) for j, t in enumerate(tokens)]
+
+    def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int, lps=None) -> list[Request]:
+        """Count the step, append each row's tokens (and logprobs), retire the finished rows; returns them."""
         self._stats["steps"] += 1
         self._buckets_used[f"B{b}_K{k}"] += 1
         done = []
@@ -439,11 +452,18 @@ class Engine:
                 req.num_draft_tokens += drafts[i]
                 req.num_accepted_tokens += n[i] - 1
                 self._stats["spec_row_steps"] += 1
+                if not req.accepted_per_pos:
+                    req.accepted_per_pos = [0] * len(self._accepted_per_pos)
                 for j in range(n[i] - 1):
                     self._accepted_per_pos[j] += 1
+                    req.accepted_per_pos[j] += 1
             before = len(req.output_ids)
             self.scheduler.append(req, tokens[i][:n[i]])
-            self._stats["tokens_generated"] += len(req.output_ids) - before
+            added = len(req.output_ids) - before
+            self._stats["tokens_generated"] += added
+            if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
+                row = tuple(x[i] for x in lps)
+                req.logprobs += self._logprob_dicts(req.output_ids[before:], row, req.params.logprobs)
             if req.finish_reason:
                 done.append(req)
         # NOTE: retire after the loop: a retirement moves a request between
@@ -452,20 +472,39 @@ class Engine:
             self._retire(req)
         return done
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _seq_metrics(self, req: Request) -> dict:
+        """One sequence's counters: drafts, accepted tokens (in all and per position), τ, steps, timings."""
         steps = max(req.steps, 1)
-        metrics = {
+        return {
             "num_draft_tokens": req.num_draft_tokens,
             "num_accepted_tokens": req.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(req.accepted_per_pos or [0] * len(self._accepted_per_pos)),
             "acceptance_length": (req.num_accepted_tokens + req.steps) / steps,
             "steps": req.steps,
             "time_to_first_token_s": req.t_first - req.t_start,
             "e2e_s": req.t_end - req.t_start,
         }
-        text = self.scheduler.final_text(req)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
-                             [CompletionOutput(0, text, list(req.output_ids), req.finish_reason, req.stop_reason)],
-                             metrics=metrics, kv_transfer_params=req.extra.get("kv_transfer_params"))
+
+    def _output(self, req: Request) -> RequestOutput:
+        """The RequestOutput of ``req`` (completion 0) and its ``n`` completions."""
+        group = req.group or [req]
+        outs = []
+        for seq in group:
+            cum = sum(d[t].logprob for d, t in zip(seq.logprobs, seq.output_ids)) if seq.logprobs is not None \
+                else None
+            outs.append(CompletionOutput(seq.index, self.scheduler.final_text(seq), list(seq.output_ids),
+                                         seq.finish_reason, seq.stop_reason, seq.logprobs, cum,
+                                         self._seq_metrics(seq)))
+        each = [o.metrics for o in outs]
+        metrics = {key: sum(m[key] for m in each) for key in ("num_draft_tokens", "num_accepted_tokens", "steps")}
+        metrics["num_accepted_tokens_per_pos"] = [sum(x) for x in zip(*(m["num_accepted_tokens_per_pos"]
+                                                                          for m in each))]
+        metrics["acceptance_length"] = (metrics["num_accepted_tokens"] + metrics["steps"]) / max(metrics["steps"], 1)
+        metrics["time_to_first_token_s"] = min(m["time_to_first_token_s"] for m in each)
+        metrics["e2e_s"] = max(m["e2e_s"] for m in each)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, metrics=metrics,
+                             kv_transfer_params=req.extra.get("kv_transfer_params"),
+                             prompt_logprobs=req.prompt_logprobs)
 
     # ----------------------------------------------------------------- stats
     @mirrored

@@ -17,6 +17,8 @@ Functions (``...`` is the key's shape):
     uniform(key, shape)      -> float32 [..., *shape] in (0, 1)
     exponential(key, shape)  -> float32 [..., *shape], Exp(1), strictly > 0
     categorical(key, probs)  -> int64 [...]   probs [..., V], need not sum to 1
+
+and, on the host, ``completion_seed(seed, i)``: the seed of completion ``i`` of a request.
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
     if seed >= 1 << 63:
         seed -= 1 << 64
     return _mix(torch.tensor(seed, dtype=torch.int64, device=device) + _GOLDEN)
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request with ``n`` > 1 (host integers only).
+
+    Completion 0 keeps ``seed``, so ``n=1`` is unchanged; completion ``i`` > 0
+    takes ``fold_in(key(seed), i)`` as an integer seed in [0, 2^63), so
+    ``SamplingParams(seed=completion_seed(seed, i))`` reproduces it alone.
+    """
+    if index == 0:
+        return int(seed)
+    return int(fold_in(key(seed), index)) & ((1 << 63) - 1)
 
 
 def fold_in(key: torch.Tensor, data) -> torch.Tensor:

@@ -65,20 +65,35 @@ class Bucket:
         return graph_name(self.key)
 
 
-def readback(out) -> tuple[list, list, list, Optional[torch.Tensor]]:
-    """Copy a StepOutput to the host in ONE transfer: tokens, num_emitted, num_drafts, confidence.
+def readback(out) -> tuple[list, list, list, Optional[torch.Tensor], Optional[tuple]]:
+    """Copy a StepOutput to the host in ONE transfer: tokens, num_emitted, num_drafts, confidence, logprobs.
 
     NOTE: everything is packed into one float64 tensor (token ids are exact
-    below 2^53), so a step costs exactly one device-to-host sync.
+    below 2^53, float32 logprobs exactly), so a step costs exactly one
+    device-to-host sync. ``logprobs`` is ``None`` unless the bucket computed
+    them, else lists per row: ``(logprob [E], rank [E], top_logprobs [E][M], top_ids [E][M])``.
     """
     parts = [out.tokens.double(), out.num_emitted.double().unsqueeze(1), out.num_drafts.double().unsqueeze(1)]
     if out.confidence is not None:
         parts.append(out.confidence.double())
+    lp = out.logprobs
+    if lp is not None:
+        b = out.tokens.shape[0]
+        parts += [lp.logprob.double(), lp.rank.double(), lp.top_logprobs.double().reshape(b, -1),
+                  lp.top_ids.double().reshape(b, -1)]
     host = torch.cat(parts, 1).cpu()
     k1 = out.tokens.shape[1]
     ints = host[:, : k1 + 2].long()
-    conf = host[:, k1 + 2:].float() if out.confidence is not None else None
-    return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf
+    conf_w = out.confidence.shape[1] if out.confidence is not None else 0
+    conf = host[:, k1 + 2: k1 + 2 + conf_w].float() if out.confidence is not None else None
+    lps = None
+    if lp is not None:
+        rest, m = host[:, k1 + 2 + conf_w:], lp.top_ids.shape[-1]
+        e = lp.logprob.shape[1]
+        lps = (rest[:, :e].float().tolist(), rest[:, e:2 * e].long().tolist(),
+               rest[:, 2 * e: 2 * e + e * m].float().reshape(-1, e, m).tolist(),
+               rest[:, 2 * e + e * m:].long().reshape(-1, e, m).tolist())
+    return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf, lps
 
 
 def batch_dims(inputs: StepInputs) -> list[tuple[torch.Tensor, int]]:
@@ -200,9 +215,13 @@ class Runner:
 
     def pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
         """The exact bucket's graph; after a start-up capture, a mode that was not captured runs in the
-        general mode's graph (``filtered`` serves every request), so that no step compiles."""
+        general mode's graph (``filtered`` serves every request), so that no step compiles; a logprobs
+        mode runs in ``filtered_logprobs``, captured on its first use."""
         if self.plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
-            mode = sampling.FILTERED
+            # NOTE: logprobs graphs are not captured at start-up (they would double its graphs for a
+            # feature few requests use): the first logprobs step of a (B, K, T) graph captures the general
+            # mode with logprobs, once, and every logprobs mode runs in it afterwards.
+            mode = sampling.FILTERED.with_logprobs(mode.logprobs)
         return self.graph(b, k, t, mode)
 
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
@@ -230,45 +249,94 @@ class Runner:
         move_slot(self.state, src, dst)
 
     @torch.no_grad()
-    def prefill(self, reqs, seeds: Sequence[int]) -> list[int]:
-        """Write each request's slot (key, sampling, prompt), prefill them together, return first tokens.
+    def prefill(self, reqs, seeds: Sequence[int]):
+        """Write each sequence's slot (key, sampling, prompt), prefill the prompts together, sample first tokens.
+
+        ``reqs`` are sequences (``scheduler.Request``); the completions of an
+        ``n`` > 1 request arrive together, and only completion 0's prompt runs:
+        its KV and drafter state are then copied into its siblings' slots, and
+        every completion draws its first token from the same logits with its
+        own key. Returns ``(first tokens, first logprobs, prompt logprobs)``,
+        one entry per sequence; the logprob entries are ``None`` where the
+        request did not ask (else :func:`host_logprobs`' tuples).
 
         NOTE: prefill runs eagerly, padded to a power-of-two length, like
         vLLM's FULL_DECODE_ONLY graph mode: its shapes vary with prompt
         lengths, and the decode graphs are what repeats.
         """
         st, dev = self.state, self.device
-        lens = [len(r.prompt_ids) for r in reqs]
+        leads = [r for r in reqs if r.index == 0]
+        row = {id(r): i for i, r in enumerate(leads)}  # completion 0 -> its row in the prefill batch
+        lens = [len(r.prompt_ids) for r in leads]
         t = min(_next_pow2(max(lens), MIN_PREFILL_BUCKET), self.t_max)
-        tokens = torch.zeros(len(reqs), t, dtype=torch.int64, device=dev)
-        for i, (req, seed) in enumerate(zip(reqs, seeds)):
+        tokens = torch.zeros(len(leads), t, dtype=torch.int64, device=dev)
+        for i, req in enumerate(leads):
             p, slot, n = req.params, req.slot, lens[i]
             prompt = torch.tensor(req.prompt_ids, dtype=torch.int64, device=dev)
-            st.keys[slot] = rng.key(seed, dev)
             st.sampling.temperature[slot], st.sampling.top_k[slot], st.sampling.top_p[slot] = \
                 p.temperature, p.top_k, p.top_p
             st.history[slot, :n] = prompt
             tokens[i, :n] = prompt
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        slots = torch.tensor([r.slot for r in leads], device=dev)
         own = self.proposer.hidden_layers if self.proposer else ()
         layers = tuple(dict.fromkeys(own + tuple(x for h in self.prefill_hooks for x in h.layers)))
         logits, hiddens, _ = forward(self.model.cfg, self.model.params, st.kv, tokens, slots, torch.zeros_like(slots),
                                      layers, KVRead(t))  # the prompts' positions are all below t
         by_layer = dict(zip(layers, hiddens))
         for hook in self.prefill_hooks:
-            hook(reqs, tokens, lens, tuple(by_layer[x] for x in hook.layers))
+            hook(leads, tokens, lens, tuple(by_layer[x] for x in hook.layers))
         if self.proposer is not None:
-            for i, r in enumerate(reqs):
+            for i, r in enumerate(leads):
                 pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,
                                                lens[i], tuple(by_layer[x][i:i + 1] for x in own))
                 self.state = replace(self.state, proposer=pstate)
-        last = torch.tensor(lens, device=dev) - 1  # [P]
+        for req in reqs:
+            if req.index > 0:  # a sibling: the prompt's KV, history, sampling and drafter state, copied
+                move_slot(self.state, req.group[0].slot, req.slot)
+        for req, seed in zip(reqs, seeds):
+            self.state.keys[req.slot] = rng.key(seed, dev)
+        rows = torch.tensor([row[id(r.group[0] if r.index else r)] for r in reqs], device=dev)  # [R]
+        all_slots = torch.tensor([r.slot for r in reqs], device=dev)  # [R]
+        last = torch.tensor(lens, device=dev)[rows] - 1  # [R]
+        first_logits = logits[rows, last]  # [R, V]
         s = self.state.sampling
-        first = sampling.sample(row_keys(self.state, slots, last), logits[torch.arange(len(reqs)), last],
-                                s.temperature[slots], s.top_k[slots], s.top_p[slots],
+        first = sampling.sample(row_keys(self.state, all_slots, last), first_logits,
+                                s.temperature[all_slots], s.top_k[all_slots], s.top_p[all_slots],
                                 sampling.mode_for(r.params for r in reqs))
-        firsts = first.tolist()  # SYNC: prefill hands the first tokens to the host
-        for r, n, f in zip(reqs, lens, firsts):
-            self.state.kv.lens[r.slot] = n
-            self.state.history[r.slot, n] = f
-        return firsts
+        parts, layout = [first.double()], []
+        wants = [r.params.logprobs is not None for r in reqs]
+        if any(wants):
+            lps = sampling.token_logprobs(first_logits.unsqueeze(1), first.unsqueeze(1), sampling.MAX_LOGPROBS)
+            parts += [x.double().reshape(-1) for x in lps]  # [R], [R], [R*M], [R*M]
+            layout.append(("first", len(reqs)))
+        for i, r in enumerate(leads):
+            if r.params.prompt_logprobs is not None and lens[i] > 1:
+                lps = sampling.token_logprobs(logits[i:i + 1, : lens[i] - 1], tokens[i:i + 1, 1:lens[i]],
+                                              sampling.MAX_LOGPROBS)
+                parts += [x.double().reshape(-1) for x in lps]
+                layout.append((i, lens[i] - 1))
+        host = torch.cat(parts).cpu().tolist()  # SYNC: prefill hands its first tokens (and logprobs) to the host
+        firsts = [int(x) for x in host[:len(reqs)]]
+        first_lps, prompt_lps = [None] * len(reqs), [None] * len(leads)
+        at = len(reqs)
+        m = min(sampling.MAX_LOGPROBS, logits.shape[-1])
+        for what, e in layout:
+            got = host_logprobs(host[at: at + e * (2 + 2 * m)], e, m)
+            at += e * (2 + 2 * m)
+            if what == "first":
+                first_lps = [tuple(x[j] for x in got) if w else None for j, w in enumerate(wants)]
+            else:
+                prompt_lps[what] = got
+        for r, f in zip(reqs, firsts):
+            self.state.kv.lens[r.slot] = len(r.prompt_ids)
+            self.state.history[r.slot, len(r.prompt_ids)] = f
+        return firsts, first_lps, [prompt_lps[row[id(r)]] if r.index == 0 else None for r in reqs]
+
+
+def host_logprobs(flat: list, e: int, m: int) -> tuple[list, list, list, list]:
+    """Unpack ``sampling.token_logprobs`` of E positions flattened in order (logprob, rank, top, ids):
+    ``(logprob [E], rank [E], top_logprobs [E][M], top_ids [E][M])`` as Python numbers."""
+    lp, rank = flat[:e], [int(x) for x in flat[e:2 * e]]
+    top = [flat[2 * e + j * m: 2 * e + (j + 1) * m] for j in range(e)]
+    ids = [[int(x) for x in flat[2 * e + e * m + j * m: 2 * e + e * m + (j + 1) * m]] for j in range(e)]
+    return lp, rank, top, ids

@@ -16,6 +16,7 @@ import time
 from typing import Any, Optional
 
 from funcspec.config import SamplingParams
+from funcspec.outputs import Logprob
 
 
 class Detokenizer:
@@ -91,7 +92,12 @@ class StopStrings:
 
 @dataclasses.dataclass
 class Request:
-    """Host-side bookkeeping of one request."""
+    """Host-side bookkeeping of one sequence: a request, or one completion of a request with ``n`` > 1.
+
+    The ``n`` completions of a request share its ``request_id`` and ``prompt``;
+    each has its own ``index``, slot, output, stop state, logprobs and counters,
+    and ``group`` lists all of them (completion 0 first; ``[self]`` when n = 1).
+    """
 
     request_id: str
     prompt: Optional[str]
@@ -111,11 +117,33 @@ class Request:
     extra: dict = dataclasses.field(default_factory=dict)
     detok: Optional[Detokenizer] = None
     stops: Optional[StopStrings] = None
+    index: int = 0
+    group: list = dataclasses.field(default_factory=list)
+    logprobs: Optional[list] = None  # one dict per output token (SamplingParams.logprobs set)
+    prompt_logprobs: Optional[list] = None  # completion 0 only (SamplingParams.prompt_logprobs set)
+    accepted_per_pos: list = dataclasses.field(default_factory=list)  # steps that accepted the draft at i
 
     @property
     def total_len(self) -> int:
         """Prompt plus generated tokens so far."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def seq_id(self) -> str:
+        """A name unique to this sequence: the request id, ``.index`` appended for completions after the first."""
+        return self.request_id if self.index == 0 else f"{self.request_id}.{self.index}"
+
+
+def logprob_dict(token: int, logprob: float, rank: int, top_logprobs, top_ids, k: int, decode) -> dict:
+    """vLLM's per-position dict: the chosen ``token`` first, then the ``k`` most likely (ranks 1..k).
+
+    ``decode(id) -> str | None`` gives each entry's ``decoded_token``.
+    """
+    out = {token: Logprob(logprob, rank, decode(token))}
+    for r, (lp, tid) in enumerate(zip(top_logprobs[:k], top_ids[:k]), start=1):
+        if tid not in out:
+            out[tid] = Logprob(lp, r, decode(tid))
+    return out
 
 
 class Scheduler:
@@ -160,26 +188,42 @@ class Scheduler:
                 f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
                 "(it needs room for at least one output token)"
             )
+        if params.n > self.num_slots:
+            raise ValueError(f"SamplingParams.n={params.n} must be <= max_num_seqs={self.num_slots}: "
+                             "each completion holds a KV slot, and a request's completions run together")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this checkpoint has none")
         self.counter += 1
-        req = Request(str(self.counter - 1), text, ids, params)
-        if params.stop:
-            if self.tokenizer is None:
-                raise ValueError("stop: stop strings need a tokenizer; this checkpoint has none")
-            req.detok, req.stops = Detokenizer(self.tokenizer), StopStrings(params.stop)
-        return req
+        group = [Request(str(self.counter - 1), text, ids, params, index=i) for i in range(params.n)]
+        for req in group:
+            req.group = group
+            if params.stop:
+                req.detok, req.stops = Detokenizer(self.tokenizer), StopStrings(params.stop)
+            if params.logprobs is not None:
+                req.logprobs = []
+        return group[0]
 
     def add(self, reqs: list[Request]) -> None:
-        """Queue validated requests, first come first served."""
-        self.waiting.extend(reqs)
+        """Queue validated requests (each with all its completions), first come first served."""
+        self.waiting.extend(seq for req in reqs for seq in (req.group or [req]))
 
     def admit(self) -> list[Request]:
-        """Move as many waiting requests as there are free slots into the lowest slots."""
+        """Move waiting requests into the lowest free slots, all completions of a request at once.
+
+        NOTE: a request with ``n`` completions is admitted only when ``n`` slots are
+        free (its prompt is prefilled once and copied to all of them); until then it
+        and everything queued behind it wait (first come, first served).
+        """
         admitted = []
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot, req.t_start = self.free_slots.pop(0), time.perf_counter()
-            self.running[req.slot] = req
-            admitted.append(req)
+        while self.waiting:
+            n = len(self.waiting[0].group or [self.waiting[0]])
+            if n > len(self.free_slots):
+                break
+            for _ in range(n):
+                req = self.waiting.popleft()
+                req.slot, req.t_start = self.free_slots.pop(0), time.perf_counter()
+                self.running[req.slot] = req
+                admitted.append(req)
         return admitted
 
     def rows(self) -> list[Request]:

@@ -84,12 +84,31 @@ class StepOutput:
         num_drafts: [B] int64 drafts that were verified (not ``PLACEHOLDER``).
         confidence: [B, K] float32 draft confidences (confidence-based verify
             length only), else ``None``.
+        logprobs: a logprobs bucket's :class:`TokenLogprobs` of ``tokens``, else ``None``.
     """
 
     tokens: torch.Tensor
     num_emitted: torch.Tensor
     num_drafts: torch.Tensor
     confidence: Optional[torch.Tensor] = None
+    logprobs: Optional["TokenLogprobs"] = None
+
+
+@pytree_dataclass
+class TokenLogprobs:
+    """The target's raw log-probabilities at each emitted token (``sampling.token_logprobs``).
+
+    Attributes:
+        logprob: [B, E] float32 of the emitted token (E = K+1, or D+1 for a tree).
+        rank: [B, E] int64, 1-based rank of the emitted token in the target's distribution.
+        top_logprobs: [B, E, M] float32, the M = ``sampling.MAX_LOGPROBS`` largest, descending.
+        top_ids: [B, E, M] int64 their token ids.
+    """
+
+    logprob: torch.Tensor
+    rank: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
 
 
 @pytree_dataclass
@@ -265,4 +284,16 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
         num_drafts = torch.zeros_like(slots)
     new_state = EngineState(kv, state.history, state.keys, state.sampling, pstate)
     confidence = proposal.confidence if sc.dynamic_min_k is not None and sc.k > 0 else None
-    return StepOutput(out, n, num_drafts, confidence), new_state
+    lps = emitted_logprobs(logits, out, path) if sc.mode.logprobs else None
+    return StepOutput(out, n, num_drafts, confidence, lps), new_state
+
+
+def emitted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, path: Optional[torch.Tensor]) -> TokenLogprobs:
+    """Logprobs of the emitted ``tokens [B, E]`` from the verify logits [B, K+1, V].
+
+    Token j of a chain was drawn from position j's logits; a tree's from the
+    logits of node ``path[:, j]`` on its accepted root path.
+    """
+    if path is not None:
+        logits = torch.gather(logits, 1, path.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, D+1, V]
+    return TokenLogprobs(*sampling.token_logprobs(logits[:, : tokens.shape[1]], tokens, sampling.MAX_LOGPROBS))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from funcspec.config.checks import check_bool, check_float, check_int, is_int, set_field
+from funcspec.sampling import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +29,20 @@ class SamplingParams:
             single string is one stop string.
         stop_token_ids: extra stop token ids, always stored as a tuple.
         ignore_eos: keep generating past EOS.
-        n: completions per prompt. Only 1 is supported.
+        n: completions per prompt, >= 1 (at most the engine's ``max_num_seqs``:
+            each completion holds a KV slot). The prompt is prefilled once;
+            completion ``i`` samples with seed ``funcspec.rng.completion_seed(seed, i)``
+            (completion 0 with ``seed`` itself), so it is reproducible alone.
+        logprobs: return the target's log-probability of each generated token
+            and of the ``logprobs`` most likely tokens at its position (0: the
+            generated token only), up to ``MAX_LOGPROBS`` (20, vLLM's default
+            ``max_logprobs``). ``None``: none. The values are vLLM's default
+            ``logprobs_mode="raw_logprobs"``: the log-softmax of the target's raw
+            logits, before temperature, top-k and top-p; under speculation they
+            are the target's, at every emitted token, bit for bit what decoding
+            without speculation returns.
+        prompt_logprobs: the same for every prompt token after the first
+            (``None`` for the first, as vLLM), from the prefill's logits.
         repetition_penalty, presence_penalty, frequency_penalty, min_p: accepted
             only at their neutral values (1, 0, 0, 0). funcspec's verifiers do not
             implement these logit processors.
@@ -44,6 +58,8 @@ class SamplingParams:
     stop_token_ids: Any = None
     ignore_eos: bool = False
     n: int = 1
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -60,6 +76,11 @@ class SamplingParams:
         set_field(self, "stop", _stop_strings(self.stop))
         set_field(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
+        check_int("SamplingParams.n", self.n, lo=1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(f"SamplingParams.{name}", getattr(self, name), lo=0, hi=MAX_LOGPROBS,
+                          where=" or None")
         _check_unsupported_sampling(self)
 
     @property
@@ -102,7 +123,7 @@ def _stop_ids(ids: Any) -> tuple[int, ...]:
 
 def _check_unsupported_sampling(p: SamplingParams) -> None:
     """Refuse ``n`` != 1 and the logit processors funcspec does not implement."""
-    if p.n != 1 or not is_int(p.n):
+    if p.n != 1:
         raise ValueError(f"SamplingParams.n must be 1 (funcspec returns one completion per prompt), got {p.n!r}")
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
     for name, value in neutral.items():

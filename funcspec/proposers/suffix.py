@@ -72,7 +72,7 @@ class HostDrafter:
         self.seen: dict[str, int] = {}
 
     def _sync(self, req) -> None:
-        rid = req.request_id
+        rid = req.seq_id  # NOTE: the completions of an n > 1 request share a request_id, each has its own tree
         if rid not in self.seen:
             if rid in self.cache.cached_requests:
                 self.cache.evict_cached_response(rid)
@@ -97,7 +97,7 @@ class HostDrafter:
             room = self.max_model_len - req.total_len
             if room <= 0:
                 continue
-            d = self.cache.speculate(req.request_id, context, max_spec_tokens=k if tree is not None else min(k, room),
+            d = self.cache.speculate(req.seq_id, context, max_spec_tokens=k if tree is not None else min(k, room),
                                      max_spec_factor=self.cfg.max_spec_factor,
                                      min_token_prob=self.cfg.min_token_prob, tree=tree,
                                      max_depth=room if tree is not None else None)
@@ -113,5 +113,5 @@ class HostDrafter:
 
     def finish(self, req) -> None:
         """Stop tracking a finished request (arctic's ``stop_request``); its output stays cached for later lookups."""
-        if self.seen.pop(req.request_id, None) is not None:
-            self.cache.stop_request(req.request_id)
+        if self.seen.pop(req.seq_id, None) is not None:
+            self.cache.stop_request(req.seq_id)

@@ -1,0 +1,251 @@
+"""Logprobs, prompt logprobs and n > 1 under speculation (SamplingParams.logprobs / prompt_logprobs / n).
+
+The property: a speculative engine returns, for every emitted token (accepted
+drafts and the bonus or recovered token), the target's log-probabilities bit
+for bit as decoding without speculation computes them. Greedy requests also
+return the same tokens. Seeded sampled requests do not: the verifier draws
+from its own random streams, so speculation equals plain sampling in law, not
+sample by sample (tests/test_spec.py checks the law); their logprobs are checked
+bitwise against the target's at the same tokens (teacher-forced prompt logprobs,
+which on this CPU's streaming kernels carry the same bits as decode steps).
+
+Token trees are the stated exception: greedy tokens are the same, logprobs agree
+to ``TREE_ATOL``. While a tree is verified its nodes sit at cache positions
+``length + node index``, not ``length + depth`` as decoded alone, and the CPU
+decode-attention kernel accumulates a row's softmax and p·v sums in lanes by
+key position mod 4: a query that sees an ancestor at another position sums in
+another order. The accepted path's KV is then moved into place
+(``nn.llama.commit_path``), but its deeper layers were computed from those
+activations, so later tokens differ in the last bits too.
+
+The per-method matrix runs on eager over the trained zoo (its heads accept
+drafts, so blocks of several tokens are checked); one inductor case compiles
+lazily only the graphs it uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from funcspec import Engine, SamplingParams, load_model, zoo
+from funcspec.checkpoints import eagle, save_params
+from funcspec.nn.llama import forward, init_kv_cache
+from funcspec.outputs import Logprob
+
+MAX_LEN = 128
+TOP = 5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=TOP, prompt_logprobs=2)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True, logprobs=TOP)
+TREE = "[(0,), (1,), (0, 0), (0, 0, 0)]"
+TREE_ATOL = 1e-5  # see the module note: a tree step's attention sums in another order than AR's
+
+# method name in the matrix -> (vLLM method, extra speculative_config keys)
+METHODS = {
+    "ngram": ("ngram", {}),
+    "suffix": ("suffix", {}),
+    "draft_model": ("draft_model", {}),
+    "eagle": ("eagle", {}),
+    "eagle3": ("eagle3", {}),
+    "mtp": ("mtp", {}),
+    "medusa": ("medusa", {}),
+    "dflash": ("dflash", {}),
+    "dspark": ("dspark", {}),
+    "draft_model_tree": ("draft_model", {"speculative_token_tree": TREE}),
+    "eagle3_tree": ("eagle3", {"speculative_token_tree": TREE}),
+    "ngram_tree": ("ngram", {"speculative_token_tree": TREE}),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(zoo.model_path("target"))
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    tok = target.tokenizer
+    return [tok("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")["input_ids"],
+            tok("import os\nimport sys\n\n")["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def eagle1(target, tmp_path_factory):
+    """A random EAGLE-1 head for the zoo target (the zoo trains EAGLE-3, not EAGLE-1)."""
+    path = tmp_path_factory.mktemp("eagle1")
+    hf, params = eagle.init_params(target.cfg, seed=1, version=1)
+    save_params(path, params, hf)
+    return str(path)
+
+
+def _spec(name: str, eagle1: str, k: int = 3) -> dict:
+    method, extra = METHODS[name]
+    model = eagle1 if method == "eagle" else None
+    if "speculative_token_tree" in extra:
+        k = 4  # the tree's node count
+    return zoo.speculative_config(method, k, model=model, **extra)
+
+
+@pytest.fixture(scope="module")
+def ar(target, prompts):
+    """Greedy outputs without speculation: the ground truth."""
+    return Engine(target, max_batch_size=4, max_model_len=MAX_LEN).generate(prompts, GREEDY)
+
+
+def _lps(out):
+    """(token ids, logprob dicts) of each completion."""
+    return [(c.token_ids, c.logprobs) for o in out for c in o.outputs]
+
+
+def _assert_close_lps(got, want, atol: float) -> None:
+    """The same tokens; every returned logprob within ``atol`` of the reference's (ranks may swap on near-ties)."""
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        for da, db in zip(a, b):
+            common = set(da) & set(db)
+            assert next(iter(da)) in common
+            assert all(abs(da[i].logprob - db[i].logprob) <= atol for i in common)
+
+
+def _teacher_forced(eng: Engine, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The target's logprob of each of ``tokens`` after ``prompt``, from prompt logprobs (no speculation)."""
+    out = eng.generate([prompt + tokens], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    return [out.prompt_logprobs[len(prompt) + j][t].logprob for j, t in enumerate(tokens)]
+
+
+# ----------------------------------------------------------------------------- the output shapes
+
+
+def test_logprobs_have_vllms_shapes(target, prompts, ar):
+    out = ar[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 20
+    for d, t in zip(c.logprobs, c.token_ids):
+        assert next(iter(d)) == t  # the generated token first, then the top TOP
+        assert TOP <= len(d) <= TOP + 1 and all(isinstance(v, Logprob) for v in d.values())
+        ranks = sorted(v.rank for tid, v in d.items() if tid != t or v.rank <= TOP)
+        assert ranks[:TOP] == list(range(1, TOP + 1))
+        assert d[t].rank == 1  # greedy picks the argmax
+        assert d[t].decoded_token == target.tokenizer.decode([t])
+        assert d[t].logprob <= 0
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompts[0])
+    for d, t in zip(out.prompt_logprobs[1:], prompts[0][1:]):
+        assert t in d and len(d) in (2, 3)
+
+
+def test_logprobs_are_the_raw_distribution_whatever_the_sampling(target, prompts):
+    """vLLM's default logprobs_mode (raw_logprobs): temperature and top-k change the tokens drawn, not
+    the distribution their logprobs describe."""
+    eng = Engine(target, max_batch_size=2, max_model_len=MAX_LEN)
+    sp = SamplingParams(temperature=3.0, top_k=2, seed=1, max_tokens=8, ignore_eos=True, logprobs=0)
+    out = eng.generate(prompts[:1], sp)[0].outputs[0]
+    assert [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)] == \
+        _teacher_forced(eng, prompts[0], out.token_ids)
+    assert all(len(d) == 1 for d in out.logprobs)  # logprobs=0: the generated token only
+
+
+def test_prompt_logprobs_match_a_direct_forward(target, prompts):
+    eng = Engine(target, max_batch_size=2, max_model_len=MAX_LEN)
+    out = eng.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    for p, o in zip(prompts, out):
+        x = torch.tensor([p])
+        logits, _, _ = forward(target.cfg, target.params, init_kv_cache(target.cfg, 1, len(p)), x,
+                               torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        want = torch.log_softmax(logits[0, :-1].float(), -1)  # [n-1, V]: position i predicts token i+1
+        got = torch.tensor([o.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)])
+        torch.testing.assert_close(got, want[torch.arange(len(p) - 1), torch.tensor(p[1:])], rtol=0, atol=1e-5)
+        top = torch.topk(want, 3, -1)
+        for i in range(len(p) - 1):
+            d = o.prompt_logprobs[i + 1]
+            assert set(top.indices[i].tolist()) <= set(d)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_above_the_limit_raise_naming_the_field(field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be <= 20"):
+        SamplingParams(**{field: 21})
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be >= 0"):
+        SamplingParams(**{field: -1})
+    assert getattr(SamplingParams(**{field: 20}), field) == 20
+
+
+# ----------------------------------------------------------------------------- bit-equality per method
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_speculation_returns_autoregressive_logprobs_bitwise(target, prompts, ar, eagle1, name):
+    eng = Engine(target, speculative_config=_spec(name, eagle1), max_batch_size=4, max_model_len=MAX_LEN)
+    tree = "speculative_token_tree" in METHODS[name][1]
+    out = eng.generate(prompts, GREEDY)
+    if tree:
+        _assert_close_lps(_lps(out), _lps(ar), TREE_ATOL)
+    else:
+        assert _lps(out) == _lps(ar)  # the same tokens and the same logprob dicts, float for float
+    assert [o.prompt_logprobs for o in out] == [o.prompt_logprobs for o in ar]
+    if name != "eagle":  # NOTE: a random EAGLE-1 head (the zoo trains none) accepts nothing
+        assert max(o.metrics["acceptance_length"] for o in out) > 1.0, "some block of several tokens was checked"
+    sampled = eng.generate(prompts, SAMPLED)
+    plain = Engine(target, max_batch_size=4, max_model_len=MAX_LEN)
+    for p, o in zip(prompts, sampled):
+        c = o.outputs[0]
+        got, want = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], _teacher_forced(plain, p, c.token_ids)
+        if tree:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TREE_ATOL)
+        else:
+            assert got == want
+    if name != "suffix":  # NOTE: suffix drafts from a tree that every earlier output grew; its draws follow them
+        assert _lps(eng.generate(prompts, SAMPLED)) == _lps(sampled)  # seeded: reproducible
+
+
+def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(target, prompts):
+    """One compiled case (lazy capture: the AR and K = 3 logprobs graphs only), a greedy and a sampled row.
+
+    The sampled row's reference is the eager prefill's prompt logprobs, which inductor's decode graph
+    need not match bit for bit (it fuses the final norm and the log-softmax differently): 1e-5 there."""
+    ar = Engine(target, max_batch_size=2, max_model_len=MAX_LEN, backend="inductor", capture="lazy")
+    spec = Engine(target, speculative_config=zoo.speculative_config("ngram", 3), max_batch_size=2,
+                  max_model_len=MAX_LEN, backend="inductor", capture="lazy")
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=TOP)
+    mixed = [sp, GREEDY]  # one batch: both engines run the random_logprobs graph
+    want, got = ar.generate(prompts, mixed), spec.generate(prompts, mixed)
+    assert _lps(got)[1] == _lps(want)[1]
+    assert got[1].metrics["acceptance_length"] > 1.0  # ngram matches the second prompt's imports
+    c = got[0].outputs[0]
+    torch.testing.assert_close(torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]),
+                               torch.tensor(_teacher_forced(ar, prompts[0], c.token_ids)), rtol=0, atol=1e-5)
+    assert spec.stats["recompiles"] == 0
+
+
+def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(target, prompts, traced_codegen):
+    """A start-up capture compiles no logprobs graph; the first logprobs step captures filtered_logprobs
+    (every logprobs mode runs in it), and a step without logprobs still runs in its start-up graph."""
+    eng = Engine(target, max_batch_size=1, max_model_len=MAX_LEN, backend="inductor")
+    before = set(eng.runner.compiled)
+    assert not any("logprobs" in key[3] for key in before)
+    eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
+    assert set(eng.runner.compiled) == before
+    eng.generate(prompts[:1], GREEDY)
+    new = set(eng.runner.compiled) - before
+    assert [key[3] for key in new] == ["filtered_logprobs"]
+    eng.generate(prompts[:1], SAMPLED)
+    assert set(eng.runner.compiled) - before == new
+
+
+# ----------------------------------------------------------------------------- per-request statistics
+
+
+def test_each_request_carries_its_own_acceptance(target, prompts):
+    eng = Engine(target, speculative_config=zoo.speculative_config("ngram", 3), max_batch_size=4,
+                 max_model_len=MAX_LEN)
+    out = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    per_pos = [o.metrics["num_accepted_tokens_per_pos"] for o in out]
+    assert all(len(p) == 3 and p == sorted(p, reverse=True) for p in per_pos)
+    for o, p in zip(out, per_pos):
+        m = o.metrics
+        assert sum(p) == m["num_accepted_tokens"]
+        assert m["acceptance_length"] == (m["num_accepted_tokens"] + m["steps"]) / m["steps"]
+        assert o.outputs[0].metrics["num_accepted_tokens_per_pos"] == p
+    total = [sum(x) for x in zip(*per_pos)]
+    spec_rows = sum(o.metrics["steps"] for o in out)
+    assert eng.stats["per_position_acceptance"] == [a / spec_rows for a in total]
