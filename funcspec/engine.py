@@ -432,11 +432,19 @@ class Engine:
         used = max(drafts[:rows], default=0)
         self._dyn_k = min(self.dyn.max_k, max(self.dyn.budget_k, used + (used == k)))
 
+    def _decode_one(self, token: int):
+        """The text of one token id (``Logprob.decoded_token``), ``None`` without a tokenizer; memoised, as
+        logprobs decode the same top tokens over and over."""
+        memo = self.__dict__.setdefault("_decoded", {})
+        if token not in memo:
+            tok = self.model.tokenizer
+            memo[token] = tok.decode([token]) if tok is not None else None
+        return memo[token]
+
     def _logprob_dicts(self, tokens: list[int], lps: tuple, k: int) -> list[dict]:
         """vLLM's dicts for ``tokens`` from unpacked logprobs ``(logprob [E], rank [E], top [E][M], ids [E][M])``."""
-        tok = self.model.tokenizer
-        decode = (lambda i: tok.decode([i])) if tok is not None else (lambda i: None)  # noqa: E731
         lp, rank, top, ids = lps
+        decode = self._decode_one
         return [logprob_dict(t, lp[j], rank[j], top[j], ids[j], k, decode) for j, t in enumerate(tokens)]
 
     def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int, lps=None) -> list[Request]:

@@ -54,7 +54,10 @@ METHODS = {
     "draft_model_tree": ("draft_model", {"speculative_token_tree": TREE}),
     "eagle3_tree": ("eagle3", {"speculative_token_tree": TREE}),
     "ngram_tree": ("ngram", {"speculative_token_tree": TREE}),
+    "dspark_dynamic": ("dspark", {}),  # confidence-based verify length: confidences share the readback
 }
+DYNAMIC = {"dynamic_spec_config": {"method": "dspark", "method_params": {
+    "initial_verify_budget_per_req": 2, "budget_update_interval": 2, "budget_threshold": 0.3}}}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +178,8 @@ def test_logprobs_above_the_limit_raise_naming_the_field(field):
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_speculation_returns_autoregressive_logprobs_bitwise(target, prompts, ar, eagle1, name):
-    eng = Engine(target, speculative_config=_spec(name, eagle1), max_batch_size=4, max_model_len=MAX_LEN)
+    eng = Engine(target, speculative_config=_spec(name, eagle1), max_batch_size=4, max_model_len=MAX_LEN,
+                 additional_config=DYNAMIC if name.endswith("_dynamic") else None)
     tree = "speculative_token_tree" in METHODS[name][1]
     out = eng.generate(prompts, GREEDY)
     if tree:
