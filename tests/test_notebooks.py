@@ -108,7 +108,8 @@ THREADS = 1
 EXPECTED = {
     "01_quickstart.ipynb": (["Generated text:", "acceptance_length", "greedy == AR: True",
                              "suffix greedy == AR: True", "verifier              block (block)",
-                             "eagle3: acceptance length", "dspark: acceptance length"], 1),
+                             "eagle3: acceptance length", "dspark: acceptance length",
+                             "logprobs under speculation == AR, bit for bit: True", "sample 7: sum of logprobs"], 2),
     "02_verifiers.ipynb": (["all == argmax: True", "standard: joint (token 0, token 1) chi-square p",
                             "lossless at alpha=0.0001: True", "γ=2: standard"], 4),
     "03_graph_capture.ipynb": (["B1 K2", "recompiles after warm-up: 0", "captured spec == eager AR (greedy): True",

@@ -122,9 +122,7 @@ def _stop_ids(ids: Any) -> tuple[int, ...]:
 
 
 def _check_unsupported_sampling(p: SamplingParams) -> None:
-    """Refuse ``n`` != 1 and the logit processors funcspec does not implement."""
-    if p.n != 1:
-        raise ValueError(f"SamplingParams.n must be 1 (funcspec returns one completion per prompt), got {p.n!r}")
+    """Refuse the logit processors funcspec does not implement."""
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
     for name, value in neutral.items():
         if getattr(p, name) != value:

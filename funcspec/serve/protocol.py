@@ -139,9 +139,13 @@ def sampling_params(body: dict, default_max_tokens: Optional[int]) -> SamplingPa
     """The request's :class:`SamplingParams`; its checks' ValueErrors become 400s naming the field.
 
     A null field takes SamplingParams' default, as an absent one does (OpenAI
-    clients send nulls). ``n`` > 1 is refused here, by SamplingParams: the
-    engine returns one completion per prompt.
+    clients send nulls). ``n`` > 1 is refused here: the engine returns ``n``
+    completions, but the server's loop follows one sequence per request id.
     """
+    n = body.get("n")
+    if is_int(n) and n > 1:
+        raise APIError(400, f"n={n} is not served yet (the engine's SamplingParams.n is; this server returns one "
+                            "completion per prompt): leave it unset", "n")
     kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     kwargs["max_tokens"] = body["max_tokens"] if body.get("max_tokens") is not None else default_max_tokens
     try:
