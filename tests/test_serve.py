@@ -242,7 +242,8 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"model": "zoo", "prompt": "x", "top_k": -2}, 400, "top_k"),
     ("completions", {"model": "zoo", "prompt": "x", "seed": "a"}, 400, "seed"),
     ("completions", {"model": "zoo", "prompt": "x", "n": 2}, 400, "n"),
-    ("completions", {"model": "zoo", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ("completions", {"model": "zoo", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": "zoo", "prompt": "x", "logprobs": 1, "stream": True}, 400, "logprobs"),
     ("completions", {"model": "zoo", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "zoo", "prompt": []}, 400, "prompt"),
     ("completions", {"model": "zoo", "prompt": [5000]}, 400, "prompt_token_ids"),
@@ -251,8 +252,8 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", b"[1, 2]", 422, None),
     ("completions", b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}', 413, None),
     ("chat/completions", {"model": "zoo", "messages": []}, 400, "messages"),
-    ("chat/completions", {"model": "zoo", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     400, "logprobs"),
+    ("chat/completions", {"model": "zoo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
     ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
 ]
 
@@ -389,3 +390,25 @@ def test_the_core_package_never_imports_the_server_stack():
     assert users == ["serve/app.py", "serve/metrics.py"]
     server = re.compile(r"^\s*(from|import)\s+funcspec\.serve\.(app|metrics)\b", re.M)
     assert not [p for p in root.rglob("*.py") if "serve" not in p.parts and server.search(p.read_text())]
+
+
+def test_logprobs_are_the_engines_in_openais_shapes(server, client, llm):
+    """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset), vLLM's prompt_logprobs and
+    chat's logprobs.content carry the engine's values, float for float."""
+    want = _solo(llm, PROMPTS[0], logprobs=2, prompt_logprobs=1, **GREEDY)
+    c = want.outputs[0]
+    got = client.completions.create(model="zoo", prompt=PROMPTS[0], logprobs=2, extra_body={"prompt_logprobs": 1},
+                                    **GREEDY).model_dump()["choices"][0]
+    assert got["logprobs"]["token_logprobs"] == [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+    assert got["logprobs"]["tokens"] == [d[t].decoded_token for d, t in zip(c.logprobs, c.token_ids)]
+    assert "".join(got["logprobs"]["tokens"]) == got["text"] and got["logprobs"]["text_offset"][0] == 0
+    assert all(len(top) in (2, 3) for top in got["logprobs"]["top_logprobs"])
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(want.prompt_token_ids)
+    assert [{int(i): v["logprob"] for i, v in d.items()} for d in got["prompt_logprobs"][1:]] == \
+        [{i: v.logprob for i, v in d.items()} for d in want.prompt_logprobs[1:]]
+    chat = client.chat.completions.create(model="zoo", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                          top_logprobs=3, **GREEDY).choices[0]
+    assert len(chat.logprobs.content) == len(client.chat.completions.create(
+        model="zoo", messages=[{"role": "user", "content": "hi"}], **GREEDY).choices[0].message.content and
+        chat.logprobs.content) and all(len(t.top_logprobs) == 3 for t in chat.logprobs.content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob for t in chat.logprobs.content)

@@ -189,13 +189,17 @@ async def _generate(request: Request, loop: EngineLoop, req: P.GenRequest, promp
     ends = await _unless_disconnected(request, _collect(loop, batch))
     if ends is None:
         return Response(status_code=499)  # the client is gone: nobody reads this
-    ids = req.return_token_ids
+    ids, k = req.return_token_ids, req.params.logprobs
+    lps = [None if e.logprobs is None else (P.chat_logprobs if chat else P.completion_logprobs)(
+        e.logprobs, e.token_ids, k) for e in ends]
     if chat:
-        choices = [P.chat_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None)
+        choices = [P.chat_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None, lps[i])
                    for i, e in enumerate(ends)]
     else:
         choices = [P.completion_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None,
-                                       e.prompt_token_ids if ids else None) for i, e in enumerate(ends)]
+                                       e.prompt_token_ids if ids else None, lps[i],
+                                       None if e.prompt_logprobs is None else P.prompt_logprobs_json(e.prompt_logprobs))
+                   for i, e in enumerate(ends)]
     body = P.envelope("chat.completion" if chat else "text_completion", rid, model, choices,
                       usage=P.usage(sum(len(e.prompt_token_ids) for e in ends), sum(len(e.token_ids) for e in ends)),
                       prompt_token_ids=list(ends[0].prompt_token_ids) if chat and ids else None)

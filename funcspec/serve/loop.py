@@ -46,6 +46,8 @@ class Finish:
     text: str
     token_ids: tuple
     prompt_token_ids: tuple
+    logprobs: Optional[tuple] = None  # CompletionOutput.logprobs, when the request asked
+    prompt_logprobs: Optional[tuple] = None  # RequestOutput.prompt_logprobs, when the request asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,7 +433,7 @@ class EngineLoop:
                 engine_tpot.append(seen.decode_seconds / (len(done.token_ids) - 1))
             spec.add_row(*self._advance(seen, out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"]))
             finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
-                            tuple(out.prompt_token_ids))
+                            tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs), _maybe_tuple(out.prompt_logprobs))
             updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish)
         return updates, spec, engine_tpot
 
@@ -441,3 +443,7 @@ class EngineLoop:
         delta = (draft_tokens - seen.draft_tokens, accepted - seen.accepted)
         seen.draft_tokens, seen.accepted = draft_tokens, accepted
         return delta
+
+
+def _maybe_tuple(x) -> Optional[tuple]:
+    return None if x is None else tuple(x)

@@ -36,12 +36,12 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_
 # Fields funcspec cannot honour yet, with the values that mean "off" (what clients send by default).
 NOT_YET = "is not supported by funcspec yet"
 COMPLETION_UNSUPPORTED = {
-    "logprobs": (None,), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-    "logit_bias": (None, {}), "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "logit_bias": (None, {}), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
 }
 CHAT_UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
+    "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "prompt_logprobs": (None,),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True), "echo": (None, False),
 }
@@ -94,8 +94,9 @@ def completion_request(body: dict) -> GenRequest:
     _refuse_unsupported(body, COMPLETION_UNSUPPORTED)
     if "prompt" not in body:
         raise APIError(422, "prompt is required", "prompt")
-    return GenRequest(prompts=completion_prompts(body["prompt"]), params=sampling_params(body, 16),
-                      **_common(body))
+    # NOTE: the completions API's logprobs is already the count of top tokens
+    return GenRequest(prompts=completion_prompts(body["prompt"]),
+                      params=sampling_params(body, 16, logprobs=body.get("logprobs")), **_common(body))
 
 
 def chat_request(body: dict) -> GenRequest:
@@ -107,8 +108,19 @@ def chat_request(body: dict) -> GenRequest:
     body = dict(body)
     if body.get("max_completion_tokens") is not None:
         body["max_tokens"] = body["max_completion_tokens"]
-    return GenRequest(messages=chat_messages(body["messages"]), params=sampling_params(body, None),
+    return GenRequest(messages=chat_messages(body["messages"]),
+                      params=sampling_params(body, None, logprobs=_chat_logprobs(body)),
                       **_common(body))
+
+
+def _chat_logprobs(body: dict) -> Optional[int]:
+    """The chat API's ``logprobs: true`` with ``top_logprobs: k`` as a count of top tokens (None: off)."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise APIError(422, f"logprobs must be a boolean, got {on!r}", "logprobs")
+    if top is not None and not on:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (0 if top is None else top) if on else None
 
 
 def _common(body: dict) -> dict:
@@ -135,18 +147,26 @@ def _refuse_unsupported(body: dict, fields: dict) -> None:
             raise APIError(400, f"{name}={json.dumps(body[name])} {NOT_YET}: leave it unset", name)
 
 
-def sampling_params(body: dict, default_max_tokens: Optional[int]) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: Optional[int], logprobs: Any = None) -> SamplingParams:
     """The request's :class:`SamplingParams`; its checks' ValueErrors become 400s naming the field.
 
     A null field takes SamplingParams' default, as an absent one does (OpenAI
     clients send nulls). ``n`` > 1 is refused here: the engine returns ``n``
     completions, but the server's loop follows one sequence per request id.
+    ``logprobs`` is the endpoint's count of top tokens (completions'
+    ``logprobs``, chat's ``top_logprobs`` under ``logprobs: true``); vLLM's
+    ``prompt_logprobs`` passes through. Both are refused with ``stream`` for now.
     """
     n = body.get("n")
     if is_int(n) and n > 1:
         raise APIError(400, f"n={n} is not served yet (the engine's SamplingParams.n is; this server returns one "
                             "completion per prompt): leave it unset", "n")
     kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", body.get("prompt_logprobs"))):
+        if value is not None:
+            if body.get("stream"):
+                raise APIError(400, f"{name} with stream: true is not served yet: leave one unset", name)
+            kwargs[name] = value
     kwargs["max_tokens"] = body["max_tokens"] if body.get("max_tokens") is not None else default_max_tokens
     try:
         return SamplingParams(**kwargs)
@@ -261,18 +281,63 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
-                      prompt_token_ids=None) -> dict:
-    """One choice of a completion (or of a streamed chunk: ``text`` is then the delta)."""
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      prompt_token_ids=None, logprobs=None, prompt_logprobs=None) -> dict:
+    """One choice of a completion (or of a streamed chunk: ``text`` is then the delta); ``logprobs`` and
+    ``prompt_logprobs`` are :func:`completion_logprobs`' and :func:`prompt_logprobs_json`'s."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     return _with_ids(choice, token_ids, prompt_token_ids)
 
 
-def chat_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None) -> dict:
-    """One choice of a chat completion."""
-    choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
+                logprobs=None) -> dict:
+    """One choice of a chat completion (``logprobs``: :func:`chat_logprobs`')."""
+    choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
     return _with_ids(choice, token_ids, None)
+
+
+# NOTE: JSON has no -inf; vLLM writes -9999.0 for a token the target rules out.
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+def _text(entry, token_id: int) -> str:
+    """A logprob entry's token text (its id as text when the model has no tokenizer)."""
+    return entry.decoded_token if entry.decoded_token is not None else str(token_id)
+
+
+def completion_logprobs(entries, token_ids, k: int) -> dict:
+    """The completions API's ``logprobs`` from the engine's per-token dicts (``CompletionOutput.logprobs``):
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (the generated token and the top ``k``, text -> logprob)
+    and ``text_offset`` (where each token's text starts in the completion)."""
+    tokens = [_text(d[t], t) for d, t in zip(entries, token_ids)]
+    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"text_offset": offsets, "token_logprobs": [_finite(d[t].logprob) for d, t in zip(entries, token_ids)],
+            "tokens": tokens,
+            "top_logprobs": [{_text(v, i): _finite(v.logprob) for i, v in d.items()} if k else None
+                             for d in entries]}
+
+
+def chat_logprobs(entries, token_ids, k: int) -> dict:
+    """The chat API's ``logprobs``: ``content``, one object per token with its ``top_logprobs`` (ranks 1..k)."""
+    def one(entry, token_id):
+        text = _text(entry, token_id)
+        return {"token": text, "logprob": _finite(entry.logprob), "bytes": list(text.encode())}
+
+    return {"content": [dict(one(d[t], t), top_logprobs=[one(v, i) for i, v in
+                                                           sorted(d.items(), key=lambda x: x[1].rank)
+                                                           if v.rank <= k][:k])
+                        for d, t in zip(entries, token_ids)]}
+
+
+def prompt_logprobs_json(entries) -> list:
+    """vLLM's ``prompt_logprobs`` of a choice: ``None`` for the first token, then token id -> logprob entry."""
+    return [None if d is None else {str(i): {"logprob": _finite(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for i, v in d.items()}
+            for d in entries]
 
 
 def chat_delta(index: int, delta: dict, finish_reason=None, stop_reason=None, token_ids=None) -> dict:
