@@ -153,11 +153,11 @@ def test_llm_facade(tiny_llama):
         funcspec.LLM(model=tiny_llama, not_an_arg=1)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, method):
+@pytest.mark.parametrize("method, logprobs", [("ngram", None), ("suffix", None), ("ngram", 3)])
+def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, method, logprobs):
     """Each step reads its results with one .cpu() copy in ``readback`` (the # SYNC line), and nothing else
     reads tensor data on the host: no .item(), .tolist(), int(), float() or bool() of a tensor outside it
-    (in the graph, the host drafter or the host loop)."""
+    (in the graph, the host drafter or the host loop). Logprobs travel in the same copy."""
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         spec["prompt_lookup_max"] = 2
@@ -174,13 +174,16 @@ def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, metho
     for what in ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(torch.Tensor, what, counted(what, getattr(torch.Tensor, what)))
     steps0 = eng.stats["steps"]
-    eng.add_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    eng.add_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                    logprobs=logprobs))
     eng.step()  # admission (prefill) and a first step
     calls.clear()
     for _ in range(4):
         assert eng.step() == []
     assert eng.stats["steps"] - steps0 == 5
     assert calls["cpu", "readback"] == 4
+    req = eng.running[0]
+    assert (req.logprobs and len(req.logprobs)) == (logprobs and len(req.output_ids))
     # NOTE: readback's .tolist() calls read the host copy it just made; anything else is a sync.
     assert {key: n for key, n in calls.items() if key[1] != "readback"} == {}
 
