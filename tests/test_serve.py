@@ -243,7 +243,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"model": "zoo", "prompt": "x", "seed": "a"}, 400, "seed"),
     ("completions", {"model": "zoo", "prompt": "x", "n": 2}, 400, "n"),
     ("completions", {"model": "zoo", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("completions", {"model": "zoo", "prompt": "x", "logprobs": 1, "stream": True}, 400, "logprobs"),
+    ("completions", {"model": "zoo", "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"model": "zoo", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "zoo", "prompt": []}, 400, "prompt"),
     ("completions", {"model": "zoo", "prompt": [5000]}, 400, "prompt_token_ids"),
@@ -412,3 +412,12 @@ def test_logprobs_are_the_engines_in_openais_shapes(server, client, llm):
         model="zoo", messages=[{"role": "user", "content": "hi"}], **GREEDY).choices[0].message.content and
         chat.logprobs.content) and all(len(t.top_logprobs) == 3 for t in chat.logprobs.content)
     assert all(t.top_logprobs[0].logprob >= t.logprob for t in chat.logprobs.content)
+    # streamed: each chunk carries its tokens' logprobs; joined, they are the non-streamed ones
+    chunks = list(client.completions.create(model="zoo", prompt=PROMPTS[0], logprobs=2, stream=True, **GREEDY))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((p.token_logprobs for p in parts), []) == got["logprobs"]["token_logprobs"]
+    assert sum((p.text_offset for p in parts), []) == got["logprobs"]["text_offset"]
+    stream = client.chat.completions.create(model="zoo", messages=[{"role": "user", "content": "hi"}],
+                                            logprobs=True, top_logprobs=3, stream=True, **GREEDY)
+    content = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in content] == [t.model_dump() for t in chat.logprobs.content]

@@ -253,7 +253,7 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
     """``/v1/completions`` with ``stream``: a ``text_completion`` chunk per step with news, then ``[DONE]``."""
     created, n = int(time.time()), len(batch.request_ids)
     texts = [P.TextStream(tokenizer, req.params.stop) for _ in range(n)]
-    counts, fresh = [0] * n, [True] * n
+    counts, fresh, offsets = [0] * n, [True] * n, [0] * n
     try:
         async for i, update in batch:
             if update.error is not None:
@@ -264,9 +264,14 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
             counts[i] += len(update.token_ids)
             ids = update.token_ids if req.return_token_ids else None
             prompt_ids = batch.prompt_token_ids[i] if req.return_token_ids and fresh[i] else None
-            if text or end or ids:
+            lps = None
+            if update.logprobs:  # NOTE: a chunk's logprobs are its tokens', whatever text a stop string holds back
+                lps = P.completion_logprobs(update.logprobs, update.token_ids, req.params.logprobs, offsets[i])
+                offsets[i] += sum(len(x) for x in lps["tokens"])
+            if text or end or ids or lps:
                 fresh[i] = False
-                choice = P.completion_choice(i, text, end and end.reason, end and end.stop_reason, ids, prompt_ids)
+                choice = P.completion_choice(i, text, end and end.reason, end and end.stop_reason, ids, prompt_ids,
+                                             lps)
                 yield P.sse(P.envelope("text_completion", rid, model, [choice], created))
         if req.include_usage:
             yield P.sse(P.envelope("text_completion", rid, model, [], created,
@@ -293,9 +298,10 @@ async def _chat_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, rid: s
             text = text_stream.finish(end.text) if end else text_stream.feed(update.token_ids)
             count += len(update.token_ids)
             ids = update.token_ids if req.return_token_ids else None
-            if text or end or ids:
+            lps = P.chat_logprobs(update.logprobs, update.token_ids, req.params.logprobs) if update.logprobs else None
+            if text or end or ids or lps:
                 delta = P.chat_delta(0, {"content": text} if text else {}, end and end.reason,
-                                     end and end.stop_reason, ids)
+                                     end and end.stop_reason, ids, lps)
                 yield P.sse(P.envelope("chat.completion.chunk", rid, model, [delta], created))
         if req.include_usage:
             yield P.sse(P.envelope("chat.completion.chunk", rid, model, [], created,

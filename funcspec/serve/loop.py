@@ -57,6 +57,7 @@ class Update:
     token_ids: tuple = ()
     finish: Optional[Finish] = None
     error: Optional[str] = None
+    logprobs: Optional[tuple] = None  # CompletionOutput.logprobs of token_ids, when the request asked
 
     @property
     def final(self) -> bool:
@@ -109,7 +110,8 @@ class Batch:
         # one update: one chunk and one write for several steps, so an overloaded event loop catches up.
         while not update.final and len(self.request_ids) == 1 and not self.queue.empty():
             _, later = self.queue.get_nowait()
-            update = Update(update.token_ids + later.token_ids, later.finish, later.error)
+            lps = None if update.logprobs is None else update.logprobs + (later.logprobs or ())
+            update = Update(update.token_ids + later.token_ids, later.finish, later.error, lps)
         if update.final:
             self.open.discard(index)
         return index, update
@@ -423,7 +425,8 @@ class EngineLoop:
                 seen.decode_seconds += seconds
             spec.add_row(*self._advance(seen, req.num_draft_tokens, req.num_accepted_tokens))
             if len(req.output_ids) > seen.tokens:
-                updates[req.request_id] = Update(tuple(req.output_ids[seen.tokens:]))
+                lps = None if req.logprobs is None else tuple(req.logprobs[seen.tokens:])
+                updates[req.request_id] = Update(tuple(req.output_ids[seen.tokens:]), logprobs=lps)
                 seen.tokens = len(req.output_ids)
         for out in finished:
             seen, done = self._seen.pop(out.request_id), out.outputs[0]
@@ -434,7 +437,8 @@ class EngineLoop:
             spec.add_row(*self._advance(seen, out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"]))
             finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
                             tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs), _maybe_tuple(out.prompt_logprobs))
-            updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish)
+            lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
+            updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
         return updates, spec, engine_tpot
 
     @staticmethod

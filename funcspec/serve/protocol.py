@@ -155,7 +155,7 @@ def sampling_params(body: dict, default_max_tokens: Optional[int], logprobs: Any
     completions, but the server's loop follows one sequence per request id.
     ``logprobs`` is the endpoint's count of top tokens (completions'
     ``logprobs``, chat's ``top_logprobs`` under ``logprobs: true``); vLLM's
-    ``prompt_logprobs`` passes through. Both are refused with ``stream`` for now.
+    ``prompt_logprobs`` passes through (refused with ``stream`` for now).
     """
     n = body.get("n")
     if is_int(n) and n > 1:
@@ -164,8 +164,8 @@ def sampling_params(body: dict, default_max_tokens: Optional[int], logprobs: Any
     kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", body.get("prompt_logprobs"))):
         if value is not None:
-            if body.get("stream"):
-                raise APIError(400, f"{name} with stream: true is not served yet: leave one unset", name)
+            if name == "prompt_logprobs" and body.get("stream"):
+                raise APIError(400, "prompt_logprobs with stream: true is not served yet: leave one unset", name)
             kwargs[name] = value
     kwargs["max_tokens"] = body["max_tokens"] if body.get("max_tokens") is not None else default_max_tokens
     try:
@@ -309,12 +309,13 @@ def _text(entry, token_id: int) -> str:
     return entry.decoded_token if entry.decoded_token is not None else str(token_id)
 
 
-def completion_logprobs(entries, token_ids, k: int) -> dict:
+def completion_logprobs(entries, token_ids, k: int, offset: int = 0) -> dict:
     """The completions API's ``logprobs`` from the engine's per-token dicts (``CompletionOutput.logprobs``):
     ``tokens``, ``token_logprobs``, ``top_logprobs`` (the generated token and the top ``k``, text -> logprob)
-    and ``text_offset`` (where each token's text starts in the completion)."""
+    and ``text_offset`` (where each token's text starts in the completion; a streamed chunk's tokens start at
+    ``offset``, the length of the token texts before them)."""
     tokens = [_text(d[t], t) for d, t in zip(entries, token_ids)]
-    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
     return {"text_offset": offsets, "token_logprobs": [_finite(d[t].logprob) for d, t in zip(entries, token_ids)],
             "tokens": tokens,
             "top_logprobs": [{_text(v, i): _finite(v.logprob) for i, v in d.items()} if k else None
@@ -340,9 +341,11 @@ def prompt_logprobs_json(entries) -> list:
             for d in entries]
 
 
-def chat_delta(index: int, delta: dict, finish_reason=None, stop_reason=None, token_ids=None) -> dict:
-    """One choice of a streamed chat chunk (``delta``: the role first, then content)."""
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+def chat_delta(index: int, delta: dict, finish_reason=None, stop_reason=None, token_ids=None,
+               logprobs=None) -> dict:
+    """One choice of a streamed chat chunk (``delta``: the role first, then content; ``logprobs``: the chunk's
+    tokens', :func:`chat_logprobs`')."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
     return _with_ids(choice, token_ids, None)
 
