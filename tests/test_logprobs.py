@@ -9,6 +9,12 @@ sample by sample (tests/test_spec.py checks the law); their logprobs are checked
 bitwise against the target's at the same tokens (teacher-forced prompt logprobs,
 which on this CPU's streaming kernels carry the same bits as decode steps).
 
+Bitwise equality needs kernels whose rows never depend on the row count: the
+weight-streaming products and the decode-attention kernel (AVX512-BF16 CPUs,
+``kernels.resolve``). Elsewhere (MKL or oneDNN products, SDPA) a K+1-row verify
+and a 1-row decode may round differently, and logprobs are held to
+``OTHER_ATOL`` instead.
+
 Token trees are the stated exception: greedy tokens are the same, logprobs agree
 to ``TREE_ATOL``. While a tree is verified its nodes sit at cache positions
 ``length + node index``, not ``length + depth`` as decoded alone, and the CPU
@@ -28,7 +34,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from funcspec import Engine, SamplingParams, load_model, zoo
+from funcspec import Engine, SamplingParams, kernels, load_model, zoo
 from funcspec.checkpoints import eagle, save_params
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.outputs import Logprob
@@ -39,6 +45,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprob
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True, logprobs=TOP)
 TREE = "[(0,), (1,), (0, 0), (0, 0, 0)]"
 TREE_ATOL = 1e-5  # see the module note: a tree step's attention sums in another order than AR's
+_OPS = kernels.resolve("cpu")
+EXACT = _OPS.stream and _OPS.decode_attention  # row-count-independent kernels: bit for bit
+OTHER_ATOL = 1e-4  # see the module note: products whose rounding depends on the row count
 
 # method name in the matrix -> (vLLM method, extra speculative_config keys)
 METHODS = {
@@ -143,8 +152,9 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(target, prompts
     eng = Engine(target, max_batch_size=2, max_model_len=MAX_LEN)
     sp = SamplingParams(temperature=3.0, top_k=2, seed=1, max_tokens=8, ignore_eos=True, logprobs=0)
     out = eng.generate(prompts[:1], sp)[0].outputs[0]
-    assert [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)] == \
-        _teacher_forced(eng, prompts[0], out.token_ids)
+    torch.testing.assert_close(torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]),
+                               torch.tensor(_teacher_forced(eng, prompts[0], out.token_ids)), rtol=0,
+                               atol=0 if EXACT else OTHER_ATOL)
     assert all(len(d) == 1 for d in out.logprobs)  # logprobs=0: the generated token only
 
 
@@ -182,8 +192,8 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(target, prompts, ar
                  additional_config=DYNAMIC if name.endswith("_dynamic") else None)
     tree = "speculative_token_tree" in METHODS[name][1]
     out = eng.generate(prompts, GREEDY)
-    if tree:
-        _assert_close_lps(_lps(out), _lps(ar), TREE_ATOL)
+    if tree or not EXACT:
+        _assert_close_lps(_lps(out), _lps(ar), TREE_ATOL if EXACT else OTHER_ATOL)
     else:
         assert _lps(out) == _lps(ar)  # the same tokens and the same logprob dicts, float for float
     assert [o.prompt_logprobs for o in out] == [o.prompt_logprobs for o in ar]
@@ -194,8 +204,9 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(target, prompts, ar
     for p, o in zip(prompts, sampled):
         c = o.outputs[0]
         got, want = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], _teacher_forced(plain, p, c.token_ids)
-        if tree:
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TREE_ATOL)
+        if tree or not EXACT:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0,
+                                       atol=TREE_ATOL if EXACT else OTHER_ATOL)
         else:
             assert got == want
     if name != "suffix":  # NOTE: suffix drafts from a tree that every earlier output grew; its draws follow them
@@ -213,7 +224,10 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(target, pr
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=TOP)
     mixed = [sp, GREEDY]  # one batch: both engines run the random_logprobs graph
     want, got = ar.generate(prompts, mixed), spec.generate(prompts, mixed)
-    assert _lps(got)[1] == _lps(want)[1]
+    if EXACT:
+        assert _lps(got)[1] == _lps(want)[1]
+    else:
+        _assert_close_lps(_lps(got)[1:], _lps(want)[1:], OTHER_ATOL)
     assert got[1].metrics["acceptance_length"] > 1.0  # ngram matches the second prompt's imports
     c = got[0].outputs[0]
     torch.testing.assert_close(torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]),

@@ -7,9 +7,13 @@ import math
 
 import pytest
 
-from funcspec import Engine, SamplingParams, load_model, rng, zoo
+from funcspec import Engine, SamplingParams, kernels, load_model, rng, zoo
 
 MAX_LEN = 128
+_OPS = kernels.resolve("cpu")
+# NOTE: a completion decoded beside its siblings equals it decoded alone where a row's bits never depend on
+# the rows beside it (the streaming products and the decode-attention kernel); elsewhere only in law.
+ROWS_INDEPENDENT = _OPS.stream and _OPS.decode_attention
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,7 @@ def test_n_above_max_num_seqs_raises_naming_n(target):
 # ----------------------------------------------------------------------------- n > 1
 
 
+@pytest.mark.skipif(not ROWS_INDEPENDENT, reason="this CPU's kernels round a row differently in a larger batch")
 @pytest.mark.parametrize("method", [None, "eagle3", "draft_model", "dflash"])
 def test_n_completions_prefill_once_and_each_is_reproducible_alone(target, prompts, method):
     """Completion i equals the request with seed completion_seed(seed, i) run alone: the copied prompt KV
