@@ -241,7 +241,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"model": "zoo", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"model": "zoo", "prompt": "x", "top_k": -2}, 400, "top_k"),
     ("completions", {"model": "zoo", "prompt": "x", "seed": "a"}, 400, "seed"),
-    ("completions", {"model": "zoo", "prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"model": "zoo", "prompt": "x", "n": MAX_NUM_SEQS + 1}, 400, "n"),
     ("completions", {"model": "zoo", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"model": "zoo", "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"model": "zoo", "prompt": ""}, 400, "prompt"),
@@ -421,3 +421,26 @@ def test_logprobs_are_the_engines_in_openais_shapes(server, client, llm):
                                             logprobs=True, top_logprobs=3, stream=True, **GREEDY)
     content = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.model_dump() for t in content] == [t.model_dump() for t in chat.logprobs.content]
+
+
+def test_n_completions_are_choices_as_the_engine_returns_them(client, llm):
+    """n = 2 seeded samples: the server's choices are LLM's completions (streamed or not), in vLLM's order."""
+    sampled = dict(temperature=1.0, seed=5, max_tokens=12)
+    want = [c.text for c in _solo(llm, PROMPTS[0], n=2, **sampled).outputs]
+    assert len(set(want)) == 2
+    got = client.completions.create(model="zoo", prompt=PROMPTS[0], n=2, **sampled)
+    assert [c.index for c in got.choices] == [0, 1] and [c.text for c in got.choices] == want
+    assert got.usage.prompt_tokens == len(llm.get_tokenizer()(PROMPTS[0])["input_ids"])
+    streamed = ["", ""]
+    for chunk in client.completions.create(model="zoo", prompt=PROMPTS[0], n=2, stream=True, **sampled):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+    chat = client.chat.completions.create(model="zoo", messages=[{"role": "user", "content": "hi"}], n=2, **sampled)
+    assert [c.index for c in chat.choices] == [0, 1]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model="zoo", messages=[{"role": "user", "content": "hi"}], n=2,
+                                                stream=True, **sampled):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]

@@ -201,7 +201,8 @@ async def _generate(request: Request, loop: EngineLoop, req: P.GenRequest, promp
                                        None if e.prompt_logprobs is None else P.prompt_logprobs_json(e.prompt_logprobs))
                    for i, e in enumerate(ends)]
     body = P.envelope("chat.completion" if chat else "text_completion", rid, model, choices,
-                      usage=P.usage(sum(len(e.prompt_token_ids) for e in ends), sum(len(e.token_ids) for e in ends)),
+                      usage=P.usage(sum(len(e.prompt_token_ids) for e in ends[::req.params.n]),  # each prompt once
+                                    sum(len(e.token_ids) for e in ends)),
                       prompt_token_ids=list(ends[0].prompt_token_ids) if chat and ids else None)
     return JSONResponse(body)
 
@@ -275,7 +276,7 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
                 yield P.sse(P.envelope("text_completion", rid, model, [choice], created))
         if req.include_usage:
             yield P.sse(P.envelope("text_completion", rid, model, [], created,
-                                   usage=P.usage(sum(map(len, batch.prompt_token_ids)), sum(counts))))
+                                   usage=P.usage(sum(map(len, batch.prompt_token_ids[::req.params.n])), sum(counts))))
         yield P.DONE
     finally:
         if not batch.finished:  # the client disconnected (or a step failed): free the slots
@@ -284,23 +285,23 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
 
 async def _chat_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, rid: str, model: str, tokenizer):
     """``/v1/chat/completions`` with ``stream``: the assistant role first, then content deltas, then ``[DONE]``."""
-    created = int(time.time())
-    text_stream, count = P.TextStream(tokenizer, req.params.stop), 0
+    created, n = int(time.time()), len(batch.request_ids)  # n choices: the request's completions
+    texts, count = [P.TextStream(tokenizer, req.params.stop) for _ in range(n)], 0
     prompt_ids = list(batch.prompt_token_ids[0]) if req.return_token_ids else None
-    first = P.chat_delta(0, {"role": "assistant", "content": ""})
+    first = [P.chat_delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
     try:
-        yield P.sse(P.envelope("chat.completion.chunk", rid, model, [first], created, prompt_token_ids=prompt_ids))
-        async for _, update in batch:
+        yield P.sse(P.envelope("chat.completion.chunk", rid, model, first, created, prompt_token_ids=prompt_ids))
+        async for i, update in batch:
             if update.error is not None:
                 yield P.sse(P.APIError(500, update.error).body()) + P.DONE  # vLLM's way: an error event, then DONE
                 return
             end = update.finish
-            text = text_stream.finish(end.text) if end else text_stream.feed(update.token_ids)
+            text = texts[i].finish(end.text) if end else texts[i].feed(update.token_ids)
             count += len(update.token_ids)
             ids = update.token_ids if req.return_token_ids else None
             lps = P.chat_logprobs(update.logprobs, update.token_ids, req.params.logprobs) if update.logprobs else None
             if text or end or ids or lps:
-                delta = P.chat_delta(0, {"content": text} if text else {}, end and end.reason,
+                delta = P.chat_delta(i, {"content": text} if text else {}, end and end.reason,
                                      end and end.stop_reason, ids, lps)
                 yield P.sse(P.envelope("chat.completion.chunk", rid, model, [delta], created))
         if req.include_usage:

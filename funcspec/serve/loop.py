@@ -258,11 +258,12 @@ class EngineLoop:
             elif job.future.done():  # the handler went away while the engine took its requests
                 self._queue_aborts(ids)
             else:
-                batch = Batch(ids, [tuple(p["prompt_token_ids"]) for p in job.prompts])
+                n = job.params.n  # choice i is completion i % n of prompt i // n
+                batch = Batch(ids, [tuple(p["prompt_token_ids"]) for p in job.prompts for _ in range(n)])
                 for i, rid in enumerate(ids):
-                    self._tracks[rid] = _Track(batch, i, job.arrival, len(job.prompts[i]["prompt_token_ids"]))
+                    self._tracks[rid] = _Track(batch, i, job.arrival, len(batch.prompt_token_ids[i]))
                 if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(sum(t.prompt_len for t in map(self._tracks.get, ids)))
+                    self.metrics.prompt_tokens.inc(sum(len(p["prompt_token_ids"]) for p in job.prompts))
                 job.future.set_result(batch)
         for rid, update in result.updates.items():
             track = self._tracks.get(rid)
@@ -384,8 +385,10 @@ class EngineLoop:
         ids: list[str] = []
         try:
             for prompt in job.prompts:
-                ids.append(self.engine.add_request(prompt, job.params))
-                self._seen[ids[-1]] = _Seen()
+                rid = self.engine.add_request(prompt, job.params)
+                for i in range(job.params.n):  # one entry per completion; the first is the request id itself
+                    ids.append(seq_key(rid, i))
+                    self._seen[ids[-1]] = _Seen()
         except Exception as err:  # noqa: BLE001 (a ValueError is the client's 400; anything else its 500)
             self._drop(ids)
             return job, None, err
@@ -404,7 +407,7 @@ class EngineLoop:
         NOTE: the step may have finished some requests before it raised; their
         outputs are lost with the exception, so they fail too rather than hang.
         """
-        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        waiting = {r.seq_id for r in self.engine.scheduler.waiting}
         failed = [rid for rid in self._seen if rid not in waiting]
         self._drop(failed)  # if this raises too, the engine is dead (_run)
         message = f"the engine step failed: {type(err).__name__}: {err}"
@@ -420,25 +423,29 @@ class EngineLoop:
         """
         updates, spec, engine_tpot = {}, SpecDelta(per_pos=[0] * self._positions), []
         for req in self.engine.running.values():
-            seen = self._seen[req.request_id]
+            seen = self._seen[req.seq_id]  # NOTE: one per completion: an n > 1 request's share its request_id
             if seen.tokens:
                 seen.decode_seconds += seconds
             spec.add_row(*self._advance(seen, req.num_draft_tokens, req.num_accepted_tokens))
             if len(req.output_ids) > seen.tokens:
                 lps = None if req.logprobs is None else tuple(req.logprobs[seen.tokens:])
-                updates[req.request_id] = Update(tuple(req.output_ids[seen.tokens:]), logprobs=lps)
+                updates[req.seq_id] = Update(tuple(req.output_ids[seen.tokens:]), logprobs=lps)
                 seen.tokens = len(req.output_ids)
         for out in finished:
-            seen, done = self._seen.pop(out.request_id), out.outputs[0]
-            if seen.tokens:
-                seen.decode_seconds += seconds
-            if len(done.token_ids) > 1:
-                engine_tpot.append(seen.decode_seconds / (len(done.token_ids) - 1))
-            spec.add_row(*self._advance(seen, out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"]))
-            finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
-                            tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs), _maybe_tuple(out.prompt_logprobs))
-            lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
-            updates[out.request_id] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
+            for done in out.outputs:  # NOTE: an n > 1 request ends once all its completions have
+                key = seq_key(out.request_id, done.index)
+                seen = self._seen.pop(key)
+                if seen.tokens:
+                    seen.decode_seconds += seconds
+                if len(done.token_ids) > 1:
+                    engine_tpot.append(seen.decode_seconds / (len(done.token_ids) - 1))
+                spec.add_row(*self._advance(seen, done.metrics["num_draft_tokens"],
+                                            done.metrics["num_accepted_tokens"]))
+                finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
+                                tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs),
+                                _maybe_tuple(out.prompt_logprobs))
+                lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
+                updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
         return updates, spec, engine_tpot
 
     @staticmethod
@@ -447,6 +454,11 @@ class EngineLoop:
         delta = (draft_tokens - seen.draft_tokens, accepted - seen.accepted)
         seen.draft_tokens, seen.accepted = draft_tokens, accepted
         return delta
+
+
+def seq_key(request_id: str, index: int) -> str:
+    """The loop's name of completion ``index`` of an engine request: ``scheduler.Request.seq_id``'s."""
+    return request_id if index == 0 else f"{request_id}.{index}"
 
 
 def _maybe_tuple(x) -> Optional[tuple]:

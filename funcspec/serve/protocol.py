@@ -151,16 +151,12 @@ def sampling_params(body: dict, default_max_tokens: Optional[int], logprobs: Any
     """The request's :class:`SamplingParams`; its checks' ValueErrors become 400s naming the field.
 
     A null field takes SamplingParams' default, as an absent one does (OpenAI
-    clients send nulls). ``n`` > 1 is refused here: the engine returns ``n``
-    completions, but the server's loop follows one sequence per request id.
+    clients send nulls). ``n`` completions of a prompt are choices
+    ``prompt_index * n + i``, as in vLLM.
     ``logprobs`` is the endpoint's count of top tokens (completions'
     ``logprobs``, chat's ``top_logprobs`` under ``logprobs: true``); vLLM's
     ``prompt_logprobs`` passes through (refused with ``stream`` for now).
     """
-    n = body.get("n")
-    if is_int(n) and n > 1:
-        raise APIError(400, f"n={n} is not served yet (the engine's SamplingParams.n is; this server returns one "
-                            "completion per prompt): leave it unset", "n")
     kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", body.get("prompt_logprobs"))):
         if value is not None:
