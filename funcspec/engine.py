@@ -103,6 +103,10 @@ class Engine:
             checks that it is stored that way.
         tokenizer: a directory to take the tokenizer from (a GGUF file's
             vocabulary otherwise, or the checkpoint's own tokenizer files).
+        capture_logprobs: a start-up capture also compiles the graphs that
+            compute logprobs (``filtered_logprobs``), so that a request with
+            ``logprobs`` compiles nothing either (a server's choice); else the
+            first such step compiles its graph.
         compile_cache: a file written by ``funcspec precompile``
             (:mod:`funcspec.capture.cache`), loaded into torch's compile caches
             and the compiled-step store before the graphs are captured, so that
@@ -123,10 +127,12 @@ class Engine:
                  device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
                  ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
-                 tokenizer: Optional[str] = None, compile_cache: Optional[str] = None):
+                 tokenizer: Optional[str] = None, compile_cache: Optional[str] = None,
+                 capture_logprobs: bool = False):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
+        self.startup_modes = STARTUP_SAMPLING + (("filtered_logprobs",) if capture_logprobs else ())
         self.quantization = on_load(quantization)
         self.followers = None
         if tensor_parallel_size != 1:
@@ -225,14 +231,15 @@ class Engine:
     def startup_graphs(self) -> list[tuple[int, int, int, str]]:
         """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch
         size up to ``max_batch_size`` with the K it runs (the K table, or every K under a confidence budget),
-        every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING`."""
+        every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING` (and the general mode
+        with logprobs under ``capture_logprobs``)."""
         ks = lambda n: self.plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
         todo = {}
         for n in range(1, self.num_slots + 1):
             b = self.plan.batch_bucket(n)
             for k in ks(n):
                 for t in self.plan.context_buckets or (self.t_max,):
-                    for mode in STARTUP_SAMPLING:
+                    for mode in self.startup_modes:
                         todo.setdefault(self.runner.graph_key(b, k, t, sampling.MODES[mode]), (b, k, t, mode))
         return sorted(todo.values())
 

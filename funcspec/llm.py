@@ -55,7 +55,8 @@ class LLM:
     backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
     batch buckets; funcspec's ``"capture": "lazy"`` captures each graph on first
     use instead of while ``LLM(...)`` starts, ``"compile_cache": FILE`` loads
-    ``funcspec precompile``'s file first), ``additional_config``, ``seed``, ``dtype``, ``quantization``
+    ``funcspec precompile``'s file first, ``"capture_logprobs": True`` also compiles the logprobs graphs at
+    start-up), ``additional_config``, ``seed``, ``dtype``, ``quantization``
     (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
     ``.gguf`` model, whose weights come quantized), ``tokenizer`` (a directory). funcspec's own
     ``backend`` and ``device`` may also be given. Arguments with no effect here
@@ -97,6 +98,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
             capture=compilation_option(compilation_config, "capture", "startup"),  # funcspec's key: or "lazy"
             compile_cache=compilation_option(compilation_config, "compile_cache", None),
+            capture_logprobs=compilation_option(compilation_config, "capture_logprobs", False),
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

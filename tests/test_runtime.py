@@ -44,6 +44,17 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96))
 
 
+def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
+    """``capture_logprobs`` (what ``funcspec serve`` sets): a request with logprobs then compiles nothing either."""
+    eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, capture_logprobs=True)
+    assert sorted(key[3] for key in eng.runner.compiled) == ["filtered", "filtered_logprobs", "greedy"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
+    assert len(eng.runner.compiled) == 3 and len(out[0].outputs[0].logprobs) == 4
+    assert LLM(tiny_llama, max_num_seqs=1, max_model_len=32, enforce_eager=True,
+               compilation_config={"capture_logprobs": True}).engine.startup_modes[-1] == "filtered_logprobs"
+
+
 def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
     eng = Engine(tiny_llama, backend="inductor", max_batch_size=2, max_model_len=32, capture="lazy")
     assert eng.runner.compiled == {} and eng.startup_seconds == 0.0

@@ -149,6 +149,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"funcspec serve needs the serve extra (pip install 'funcspec[serve]'): {err}") from err
     from funcspec import LLM
 
+    # NOTE: a server must not stall a request on a compile, so its start-up also captures the logprobs graphs
+    kwargs["compilation_config"] = {"capture_logprobs": True, **(kwargs.get("compilation_config") or {})}
     t0 = time.perf_counter()
     try:
         llm = LLM(args.model, **kwargs)  # NOTE: LLM's own warning names the vLLM flags with no effect here
