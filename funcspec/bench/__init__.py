@@ -1,11 +1,12 @@
 """Benchmarks: ``funcspec bench capture`` (per-bucket graph costs), ``bench spec``, ``bench scale``, ``bench tp``,
-``bench quality`` (quantized formats' held-out loss) and ``bench runtime`` (start-up, compile stalls, host cost)."""
+``bench quality`` (quantized formats' held-out loss), ``bench runtime`` (start-up, compile stalls, host cost) and
+``bench serve`` (a load and fault run of ``funcspec serve``)."""
 
 
 def add_bench_parser(sub) -> None:
-    """Register ``bench capture``, ``bench spec``, ``bench scale``, ``bench tp``, ``bench quality`` and
-    ``bench runtime``."""
-    from funcspec.bench import capture, quant, runtime, scale, spec, tp
+    """Register ``bench capture``, ``bench spec``, ``bench scale``, ``bench tp``, ``bench quality``,
+    ``bench runtime`` and ``bench serve``."""
+    from funcspec.bench import capture, quant, runtime, scale, serve, spec, tp
 
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -15,3 +16,4 @@ def add_bench_parser(sub) -> None:
     tp.add_parser(kinds)
     quant.add_parser(kinds)
     runtime.add_parser(kinds)
+    serve.add_parser(kinds)
