@@ -113,7 +113,7 @@ def build_app(engine, settings: Settings, on_shutdown: Optional[Callable[[], Non
     async def get_metrics():
         if loop.dead is None:
             with contextlib.suppress(RuntimeError):  # the engine thread is shutting down: the gauges stay put
-                metrics.engine(await loop.engine_stats())
+                metrics.engine(*await loop.graph_counts())
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

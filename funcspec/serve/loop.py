@@ -218,16 +218,23 @@ class EngineLoop:
         self._wake.set()
         return await future
 
-    async def engine_stats(self) -> dict:
-        """``Engine.stats``, read in the engine thread between two steps (never while a step runs).
+    async def graph_counts(self) -> tuple[int, int]:
+        """The engine's compiled graphs (an eager "graph" compiles nothing and is not counted) and their
+        recompiles, read in the engine thread between two steps (never while a step runs or compiles).
 
+        NOTE: from each graph's capture stats, not ``Engine.stats``, whose summary takes a median over every
+        replay so far: a scrape's cost would grow with the server's uptime, and the engine waits for it.
         Raises ``RuntimeError`` when the engine thread is not running (stopped, or the engine died).
         """
+        def count() -> tuple[int, int]:
+            stats = [g.stats for g in self.engine.runner.compiled.values()]
+            return sum(s.backend != "eager" for s in stats), sum(s.recompiles for s in stats)
+
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._stopping or self.dead is not None or self._thread is None or not self._thread.is_alive():
                 raise RuntimeError("the engine thread is not running")
-            self._calls.append((lambda: self.engine.stats, future))
+            self._calls.append((count, future))
         self._wake.set()
         return await future
 

@@ -40,7 +40,7 @@ class Metrics:
     request's time per output token counted in ``Engine.step`` time only: the
     TPOT it would see if the server cost nothing; requests that ended by stop
     or length), and the gauges ``engine_compiled_graphs`` and
-    ``engine_recompiles`` (``Engine.stats``, read at each scrape): a graph
+    ``engine_recompiles`` (the engine's graphs, read at each scrape): a graph
     compiled or a guard recompiled while serving shows as a rise.
     """
 
@@ -120,11 +120,10 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(tpot)
 
-    def engine(self, stats: dict) -> None:
-        """The engine's graph counts, from ``Engine.stats``."""
-        # NOTE: an eager "graph" is the eager step itself, made on first use: it compiles nothing
-        self.compiled_graphs.set(sum(g.get("backend", "eager") != "eager" for g in stats["graphs"].values()))
-        self.recompiles.set(stats["recompiles"])
+    def engine(self, compiled_graphs: int, recompiles: int) -> None:
+        """The engine's graph counts (:meth:`~funcspec.serve.loop.EngineLoop.graph_counts`)."""
+        self.compiled_graphs.set(compiled_graphs)
+        self.recompiles.set(recompiles)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text format and its content type."""
