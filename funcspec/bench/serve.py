@@ -347,14 +347,9 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples by name and labels (``model_name`` left out)."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^([\w:]+)(?:\{(.*)\})? (\S+)$", line)
-            if m:
-                labels = ",".join(p for p in (m.group(2) or "").split(",") if p and not p.startswith("model_name="))
-                out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
-        return out
+        from funcspec.serve.metrics import samples
+
+        return samples(httpx.get(self.url + "/metrics", timeout=30).text)
 
     def idle_metrics(self, timeout: float = 60.0) -> dict[str, float]:
         """The metrics once no request runs or waits (every abort and finish counted)."""

@@ -128,3 +128,16 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def samples(text: str) -> dict[str, float]:
+    """A ``/metrics`` text's samples by name and labels, ``model_name`` left out (``name{k="v",...}``), read with
+    prometheus_client's own parser: what a client of the server (a test, ``bench serve``) compares."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items() if k != "model_name")
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
