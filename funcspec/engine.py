@@ -396,12 +396,23 @@ class Engine:
 
     # ------------------------------------------------------------- requests
     def _admit(self, reqs: list[Request]) -> list[Request]:
-        """Prefill newly admitted ``reqs`` together and emit each one's first token; returns those done."""
+        """Prefill newly admitted ``reqs``, one request (with its ``n`` completions) at a time, and emit each
+        one's first token; returns those done.
+
+        NOTE: one prompt per prefill, because a batched prefill pads every prompt to the longest one's length
+        and runs more rows through the products: its logits differed from a solo prefill's in the last bits, and
+        a seeded top-p request (EAGLE-3, zoo) then drew another token at position 121 than when run alone.
+        """
         if not reqs:
             return []
         seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
                                      else (self.seed << 32) + int(r.request_id), r.index) for r in reqs]
-        firsts, first_lps, prompt_lps = self.runner.prefill(reqs, seeds)
+        firsts, first_lps, prompt_lps, at = [], [], [], 0
+        for group in _prompt_groups(reqs):
+            got = self.runner.prefill(group, seeds[at: at + len(group)])
+            at += len(group)
+            for acc, part in zip((firsts, first_lps, prompt_lps), got):
+                acc.extend(part)
         for req, first, lp, plp in zip(reqs, firsts, first_lps, prompt_lps):
             req.t_first = time.perf_counter()
             if plp is not None:
@@ -555,3 +566,14 @@ class Engine:
             "per_position_acceptance": [a / spec_rows if spec_rows else 0.0 for a in self._accepted_per_pos],
             "capture_sizes": self.plan.capture_sizes(),
         }
+
+
+def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
+    """``reqs`` in order, cut into runs that share one request (its ``n`` completions admitted together)."""
+    groups: list[list[Request]] = []
+    for r in reqs:
+        if groups and groups[-1][0].request_id == r.request_id:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups

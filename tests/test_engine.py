@@ -196,3 +196,23 @@ def test_cli_generate_prints_text_and_speed(default_model, capsys):
     out = capsys.readouterr().out
     assert "tokens/s" in out and "Generated:" in out
     assert "backend=inductor; captured 2 graph(s) at start-up in " in out and "B1_K0_T65_greedy" in out
+
+
+def test_a_request_prefilled_beside_others_keeps_the_bits_it_has_alone():
+    """Batch invariance at admission: a seeded top-p request admitted with two longer prompts holds, after its
+    prefill and first step, bitwise the KV it holds when admitted alone (a batched prefill, padded to the longest
+    prompt, once changed its logits' last bits and later a drawn token)."""
+    from funcspec import zoo
+
+    def slot0_kv(prompts):
+        eng = Engine(str(zoo.model_path("target")), zoo.speculative_config("eagle3", 3), backend="eager",
+                     max_batch_size=4, max_model_len=256)
+        for p in prompts:
+            eng.add_request(p, SamplingParams(temperature=0.8, top_p=0.95, seed=1005, max_tokens=4, ignore_eos=True))
+        eng.step()  # admits every request, then one speculative step
+        return eng.state.kv.k[:, 0], eng.state.kv.v[:, 0]
+
+    alone = slot0_kv(["def parse(x):\n    "])
+    beside = slot0_kv(["def parse(x):\n    ", "import os\nclass A:\n    def f(self):\n        return 1\n" * 3,
+                       "class A:\n"])
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside))
