@@ -48,7 +48,7 @@ def test_proposers_are_built_from_the_context_only():
     assert ngram.cfg.max_model_len == 20 and ngram.host is None
     suffix = build_proposer(SpecConfig("suffix", 4), None, CTX)
     assert isinstance(suffix.host, HostDrafter) and suffix.runs_on_host
-    row = types.SimpleNamespace(request_id="r", prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
+    row = types.SimpleNamespace(request_id="r", seq_id="r", prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
                                 output_ids=[7, 5, 6, 7], total_len=18)
     drafts = suffix.host_drafts([row], 2, 4)  # 2 positions left before max_model_len
     assert drafts.tolist() == [[5, 6, PLACEHOLDER, PLACEHOLDER], [PLACEHOLDER] * 4]
