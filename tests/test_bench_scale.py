@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from funcspec.bench import scale
+from funcspec.bench import scale, timing
+from funcspec.bench.scale import hf, llamacpp, measure
 
 TINY = dict(shape="tiny", backends="eager", sweep_backend="eager", alphas="0.8", ks="1,2", contexts="16,32",
             batches="1,2", new_tokens=8, prompt_tokens=16, copy_mb=16, profile_steps=2, reps=2)
@@ -96,6 +97,27 @@ def test_checkpoint_is_cached_and_reused(result):
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_typed_context_fields_and_the_ar_row_measured_once(result):
+    """The phases share a ScaleContext: the main prompt and engine length fixed at the start, an AR row (and
+    its warm engine) measured once per backend, and bench.quant's keys."""
+    from funcspec.checkpoints import load_model
+
+    res, cache, _ = result
+    path = scale.checkpoint_dir("tiny", "float32", cache)
+    ctx = scale.ScaleContext.create("tiny", "float32", path, new_tokens=8, prompt_tokens=16, seed=0, reps=1)
+    assert ctx.prompt == scale.make_prompts("tiny", 1, 16, 0)[0] and len(ctx.prompt) == 16
+    assert ctx.max_len == 16 + 8 + 8 and ctx.prompt_ids == (3, 512)
+    assert (ctx.model, ctx.hf, ctx.ar_rows, ctx.ar_engines) == (None, None, {}, {})
+    ctx.model = load_model(path)
+    row = measure.ar_row(ctx, "eager")
+    assert measure.ar_row(ctx, "eager") is row and list(ctx.ar_rows) == list(ctx.ar_engines) == ["eager"]
+    assert row["backend"] == "eager" and row["tokens"] == res["hf"]["tokens"]  # the run's prompt: HF's tokens
+    assert ctx.quant_keys() == {"model": ctx.model, "path": path, "n": 8, "p": 16, "reps": 1, "max_len": 32,
+                                "prompt": ctx.prompt, "prompt_ids": (3, 512), "seed": 0}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n'"):  # a named field, not a free key
+        scale.ScaleContext(**{**vars(ctx), "n": 8})
+
+
 def test_phases_subset_and_bad_options(tmp_path):
     res = scale.run(cache_dir=str(tmp_path / "c"), out=str(tmp_path / "o"), **{**TINY, "phases": "hf,ar"})
     assert "sweep" not in res and "bandwidth" not in res and res["ar"][0]["pct_of_bound"] is None
@@ -132,7 +154,7 @@ def test_mismatch_with_hf_raises_after_writing_unless_allowed(tmp_path, monkeypa
         out["tokens"] = out["tokens"][:3] + [(t + 1) % 512 for t in out["tokens"][3:]]
         return out
 
-    monkeypatch.setattr(scale, "hf_greedy", shifted)
+    monkeypatch.setattr(hf, "hf_greedy", shifted)  # where the hf phase looks it up
     opts = {**TINY, "phases": "hf,ar", "cache_dir": str(tmp_path / "c"), "out": str(tmp_path / "o"), "reps": 1}
     with pytest.raises(RuntimeError, match="differs from HF greedy at token 3"):
         scale.run(**opts)
@@ -176,8 +198,8 @@ def test_llamacpp_phase_with_a_fake_binding(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
     monkeypatch.setitem(sys.modules, "gguf", types.SimpleNamespace())
-    monkeypatch.setattr(scale, "hf_greedy", keep)
-    monkeypatch.setattr(scale, "write_gguf", lambda ckpt, kind: tmp_path / f"model-{kind}.gguf")
+    monkeypatch.setattr(hf, "hf_greedy", keep)
+    monkeypatch.setattr(llamacpp, "write_gguf", lambda ckpt, kind: tmp_path / f"model-{kind}.gguf")
     res = scale.run(**{**TINY, "phases": "hf,ar,llamacpp", "reps": 1}, cache_dir=str(tmp_path / "c"),
                     out=str(tmp_path / "o"))
     lc = res["llamacpp"]
@@ -197,7 +219,7 @@ def test_paired_ratios_cancel_drift():
     speed = iter([1.0, 1.0, 2.0, 2.0, 3.0, 3.0])  # each run is slower than the last pair's
     ours = lambda: 2.0 * next(speed)  # noqa: E731
     theirs = lambda: 1.0 * next(speed)  # noqa: E731
-    p = scale.paired_ratios(ours, theirs, 3)
+    p = timing.paired_ratios(ours, theirs, 3)
     assert p["ours_ms"] == [2.0, 4.0, 6.0] and p["theirs_ms"] == [1.0, 2.0, 3.0] and p["ratio"] == 2.0
 
 

@@ -1,0 +1,102 @@
+"""``bench scale``'s random checkpoints: the family shapes, the checkpoint built once per (shape, dtype, seed),
+the bytes a decode step streams, and the prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from funcspec.bench.timing import random_prompts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EMBED_SCALE = 3.0
+"""Random init (std 0.02) gives near-uniform logits, so bf16 rounding flips greedy
+near-ties between HF and funcspec; the embedding / lm_head are scaled by this
+(top-2 logit gap about 7x wider) so both pick the same argmax."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model family's shape: the HF config class kwargs and the non-special prompt-id range."""
+
+    arch: str  # "llama" | "qwen2"
+    config: dict
+    prompt_ids: tuple[int, int]  # [lo, hi): ids sampled for prompts, no special tokens
+
+
+_LLAMA_32K = dict(vocab_size=32000, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  max_position_embeddings=8192)
+SHAPES = {
+    "tiny": Shape("llama", dict(_LLAMA_32K, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), (3, 512)),
+    # 153M params: 12 x 8.65M layers + 2 x 24.6M (untied embedding and lm_head).
+    "llama-150m": Shape("llama", dict(_LLAMA_32K, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                      num_attention_heads=12, num_key_value_heads=4), (3, 32000)),
+    # 156M params, 594 MiB in fp32 (untied).
+    "llama-600m": Shape("llama", dict(_LLAMA_32K, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=4), (3, 32000)),
+    "qwen2.5-0.5b": Shape("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                        tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        max_position_embeddings=32768, bos_token_id=151643,
+                                        eos_token_id=151643), (0, 151643)),
+    "llama-3.2-1b": Shape("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=64, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192},
+                                        max_position_embeddings=131072, bos_token_id=128000,
+                                        eos_token_id=128001), (0, 128000)),
+}
+
+
+def checkpoint_dir(shape: str, dtype: str, cache_dir=None, seed: int = 0) -> Path:
+    """Where the random checkpoint lives: ``<cache_dir>/<shape>-<dtype>`` (``-seed<n>`` appended for seed != 0)."""
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "funcspec" / "scale"
+    return root / (f"{shape}-{dtype}" + (f"-seed{seed}" if seed else ""))
+
+
+def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: int = 0) -> Path:
+    """The random-weight HF checkpoint (safetensors) of ``shape``, built on first use, then reused.
+
+    Weights: transformers' default init (normal, std 0.02) with the embedding and
+    lm_head scaled by :data:`EMBED_SCALE`, saved in ``dtype``.
+    """
+    import transformers
+
+    path = checkpoint_dir(shape, dtype, cache_dir, seed)
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    spec = SHAPES[shape]
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[spec.arch]
+    torch.manual_seed(seed)
+    model = classes[1](classes[0](**spec.config)).eval()
+    with torch.no_grad():
+        emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        emb.mul_(EMBED_SCALE)
+        if out is not emb:  # untied: scale lm_head too (tied: it is the same tensor)
+            out.mul_(EMBED_SCALE)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    model.to(DTYPES[dtype]).save_pretrained(str(tmp))  # safetensors
+    tmp.replace(path)  # NOTE: atomic: a killed build never leaves a half checkpoint that looks complete
+    return path
+
+
+def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
+    """(parameters, bytes) a decode step streams: every funcspec param once (a tied lm_head is the embedding)."""
+    from funcspec.checkpoints import expected_shapes, model_config, read_config
+
+    cfg = model_config(read_config(path)[1])
+    n = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    return n, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
+def make_prompts(shape: str, num: int, length: int, seed: int) -> list[list[int]]:
+    """``num`` deterministic pseudo-random prompts of ``length`` ids from the shape's non-special range."""
+    return random_prompts(SHAPES[shape].prompt_ids, num, length, seed)
