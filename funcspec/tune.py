@@ -22,7 +22,7 @@ NOTE: using a_i measured at K_meas for a smaller K assumes that drafting fewer
 tokens drafts a prefix of the same tokens (true for every funcspec proposer)
 and that the steps' start positions do not change the statistics.
 
-For each bucket B the tuner picks the K in the measured range that maximises
+For each bucket B the tuner (:func:`tune_chain`) picks the K in the measured range that maximises
 
     tokens/s(B, K) = B · E[tokens | K] / cost(B, K)
 
@@ -31,7 +31,7 @@ active batch of n rows runs in bucket B = the smallest measured B >= n, and
 n · E / cost(B, K) has the same argmax over K as B · E / cost(B, K), so n
 inherits the bucket's K.
 
-Token trees (``tree=``, ``--tree``): a bucket is (B, N), N the node count a
+Token trees (:func:`tune_tree`; ``--tree``): a bucket is (B, N), N the node count a
 step drafts (the tree cut to N nodes, ``funcspec.token_tree.truncate``). A tree's
 acceptance at N is not a prefix of a bigger tree's (its first N nodes, or best N,
 are a different tree), so nothing is inferred across N: the spec result holds
@@ -58,10 +58,11 @@ sibling ``<name>.tuning.json``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -381,31 +382,95 @@ def capture_sizes(best: Mapping[int, int], buckets: Sequence[int]) -> list[int]:
 # ----------------------------------------------------------------------------- the exported config
 
 
-def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[int] = None,
-         cost: Optional[str] = None, max_k: Optional[int] = None, spec_keys: Optional[Mapping] = None,
-         paths: Optional[Mapping[str, str]] = None, tree: bool | Mapping = False) -> dict:
-    """The vLLM-Ascend-style config for ``method`` from a capture result and a spec result (both dicts).
+def tune(capture: Mapping, spec: Mapping, method: str, *, tree: bool | Mapping = False, **kwargs) -> dict:
+    """:func:`tune_chain`, or :func:`tune_tree` where ``tree`` asks for a token tree: ``True`` for the
+    method's only tree among the spec rows, or that tree's keys (a dict) to pick one. The one place that
+    chooses between them, for ``funcspec tune-k [--tree [JSON]]`` and :func:`tune_files`; ``kwargs`` are
+    theirs (``max_batch``, ``cost``, ``max_k``, ``spec_keys``, ``paths``).
+    """
+    if not isinstance(tree, (bool, Mapping)):
+        raise ValueError(f"tree must be True, False or a dict of token-tree keys, got {tree!r}")
+    if tree is False:
+        return tune_chain(capture, spec, method, **kwargs)
+    return tune_tree(capture, spec, method, tree=None if tree is True else tree, **kwargs)
+
+
+def tune_chain(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[int] = None,
+               cost: Optional[str] = None, max_k: Optional[int] = None, spec_keys: Optional[Mapping] = None,
+               paths: Optional[Mapping[str, str]] = None) -> dict:
+    """The vLLM-Ascend-style config choosing ``method``'s K per batch size, from a capture result and a spec
+    result (both dicts).
 
     Args:
         capture: a ``funcspec bench capture`` result.
-        spec: a ``funcspec bench spec`` result with a funcspec row of ``method``.
+        spec: a ``funcspec bench spec`` result with a funcspec (chain) row of ``method``.
         method: the speculative method (a vLLM name or alias).
         max_batch: the largest active batch the table covers (default: the
             largest measured bucket).
         cost: ``replay_ms`` or ``eager_ms`` (default: replay_ms when every bucket has it).
-        max_k: the largest K (a tree: N) to consider (default: everything measured).
+        max_k: the largest K to consider (default: everything measured).
         spec_keys: extra ``speculative_config`` keys passed through unchanged,
             e.g. ``{"model": DRAFT_DIR}`` or the n-gram window.
         paths: ``{"capture": ..., "spec": ...}`` recorded in ``tuning``.
-        tree: choose a token tree's node count N per batch size instead of a
-            chain's K: ``True`` for the method's only tree among the spec rows,
-            or that tree's keys (a dict) to pick one (module docstring).
 
     Returns:
         ``{"speculative_config", "compilation_config", "tuning"}``. The
         speculative_config is checked by :meth:`SpecConfig.from_vllm`.
     """
-    from funcspec.config import METHOD_ALIASES, SpecConfig
+    inputs = _read_inputs(capture, method, cost, spec_keys)
+    acceptance, row = read_acceptance(spec, inputs.method)
+    if max_k is not None:
+        _check_max_k(max_k, inputs.costs, len(acceptance), "K",
+                     f"the measured spec.rows[{row}].per_position_acceptance ({len(acceptance)} positions)")
+    choice = _choose(inputs.costs, max_batch, lambda measured: throughput_table(measured, acceptance, max_k))
+    # NOTE: vLLM needs num_speculative_tokens >= 1 even when K = 0 wins everywhere;
+    # the table's K = 0 then keeps every step autoregressive.
+    tokens = {"num_speculative_tokens": max(max(choice.best.values()), 1)}
+    return _export(inputs, choice, tokens, {"spec_row": row, "per_position_acceptance": acceptance},
+                   spec_keys, paths)
+
+
+def tune_tree(capture: Mapping, spec: Mapping, method: str, *, tree: Optional[Mapping] = None,
+              max_batch: Optional[int] = None, cost: Optional[str] = None, max_k: Optional[int] = None,
+              spec_keys: Optional[Mapping] = None, paths: Optional[Mapping[str, str]] = None) -> dict:
+    """The config choosing the node count N of ``method``'s token tree per batch size (module docstring).
+
+    Args as :func:`tune_chain`'s, but ``spec`` holds the method's tree rows (``bench spec --tree-sizes``),
+    ``capture`` the tree's (B, N) buckets (``bench capture --tree``), ``max_k`` caps N, and ``tree`` is the
+    keys of the tree to tune (a dict, however spelled), or ``None`` for the method's only tree among the
+    spec rows. The speculative_config carries the tree's keys and its whole node count.
+    """
+    inputs = _read_inputs(capture, method, cost, spec_keys)
+    keys, acceptance, rows = read_tree_acceptance(spec, inputs.method, tree)
+    parsed = parse_tree(inputs.method, keys, "the tuned tree")
+    if not capture.get("tree") or parse_tree(inputs.method, capture["tree"], "capture.tree") != parsed:
+        # NOTE: a (B, N) bucket costs drafting and verifying the tree cut to N; a chain's (B, K)
+        # or another tree's buckets cost something else.
+        warnings.warn(f"capture result was measured with tree {capture.get('tree')!r}, tuning tree {keys}",
+                      stacklevel=2)
+    if max_k is not None:
+        _check_max_k(max_k, inputs.costs, max(acceptance), "N",
+                     f"the largest tree size N measured in spec.rows ({max(acceptance)})")
+    expected = {n: 1.0 + sum(acc) for n, acc in acceptance.items()}  # E[tokens | N] = 1 + sum_d a_d(N)
+    choice = _choose(inputs.costs, max_batch, lambda measured: tree_throughput_table(measured, expected, max_k))
+    info = {"tree": keys, "tree_nodes": parsed.size, "spec_rows": {str(n): i for n, i in rows.items()},
+            "per_depth_acceptance": {str(n): acc for n, acc in acceptance.items()},
+            "expected_tokens": {str(n): e for n, e in expected.items()}}
+    return _export(inputs, choice, {**keys, "num_speculative_tokens": parsed.size}, info, spec_keys, paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What both kinds read alike: the method's canonical name, the cost field and the capture's costs."""
+
+    method: str
+    cost: str  # a COST_FIELDS entry
+    costs: dict[int, dict[int, float]]  # {B: {K or N: ms}}
+
+
+def _read_inputs(capture: Mapping, method: str, cost: Optional[str], spec_keys: Optional[Mapping]) -> _Inputs:
+    """The method's canonical name and the capture's costs; refuses ``spec_keys`` that the tuner sets."""
+    from funcspec.config import METHOD_ALIASES
     from funcspec.config.tree import DYNAMIC_KEYS
 
     method = METHOD_ALIASES.get(method, method)
@@ -413,84 +478,68 @@ def tune(capture: Mapping, spec: Mapping, method: str, *, max_batch: Optional[in
     if capture.get("method") not in (None, method):
         # NOTE: a bucket's cost includes its proposer's drafting; another method's costs mislead.
         warnings.warn(f"capture result was measured with method {capture['method']!r}, tuning {method!r}",
-                      stacklevel=2)
+                      stacklevel=3)
     clash = sorted(set(spec_keys or {}) & (_TUNED_KEYS | {"speculative_token_tree", *DYNAMIC_KEYS}))
     if clash:
         raise ValueError(f"spec_keys.{clash[0]} is set by the tuner; pass only method-specific keys")
-    if not isinstance(tree, (bool, Mapping)):
-        raise ValueError(f"tree must be True, False or a dict of token-tree keys, got {tree!r}")
-    costs = read_costs(capture, field)
-    if tree:
-        keys, size, expected, info = _tree_inputs(capture, spec, method, None if tree is True else tree, costs, max_k)
-    else:
-        acceptance, row = read_acceptance(spec, method)
-        if max_k is not None:
-            _check_max_k(max_k, costs, len(acceptance), row)
-        keys, info = {}, {"spec_row": row, "per_position_acceptance": acceptance}
+    return _Inputs(method, field, read_costs(capture, field))
+
+
+def _check_max_k(max_k: Any, costs: Mapping[int, Mapping[int, float]], measured: int, letter: str,
+                 spec_measured: str) -> None:
+    """``max_k`` may not ask for a K (a tree: N) that neither input measured: the spec result's ``measured``
+    (named by ``spec_measured``), or the largest of the capture's buckets."""
+    _count("max_k", max_k, 0)
+    if max_k > measured:
+        raise ValueError(f"max_k={max_k} is beyond {spec_measured}")
+    top = max(max(ks) for ks in costs.values())
+    if max_k > top:
+        raise ValueError(f"max_k={max_k} is beyond the largest {letter} measured in capture.buckets ({top})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """The buckets in use, the tokens/s table over them, the best K (N) per bucket and vLLM's ranges of it."""
+
+    max_batch: int
+    buckets: list[int]
+    table: list[dict]
+    best: dict[int, int]
+    ranges: list[list[int]]
+
+
+def _choose(costs: Mapping[int, Mapping[int, float]], max_batch: Optional[int],
+            table_of: Callable[[dict[int, Mapping[int, float]]], list[dict]]) -> _Choice:
+    """Both kinds' choice: the buckets ``max_batch`` pads to, ``table_of`` their costs, the best per bucket."""
     max_batch = max(costs) if max_batch is None else max_batch
     buckets = buckets_for(list(costs), max_batch)
-    measured = {b: costs[b] for b in buckets}
-    table = tree_throughput_table(measured, expected, max_k) if tree else throughput_table(measured, acceptance, max_k)
+    table = table_of({b: costs[b] for b in buckets})
     best = best_k(table)
-    ranges = compress_ranges(k_per_batch_size(best, max_batch))
-    top = max(r[2] for r in ranges)
-    speculative_config = {
-        **(spec_keys or {}),
-        "method": method,
-        **keys,
-        # NOTE: vLLM needs num_speculative_tokens >= 1 even when K = 0 wins everywhere;
-        # the table's K = 0 then keeps every step autoregressive. A tree's is its whole node count.
-        "num_speculative_tokens": size if tree else max(top, 1),
-        "num_speculative_tokens_per_batch_size": ranges,
-    }
+    return _Choice(max_batch, buckets, table, best, compress_ranges(k_per_batch_size(best, max_batch)))
+
+
+def _export(inputs: _Inputs, choice: _Choice, speculative: Mapping, info: Mapping, spec_keys: Optional[Mapping],
+            paths: Optional[Mapping[str, str]]) -> dict:
+    """The config: ``speculative`` (the kind's own keys) between ``spec_keys`` and the table, checked by
+    :meth:`SpecConfig.from_vllm`; ``info`` (the kind's inputs) in ``tuning``."""
+    from funcspec.config import SpecConfig
+
+    speculative_config = {**(spec_keys or {}), "method": inputs.method, **speculative,
+                          "num_speculative_tokens_per_batch_size": choice.ranges}
     SpecConfig.from_vllm(speculative_config, check_paths=False)
     tuning = {
         **dict(paths or {}),
-        "method": method,
-        "cost": field,
-        "max_batch": max_batch,
+        "method": inputs.method,
+        "cost": inputs.cost,
+        "max_batch": choice.max_batch,
         **info,
-        "batch_buckets": buckets,
-        "best_k": {str(b): k for b, k in best.items()},
-        "tokens_per_s": table,
+        "batch_buckets": choice.buckets,
+        "best_k": {str(b): k for b, k in choice.best.items()},
+        "tokens_per_s": choice.table,
     }
     return {"speculative_config": speculative_config,
-            "compilation_config": {"cudagraph_capture_sizes": capture_sizes(best, buckets)},
+            "compilation_config": {"cudagraph_capture_sizes": capture_sizes(choice.best, choice.buckets)},
             "tuning": tuning}
-
-
-def _tree_inputs(capture: Mapping, spec: Mapping, method: str, tree: Optional[Mapping],
-                 costs: Mapping[int, Mapping[int, float]], max_n: Optional[int]):
-    """A tree's keys, its node count, E[tokens | N] per measured N, and its ``tuning`` entries."""
-    keys, acceptance, rows = read_tree_acceptance(spec, method, tree)
-    parsed = parse_tree(method, keys, "the tuned tree")
-    if not capture.get("tree") or parse_tree(method, capture["tree"], "capture.tree") != parsed:
-        # NOTE: a (B, N) bucket costs drafting and verifying the tree cut to N; a chain's (B, K)
-        # or another tree's buckets cost something else.
-        warnings.warn(f"capture result was measured with tree {capture.get('tree')!r}, tuning tree {keys}",
-                      stacklevel=3)
-    if max_n is not None:
-        _count("max_k", max_n, 0)
-        top = max(max(ks) for ks in costs.values())
-        if max_n > max(acceptance) or max_n > top:
-            raise ValueError(f"max_k={max_n} is beyond the largest tree size N measured in spec.rows "
-                             f"({max(acceptance)}) or capture.buckets ({top})")
-    expected = {n: 1.0 + sum(acc) for n, acc in acceptance.items()}  # E[tokens | N] = 1 + sum_d a_d(N)
-    info = {"tree": keys, "tree_nodes": parsed.size, "spec_rows": {str(n): i for n, i in rows.items()},
-            "per_depth_acceptance": {str(n): acc for n, acc in acceptance.items()},
-            "expected_tokens": {str(n): e for n, e in expected.items()}}
-    return keys, parsed.size, expected, info
-
-
-def _check_max_k(max_k: Any, costs: Mapping[int, Mapping[int, float]], positions: int, row: int) -> None:
-    """``max_k`` may not ask for a K that neither input measured."""
-    _count("max_k", max_k, 0)
-    if max_k > positions:
-        raise ValueError(f"max_k={max_k} is beyond the measured spec.rows[{row}].per_position_acceptance "
-                         f"({positions} positions)")
-    top = max(max(ks) for ks in costs.values())
-    if max_k > top:
-        raise ValueError(f"max_k={max_k} is beyond the largest K measured in capture.buckets ({top})")
 
 
 def tune_files(capture_path, spec_path, method: str, out_path, **kwargs) -> dict:

@@ -102,6 +102,33 @@ def test_bad_tree_input_names_the_field(spec, kwargs, match):
         tune.tune(_capture(), spec, "eagle3", **kwargs)
 
 
+def test_tune_dispatches_once_to_the_chain_or_the_tree():
+    """tune(tree=False) is tune_chain, tune(tree=True) tune_tree of the method's only tree, tune(tree=keys)
+    tune_tree of that tree; tune_chain takes no tree, and an empty dict of keys is no tree (not a chain)."""
+    cap, spec, keys = _capture(), _spec(), {"model": "m"}
+    assert tune.tune(cap, spec, "eagle3", spec_keys=keys) == tune.tune_chain(cap, spec, "eagle3", spec_keys=keys)
+    only = tune.tune_tree(cap, spec, "eagle3", spec_keys=keys)
+    assert tune.tune(cap, spec, "eagle3", spec_keys=keys, tree=True) == only
+    assert tune.tune(cap, spec, "eagle3", spec_keys=keys, tree=KEYS) == tune.tune_tree(cap, spec, "eagle3",
+                                                                                       spec_keys=keys, tree=KEYS)
+    assert only["tuning"]["best_k"] == {"1": 7, "2": 2, "4": 0, "8": 4}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tree'"):
+        tune.tune_chain(cap, spec, "eagle3", spec_keys=keys, tree=KEYS)
+    for bad in (True, {}):
+        with pytest.raises(ValueError, match=rf"tree must be a dict of token-tree keys, got {bad}"):
+            tune.tune_tree(cap, spec, "eagle3", spec_keys=keys, tree=bad)
+    with pytest.raises(ValueError, match=r"tree must be a dict of token-tree keys, got \{\}"):
+        tune.tune(cap, spec, "eagle3", spec_keys=keys, tree={})
+
+
+def test_max_k_beyond_the_captured_n_names_the_capture():
+    capture = _capture({1: {0: 10.0, 2: 10.0, 4: 10.0}})  # the spec measured N up to 7, the capture up to 4
+    with pytest.raises(ValueError, match=r"^max_k=5 is beyond the largest N measured in capture.buckets \(4\)$"):
+        tune.tune_tree(capture, _spec(), "eagle3", spec_keys={"model": "m"}, max_k=5)
+    assert tune.tune_tree(capture, _spec(), "eagle3", spec_keys={"model": "m"}, max_k=4)["tuning"]["best_k"] == {
+        "1": 4}
+
+
 def test_a_capture_of_other_buckets_warns():
     with pytest.warns(UserWarning, match="capture result was measured with tree None, tuning tree"):
         tune.tune(_capture(tree=None), _spec(), "eagle3", spec_keys={"model": "m"}, tree=True)
