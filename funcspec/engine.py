@@ -32,6 +32,7 @@ from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, cache,
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
+from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.quant import prepare_params, quantized
@@ -318,7 +319,7 @@ class Engine:
     @mirrored
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None) -> str:
         """Validate and queue one request; returns its id. :meth:`step` admits it when a slot is free."""
-        req = self.scheduler.make_request(prompt, sampling_params or SamplingParams())
+        req = self.scheduler.make_request(*request_args(prompt, sampling_params))
         self.scheduler.add([req])
         return req.request_id
 
@@ -377,16 +378,16 @@ class Engine:
         ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
         :class:`SamplingParams` for all, or a list, one per prompt.
         """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        prompts, params = generate_args(prompts, sampling_params)  # ValueError naming a bad prompt or params
         # Validate everything before any request touches the engine's state.
-        requests = [self.scheduler.make_request(p, sp) for p, sp in zip(prompts, params)]
+        counter = self.scheduler.counter
+        try:
+            requests = [self.scheduler.make_request(p, sp) for p, sp in zip(prompts, params)]
+        except ValueError:
+            # NOTE: a refused batch takes no request ids: an unseeded request's seed is its id, so the next
+            # requests draw what they would have drawn without the refused call.
+            self.scheduler.counter = counter
+            raise
         self.scheduler.add(requests)
         with tqdm(total=len(requests), disable=not use_tqdm, desc="requests") as bar:
             while self.scheduler.has_unfinished():
