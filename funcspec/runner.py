@@ -21,9 +21,9 @@ from funcspec import rng, sampling
 from funcspec.capture import capture
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
-from funcspec.step import EngineState, StepConfig, StepInputs, move_slot, row_keys, spec_step
+from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
 from funcspec.token_tree import truncate
-from funcspec.tree import replace
+from funcspec.tree import move_slot, replace
 from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import synthetic
 

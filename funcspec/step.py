@@ -24,7 +24,7 @@ from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import ancestors, depths, tree_parents
-from funcspec.tree import pytree_dataclass, replace, tree_leaves
+from funcspec.tree import pytree_dataclass, replace, slot_field, static_field
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import tree as tree_verifier
 
@@ -46,8 +46,8 @@ class EngineState:
     """
 
     kv: KVCache
-    history: torch.Tensor
-    keys: torch.Tensor
+    history: torch.Tensor = slot_field()
+    keys: torch.Tensor = slot_field()
     sampling: Sampling
     proposer: Any = None
 
@@ -138,9 +138,9 @@ class StepContext:
     sampling: Sampling
     drafts: Optional[torch.Tensor] = None
     draft_parents: Optional[torch.Tensor] = None
-    read: KVRead = FULL_READ
-    mode: sampling.Mode = sampling.FILTERED
-    tree: Any = None
+    read: KVRead = static_field(default=FULL_READ)
+    mode: sampling.Mode = static_field(default=sampling.FILTERED)
+    tree: Any = static_field(default=None)
 
 
 @pytree_dataclass
@@ -168,20 +168,6 @@ class StepConfig:
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
     mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
     tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree of K nodes (the engine's, cut to K) when K > 0
-
-
-def move_slot(state: EngineState, src: int, dst: int) -> None:
-    """Copy everything slot ``src`` holds into slot ``dst``: KV, history, key, sampling, proposer state.
-
-    Per-slot leaves keep the slot on axis 0, except caches ``[L, S+1, H_kv, T, D]``
-    (axis 1). The host calls this (eagerly, once per retirement) to keep running
-    requests in slots 0..n-1, so that a step's rows are its slots and caches are
-    read in place. Donates: state.
-    """
-    for leaf in tree_leaves(state):
-        if isinstance(leaf, torch.Tensor):
-            axis = 1 if leaf.dim() == 5 else 0
-            leaf.select(axis, dst).copy_(leaf.select(axis, src))
 
 
 def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, slot_field
 
 PLACEHOLDER = -1
 """Marks a draft position with no proposal, and verifier output after the emitted tokens."""
@@ -65,9 +65,9 @@ class Sampling:
         top_p: [B] float32 in (0, 1]; 1 disables top-p.
     """
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
+    temperature: torch.Tensor = slot_field()
+    top_k: torch.Tensor = slot_field()
+    top_p: torch.Tensor = slot_field()
 
     @staticmethod
     def full(batch: int, temperature=1.0, top_k=0, top_p=1.0, device=None) -> "Sampling":

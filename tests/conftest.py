@@ -43,6 +43,19 @@ def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
 
 
 @pytest.fixture(scope="session")
+def check_slot_declarations():
+    """``check(engine)``: every tensor of the engine's state declares its slot axis, sized slots + scratch."""
+    from funcspec.tree import slot_leaves, tree_leaves
+
+    def check(eng):
+        declared = list(slot_leaves(eng.state))
+        assert len(declared) == len([x for x in tree_leaves(eng.state) if isinstance(x, torch.Tensor)])
+        assert all(x.shape[axis] == eng.num_slots + 1 for x, axis in declared)
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """Path of a 2-layer GQA Llama (vocab 96), untied embeddings."""
     path = tmp_path_factory.mktemp("tiny_llama")

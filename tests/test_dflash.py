@@ -68,6 +68,11 @@ def test_greedy_equals_autoregressive(target, heads, ar_outputs, method, k, batc
     assert eng.stats["recompiles"] == 0
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_every_state_tensor_declares_its_slot_axis(target, heads, method, check_slot_declarations):
+    check_slot_declarations(_run_engine(target, heads, method, 3, [[5, 6, 7]], 4))
+
+
 def test_dflash_keeps_its_context_through_k0_steps(target, heads, ar_outputs):
     """K = 0 steps (a batch-size table gap) still stage and project the committed context."""
     spec = {**_spec("dflash", heads["dflash"], 3), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 4, 0]]}

@@ -19,7 +19,7 @@ from funcspec.checkpoints import eagle, medusa, mtp
 from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.step import StepContext, VerifyResult
-from funcspec.tree import tree_map, tree_signature
+from funcspec.tree import clone_state, tree_signature
 from funcspec.types import Sampling
 
 K_MAX = 3
@@ -193,13 +193,18 @@ def _ctx(state, slots):
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_every_state_tensor_declares_its_slot_axis(zoo, method, check_slot_declarations):
+    check_slot_declarations(spec_engine(zoo, method, max_batch_size=2))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
 def test_state_structure_and_padding_invariance(zoo, method):
     eng = spec_engine(zoo, method, max_batch_size=2)
     eng.generate(PROMPTS[:2], greedy(7))  # slots 0 and 1 now hold decoded requests
     h, params, s = eng.proposer, eng.params["draft"], eng.num_slots
 
     def run(slots):
-        state = tree_map(torch.clone, eng.state)
+        state = clone_state(eng.state)
         sig = tree_signature(state.proposer)
         proposal, new = h.module.propose(h.cfg, params, state.proposer, _ctx(state, slots), K_MAX)
         assert tree_signature(new) == sig
@@ -241,7 +246,7 @@ def test_draft_window_does_not_depend_on_k(zoo):
     h, params = eng.proposer, eng.params["draft"]
     drafts = {}
     for k in (2, 3):
-        state = tree_map(torch.clone, eng.state)
+        state = clone_state(eng.state)
         drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1]), k)[0].tokens
     assert torch.equal(drafts[3][:, :2], drafts[2])
 
@@ -260,7 +265,7 @@ def test_propose_compiles_fullgraph(zoo):
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     outs = []
     for fn in (step, compiled):
-        state = tree_map(torch.clone, eng.state)
+        state = clone_state(eng.state)
         proposal, new = fn(params, state.proposer, _ctx(state, [0, 1]))
         outs.append((proposal.tokens, new.kv.k))
     assert torch.equal(outs[0][0], outs[1][0])

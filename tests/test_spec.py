@@ -252,3 +252,8 @@ def test_sampled_tree_lossless_draft_model(tiny_llama):
     ar_pairs, _ = _first_two({}, tiny_llama, n, prompt)
     assert eng.stats["per_position_acceptance"][0] > 0.5
     assert _same_law_pvalue(spec_pairs, ar_pairs) > 1e-4
+
+
+def test_draft_model_state_declares_its_slot_axes(tiny_llama, tiny_draft, check_slot_declarations):
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 2, tiny_draft), max_batch_size=2, max_model_len=96)
+    check_slot_declarations(eng)

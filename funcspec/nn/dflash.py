@@ -43,7 +43,7 @@ import torch
 # NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, mlp, read_cache, rms_norm,
                                rope_tables, window_start, write_kv)  # noqa: F401
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,8 @@ class ContextKV:
         v: [L_d, S+1, H_kv, T_max, D] values.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor = slot_field(axis=1)
+    v: torch.Tensor = slot_field(axis=1)
 
 
 def init_context_kv(cfg: DFlashConfig, num_slots: int, max_len: int, dtype, device) -> ContextKV:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from funcspec.kernels import REFERENCE, Ops, QuantFormat
 from funcspec.kernels.cpu import huge_empty
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +69,9 @@ class KVCache:
         lens: [S+1] int64 committed tokens per slot. Rollback resets it.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
-    lens: torch.Tensor
+    k: torch.Tensor = slot_field(axis=1)
+    v: torch.Tensor = slot_field(axis=1)
+    lens: torch.Tensor = slot_field()
 
 
 def init_kv_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:

@@ -5,6 +5,14 @@ part of a bucket's key), a ``params`` pytree (a graph input) and a ``state`` pyt
 (per slot, donated). :class:`Proposer` states the module-level names and signatures;
 :func:`contract_errors` checks a module against it (the registry test runs it on
 every registered method).
+
+NOTE: ``prefill``, ``propose`` and ``commit`` are pure in what they return but
+*donate* their ``state``: they write its caches in place (a copy of a
+multi-megabyte KV cache per step would cost more than the step) and return the
+state that holds the result. Each function's docstring names the leaves it
+donates. A caller that needs the state from before the call keeps a
+``funcspec.tree.clone_state`` copy. Every tensor of a state declares its slot
+axis (``funcspec.tree.slot_field``), which is how the engine moves and copies slots.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import torch
 from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, init_kv_cache, window_start
 from funcspec.proposers import tree_draft
 from funcspec.token_tree import DynamicTree, TokenTree, truncate
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
 
@@ -99,8 +99,8 @@ class ChainState:
     """
 
     kv: KVCache
-    feats: torch.Tensor
-    count: torch.Tensor
+    feats: torch.Tensor = slot_field()
+    count: torch.Tensor = slot_field()
 
 
 def chain_config(head, module, spec, target, hidden_layers) -> ChainConfig:

@@ -23,7 +23,7 @@ import torch
 from funcspec.checkpoints import dflash as ckpt
 from funcspec.nn import dflash
 from funcspec.nn.llama import window_start
-from funcspec.tree import pytree_dataclass, replace
+from funcspec.tree import pytree_dataclass, replace, slot_field
 from funcspec.types import Proposal
 
 runs_on_host = False
@@ -49,8 +49,8 @@ class DFlashState:
     """
 
     kv: dflash.ContextKV
-    staged: torch.Tensor
-    staged_pos: torch.Tensor
+    staged: torch.Tensor = slot_field()
+    staged_pos: torch.Tensor = slot_field()
 
 
 def build_for(spec, target, method: str):
@@ -83,7 +83,8 @@ def init_state(cfg: DFlashProposerConfig, params, num_slots: int, max_len: int) 
 
 
 def prefill(cfg: DFlashProposerConfig, params, state: DFlashState, tokens, slot: int, n: int, hiddens) -> DFlashState:
-    """Write the context of the padded prompt [1, T]; nothing is staged (``staged_pos = n``)."""
+    """Write the context of the padded prompt [1, T]; nothing is staged (``staged_pos = n``).
+    Donates: state.kv, state.staged_pos."""
     slots = torch.tensor([slot], device=tokens.device)
     kv = dflash.write_context(cfg.net, params, state.kv, torch.cat(hiddens, -1), slots, torch.zeros_like(slots))
     state.staged_pos.index_put_((slots,), torch.full_like(slots, n))

@@ -94,7 +94,7 @@ def init_state(cfg: DraftModelConfig, params, num_slots: int, max_len: int) -> D
 
 
 def prefill(cfg: DraftModelConfig, params, state: DraftState, tokens, slot: int, n: int, hiddens) -> DraftState:
-    """Run the draft over the padded prompt tokens [1, T] of a new request."""
+    """Run the draft over the padded prompt tokens [1, T] of a new request. Donates: state.kv."""
     slots = torch.tensor([slot], device=tokens.device)
     _, _, kv = forward(cfg.model, params, state.kv, tokens, slots, torch.zeros_like(slots))
     return DraftState(kv)

@@ -16,7 +16,7 @@ import torch
 from funcspec.checkpoints import medusa as ckpt
 from funcspec.nn import medusa as net
 from funcspec.nn.llama import activation_ref
-from funcspec.tree import pytree_dataclass
+from funcspec.tree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
 runs_on_host = False
@@ -34,7 +34,7 @@ class MedusaProposerConfig:
 class MedusaState:
     """feat: [S+1, H] the target's final normed hidden state at each slot's last committed position."""
 
-    feat: torch.Tensor
+    feat: torch.Tensor = slot_field()
 
 
 def build(spec, target, ctx):
