@@ -4,12 +4,13 @@ The guide's ``LLM(...)`` examples appear here as dicts, with hub names replaced
 by local directories.
 """
 
+import copy
 import dataclasses
 import json
 
 import pytest
 
-from funcspec.config import DynamicSpecConfig, RejectionSamplerConfig, SamplingParams, SpecConfig
+from funcspec.config import DynamicSpecConfig, RejectionSamplerConfig, SamplingParams, SpecConfig, rules
 
 
 @pytest.fixture
@@ -223,6 +224,18 @@ def test_k_from_draft_n_predict(draft):
     with open(f"{draft}/config.json", "w") as f:
         json.dump({"n_predict": 4}, f)
     assert SpecConfig.from_vllm({"method": "medusa", "model": draft}).num_speculative_tokens == 4
+
+
+def test_corrupt_draft_config_json_is_named(draft):
+    """A draft config.json that vLLM's fallbacks read (the method from its layout, K from n_predict) and that does
+    not parse is an error naming the file, not a guess ("draft_model") or "num_speculative_tokens is required"."""
+    with open(f"{draft}/config.json", "w") as f:
+        f.write('{"n_predict": 4,')
+    for spec in ({"model": draft, "num_speculative_tokens": 2}, {"method": "medusa", "model": draft}):
+        with pytest.raises(ValueError, match=rf"^{draft}/config\.json: not valid JSON \("):
+            SpecConfig.from_vllm(spec)
+    # a given method and K read nothing: the loader names the file when it builds the drafter
+    assert SpecConfig.from_vllm({"method": "medusa", "model": draft, "num_speculative_tokens": 2}).model == draft
 
 
 def test_hub_name_allowed_without_path_check():
@@ -463,6 +476,53 @@ def test_bad_config_names_the_field(draft, spec, additional, match):
         spec = {**spec, "model": draft}
     with pytest.raises(ValueError, match=match):
         SpecConfig.from_vllm(spec, additional)
+
+
+def test_k_is_bounded_by_the_verify_block(draft):
+    """num_speculative_tokens <= 63 for every method: a step verifies K + 1 <= 64 tokens per row, the bound a
+    token tree's N + 1 already had (config.tree.MAX_TREE_NODES)."""
+    from funcspec.config.tree import MAX_TREE_NODES
+
+    assert MAX_TREE_NODES == 63 and SpecConfig("ngram", 63).num_speculative_tokens == 63
+    why = r"a step verifies at most 64 tokens per row \(K \+ 1, as a token tree's N \+ 1\)"
+    with pytest.raises(ValueError, match=rf"^speculative_config\.num_speculative_tokens must be <= 63 for method "
+                                         rf"'eagle3': {why}, got 500$"):
+        SpecConfig.from_vllm({"method": "eagle3", "model": draft, "num_speculative_tokens": 500})
+    with pytest.raises(ValueError, match=r"must be <= 63 for method 'ngram'.*, got 64$"):
+        SpecConfig("ngram", 64)
+    # a K nobody gave says where it came from
+    with pytest.raises(ValueError, match=r"must be <= 63 for method 'suffix' \(its default: "
+                                         r"suffix_decoding_max_tree_depth\): .*, got 100$"):
+        SpecConfig.from_vllm({"method": "suffix", "suffix_decoding_max_tree_depth": 100})
+    with open(f"{draft}/config.json", "w") as f:
+        json.dump({"n_predict": 80}, f)
+    with pytest.raises(ValueError, match=rf"must be <= 63 for method 'medusa' \(from {draft}/config\.json\)"):
+        SpecConfig.from_vllm({"method": "medusa", "model": draft})
+
+
+def test_spec_config_is_resolved_then_built_once():
+    """rules.resolve is pure and returns every final field value; SpecConfig sets each field once from it (no
+    __post_init__ rewriting a frozen object), positionally or by name, and dataclasses.replace re-resolves."""
+    defaults = {f.name: f.default for f in dataclasses.fields(SpecConfig) if f.default is not dataclasses.MISSING}
+    given = {**defaults, "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+             "num_speculative_tokens_per_batch_size": [[5, 8, 1], [1, 4, 3]], "ignored_keys": ("a", "b", "a"),
+             "suffix_decoding_min_token_prob": 1}
+    before = copy.deepcopy(given)
+    final = rules.resolve(given)
+    assert given == before  # nothing given is changed
+    assert (final["prompt_lookup_min"], final["prompt_lookup_max"]) == (4, 4)
+    assert final["num_speculative_tokens_per_batch_size"] == ((1, 4, 3), (5, 8, 1))
+    assert final["ignored_keys"] == ("a", "b") and type(final["suffix_decoding_min_token_prob"]) is float
+    assert rules.resolve(final) == final  # a resolved config resolves to itself
+    cfg = SpecConfig(**given)
+    assert {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} == final
+    assert not hasattr(SpecConfig, "__post_init__")
+    assert SpecConfig("ngram", 3, None, 2) == SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2)
+    assert dataclasses.replace(cfg, num_speculative_tokens=2) == SpecConfig(**{**given, "num_speculative_tokens": 2})
+    with pytest.raises(TypeError, match=r"^SpecConfig\(\): got an unexpected keyword argument 'k'$"):
+        SpecConfig("ngram", 3, k=1)
+    with pytest.raises(TypeError, match=r"^SpecConfig\(\): missing a required argument: 'num_speculative_tokens'$"):
+        SpecConfig("ngram")
 
 
 def test_direct_construction_is_validated():

@@ -12,10 +12,13 @@ Modules, lowest first:
 - ``sampling_params``: ``SamplingParams``.
 - ``additional``: vLLM-Ascend's ``rejection_sampler_config`` and ``dynamic_spec_config``.
 - ``rules``: the checks a ``SpecConfig`` obeys (what each method allows comes
-  from the method registry, ``funcspec.methods``).
+  from the method registry, ``funcspec.methods``), as ``resolve``: the given
+  field values in, the final ones out.
 - ``vllm``: vLLM's dicts translated into ``SpecConfig`` fields (keys, aliases,
   fallbacks, ignored keys).
 - ``spec``: ``SpecConfig`` itself.
+- ``prompts``: ``generate``'s and ``add_request``'s prompts and sampling
+  parameters, checked before any request exists.
 
 This package re-exports the public names, so ``from funcspec.config import X`` is the import to use.
 """

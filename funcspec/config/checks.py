@@ -23,6 +23,10 @@ EXTRA = "additional_config."
 RS = EXTRA + "rejection_sampler_config."
 DYN = EXTRA + "dynamic_spec_config."
 
+MAX_DRAFT_TOKENS = 63
+"""The most drafts a row verifies in one step (``num_speculative_tokens``: a chain's K, a token tree's node count
+N): a verify block is at most 64 tokens per row (K + 1), for chains and trees alike."""
+
 
 def is_int(value: Any) -> bool:
     """True for a real integer. ``bool`` is excluded: ``True`` is never a count."""

@@ -1,25 +1,25 @@
 """The rules a ``SpecConfig`` obeys, one check per field or combination.
 
-:func:`validate` runs them in ``SpecConfig.__post_init__``, so a config built by
-hand and one parsed from vLLM dicts pass the same checks. What a method allows
-(a draft model, aux layers, a draft window, a batch table) is read from the
-method registry (``funcspec.methods``).
+:func:`resolve` runs them on the given field values and returns the final ones
+(defaults filled in, tables sorted, numbers normalised); ``SpecConfig`` sets its
+fields from that result once, so a config built by hand and one parsed from vLLM
+dicts pass the same checks, and no check ever rewrites a built config. This
+module works on plain values, never on a ``SpecConfig`` (``spec`` imports it).
+What a method allows (a draft model, aux layers, a draft window, a batch table)
+is read from the method registry (``funcspec.methods``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 from funcspec import methods
 from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.tree import check_dynamic_tree, tree_max_k
-from funcspec.config.checks import (DYN, EXTRA, RS, SPEC, check_float, check_int, set_field,
+from funcspec.config.checks import (DYN, EXTRA, MAX_DRAFT_TOKENS, RS, SPEC, check_float, check_int,
                                     synthetic_rates)
-
-if TYPE_CHECKING:
-    from funcspec.config.spec import SpecConfig
 
 VLLM_METHODS = methods.supported()
 """The methods ``SpecConfig`` accepts, under their canonical names: the registry's
@@ -28,24 +28,54 @@ supported rows (vLLM-Ascend's guide, plus funcspec's ``echo``)."""
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
 
-def validate(cfg: "SpecConfig") -> None:
-    """Check every field of ``cfg`` and store the normalised values, in the order errors are reported."""
-    check_method(cfg.method)
-    check_max_k(cfg.method, cfg.num_speculative_tokens)
-    _check_model(cfg.method, cfg.model)
-    _check_ngram_window(cfg)
-    set_field(cfg, "num_speculative_tokens_per_batch_size",
-              _normalise_table(cfg.num_speculative_tokens_per_batch_size, cfg.method))
-    _check_rejection(cfg)
-    _check_suffix(cfg)
-    set_field(cfg, "eagle_aux_hidden_state_layer_ids",
-              _normalise_layers(cfg.eagle_aux_hidden_state_layer_ids, cfg.method))
-    _check_draft_window(cfg.method, cfg.draft_window_size)
-    _check_dynamic_spec(cfg)
-    _check_draft_tp(cfg.method, cfg.draft_tensor_parallel_size)
-    _check_tree(cfg)
-    _check_quantization(cfg.quantization)
-    set_field(cfg, "ignored_keys", tuple(dict.fromkeys(cfg.ignored_keys)))
+def resolve(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The final value of every ``SpecConfig`` field, from ``given`` (every field, its default where not given).
+
+    Pure: ``given`` is not changed, and a resolved dict resolves to itself. The
+    checks run in the order errors are reported.
+    """
+    method, max_k = given["method"], given["num_speculative_tokens"]
+    check_method(method)
+    check_max_k(method, max_k)
+    _check_model(method, given["model"])
+    lo, hi = _ngram_window(method, given["prompt_lookup_min"], given["prompt_lookup_max"])
+    table = _normalise_table(given["num_speculative_tokens_per_batch_size"], method)
+    rs = given["rejection_sampler"]
+    rates = _check_rejection(given["rejection_sample_method"], given["synthetic_acceptance_rates"], rs, max_k)
+    factor, min_prob = _check_suffix(given)
+    layers = _normalise_layers(given["eagle_aux_hidden_state_layer_ids"], method)
+    _check_draft_window(method, given["draft_window_size"])
+    _check_dynamic_spec(given["dynamic_spec"], method, max_k)
+    _check_draft_tp(method, given["draft_tensor_parallel_size"])
+    _check_tree(given["speculative_token_tree"], given["dynamic_tree"], method, max_k, table,
+                verifier_method(given["rejection_sample_method"], rs), given["dynamic_spec"])
+    _check_quantization(given["quantization"])
+    return {
+        **given,
+        "prompt_lookup_min": lo,
+        "prompt_lookup_max": hi,
+        "num_speculative_tokens_per_batch_size": table,
+        "synthetic_acceptance_rates": rates,
+        "suffix_decoding_max_spec_factor": factor,
+        "suffix_decoding_min_token_prob": min_prob,
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "ignored_keys": tuple(dict.fromkeys(given["ignored_keys"])),
+    }
+
+
+def verifier_method(rejection_sample_method: str, rs: RejectionSamplerConfig) -> str:
+    """The verifier rule: "synthetic", "block", "magicmtp", "entropy" or "standard" (``SpecConfig.verifier_method``).
+
+    MagicMTP combined with entropy verification is "magicmtp" (the entropy
+    threshold is ``SpecConfig.verify_entropy``).
+    """
+    if rejection_sample_method != "standard":
+        return rejection_sample_method
+    if rs.enable_block_verify:
+        return "magicmtp"
+    if rs.enable_entropy_verify:
+        return "entropy"
+    return "standard"
 
 
 def _check_quantization(name: Any) -> None:
@@ -64,12 +94,17 @@ def check_method(method: Any) -> None:
         )
 
 
-def check_max_k(method: str, max_k: Any) -> None:
-    """``num_speculative_tokens`` >= 1 for every method, and exactly 1 for one that does not speculate."""
+def check_max_k(method: str, max_k: Any, origin: str = "") -> None:
+    """``num_speculative_tokens`` in 1..:data:`MAX_DRAFT_TOKENS` for every method, and exactly 1 for one that does
+    not speculate. ``origin`` says where a value nobody gave came from (vLLM's fallbacks)."""
     name = SPEC + "num_speculative_tokens"
-    check_int(name, max_k, lo=1, where=f" for method {method!r}")
+    where = f" for method {method!r}{origin}"
+    check_int(name, max_k, lo=1, where=where)
     if not methods.lookup(method).speculates and max_k != 1:
         raise ValueError(f"{name} must be exactly 1 for method {method!r} (it does not speculate), got {max_k}")
+    if max_k > MAX_DRAFT_TOKENS:
+        raise ValueError(f"{name} must be <= {MAX_DRAFT_TOKENS}{where}: a step verifies at most "
+                         f"{MAX_DRAFT_TOKENS + 1} tokens per row (K + 1, as a token tree's N + 1), got {max_k}")
 
 
 def _check_model(method: str, model: Any) -> None:
@@ -85,17 +120,17 @@ def _check_model(method: str, model: Any) -> None:
         raise ValueError(f"{SPEC}model must be a non-empty path string, got {model!r}")
 
 
-def _check_ngram_window(cfg: "SpecConfig") -> None:
-    """Fill in vLLM's n-gram window defaults, then check 1 <= min <= max. Other methods have no window.
+def _ngram_window(method: str, lo: Any, hi: Any) -> tuple[Optional[int], Optional[int]]:
+    """The n-gram window ``(min, max)`` with vLLM's defaults filled in, checked 1 <= min <= max; other methods have
+    none: ``(None, None)``.
 
     With neither bound given, the window is 5..5. With one bound given, the
     other copies it.
     """
-    lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-    if cfg.method != "ngram":
+    if method != "ngram":
         if lo is not None or hi is not None:
             raise ValueError(f"{SPEC}prompt_lookup_min/prompt_lookup_max are only used by method 'ngram'")
-        return
+        return None, None
     for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if value is not None:
             check_int(SPEC + name, value, lo=1)
@@ -104,10 +139,9 @@ def _check_ngram_window(cfg: "SpecConfig") -> None:
     # NOTE: vLLM's docstring says the minimum "defaults to 1", but its code sets the
     # missing bound to the given one. So {"prompt_lookup_max": 4} means 4..4. Matching the code.
     lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-    set_field(cfg, "prompt_lookup_min", lo)
-    set_field(cfg, "prompt_lookup_max", hi)
     if lo > hi:
         raise ValueError(f"{SPEC}prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    return lo, hi
 
 
 def _normalise_table(table: Any, method: str) -> Optional[tuple[tuple[int, int, int], ...]]:
@@ -147,15 +181,14 @@ def _table_row(name: str, entry: Any) -> tuple[int, int, int]:
     return start, end, k
 
 
-def _check_rejection(cfg: "SpecConfig") -> None:
-    """Check the rejection method, its synthetic rates, and combinations with vLLM-Ascend's options."""
-    method, rs = cfg.rejection_sample_method, cfg.rejection_sampler
+def _check_rejection(method: Any, rates: Any, rs: Any, max_k: int) -> Optional[tuple[float, ...]]:
+    """Check the rejection method and combinations with vLLM-Ascend's options; returns the synthetic rates
+    [max_k] ("synthetic"), else ``None``."""
     if method not in REJECTION_SAMPLE_METHODS:
         raise ValueError(f"{SPEC}rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}, got {method!r}")
     if method == "synthetic":
-        set_field(cfg, "synthetic_acceptance_rates",
-                  synthetic_rates(cfg.synthetic_acceptance_rates, None, cfg.num_speculative_tokens))
-    elif cfg.synthetic_acceptance_rates is not None:
+        rates = synthetic_rates(rates, None, max_k)
+    elif rates is not None:
         raise ValueError(f"{SPEC}synthetic_acceptance_rates is only valid with rejection_sample_method='synthetic'")
     if not isinstance(rs, RejectionSamplerConfig):
         raise ValueError(f"{RS[:-1]} must be a RejectionSamplerConfig, got {type(rs).__name__}")
@@ -167,16 +200,17 @@ def _check_rejection(cfg: "SpecConfig") -> None:
     # per-token test to adjust. Under synthetic the rates decide, so entropy is ignored there.
     if method == "block" and rs.enable_entropy_verify:
         raise ValueError(f"{RS}enable_entropy_verify cannot be combined with {SPEC}rejection_sample_method='block'")
+    return rates
 
 
-def _check_suffix(cfg: "SpecConfig") -> None:
-    """vLLM's ranges for the suffix decoding settings."""
-    check_int(SPEC + "suffix_decoding_max_tree_depth", cfg.suffix_decoding_max_tree_depth, lo=1)
-    check_int(SPEC + "suffix_decoding_max_cached_requests", cfg.suffix_decoding_max_cached_requests, lo=0)
-    set_field(cfg, "suffix_decoding_max_spec_factor",
-              check_float(SPEC + "suffix_decoding_max_spec_factor", cfg.suffix_decoding_max_spec_factor, lo=0.0))
-    set_field(cfg, "suffix_decoding_min_token_prob",
-              check_float(SPEC + "suffix_decoding_min_token_prob", cfg.suffix_decoding_min_token_prob, lo=0.0, hi=1.0))
+def _check_suffix(given: Mapping[str, Any]) -> tuple[float, float]:
+    """vLLM's ranges for the suffix decoding settings; returns ``(max_spec_factor, min_token_prob)`` as floats."""
+    check_int(SPEC + "suffix_decoding_max_tree_depth", given["suffix_decoding_max_tree_depth"], lo=1)
+    check_int(SPEC + "suffix_decoding_max_cached_requests", given["suffix_decoding_max_cached_requests"], lo=0)
+    factor = check_float(SPEC + "suffix_decoding_max_spec_factor", given["suffix_decoding_max_spec_factor"], lo=0.0)
+    min_prob = check_float(SPEC + "suffix_decoding_min_token_prob", given["suffix_decoding_min_token_prob"],
+                           lo=0.0, hi=1.0)
+    return factor, min_prob
 
 
 def _normalise_layers(layers: Any, method: str) -> Optional[tuple[int, ...]]:
@@ -214,28 +248,27 @@ def _check_draft_tp(method: str, size: Any) -> None:
                          f"the {method!r} drafter is replicated (give 1 or None)")
 
 
-def _check_dynamic_spec(cfg: "SpecConfig") -> None:
+def _check_dynamic_spec(dyn: Any, method: str, max_k: int) -> None:
     """The confidence-based verify length must match the method and fit within K."""
-    dyn = cfg.dynamic_spec
     if dyn is None:
         return
     if not isinstance(dyn, DynamicSpecConfig):
         raise ValueError(f"{DYN[:-1]} must be a DynamicSpecConfig, got {type(dyn).__name__}")
-    if dyn.method != cfg.method:
+    if dyn.method != method:
         raise ValueError(
-            f"{DYN}method must equal {SPEC}method ({cfg.method!r}), got {dyn.method!r}"
+            f"{DYN}method must equal {SPEC}method ({method!r}), got {dyn.method!r}"
         )
-    if dyn.min_verify_tokens > cfg.num_speculative_tokens:
+    if dyn.min_verify_tokens > max_k:
         raise ValueError(
             f"{DYN}method_params.min_verify_tokens must be <= {SPEC}num_speculative_tokens "
-            f"({cfg.num_speculative_tokens}), got {dyn.min_verify_tokens}"
+            f"({max_k}), got {dyn.min_verify_tokens}"
         )
 
 
-def _check_tree(cfg: "SpecConfig") -> None:
-    """A token tree needs a tree-drafting method and the lossless standard rule; a batch-size table
-    then gives the node count N per batch size (0 <= N <= the tree's size)."""
-    static, dynamic = cfg.speculative_token_tree, cfg.dynamic_tree
+def _check_tree(static: Any, dynamic: Any, method: str, max_k: int,
+                table: Optional[tuple[tuple[int, int, int], ...]], rule: str, dyn: Any) -> None:
+    """A token tree needs a tree-drafting method and the lossless standard rule (``rule``, the verifier); a
+    batch-size table then gives the node count N per batch size (0 <= N <= the tree's size)."""
     if static is None and dynamic is None:
         return
     name = SPEC + ("speculative_token_tree" if static is not None else "speculative_eagle_topk")
@@ -246,18 +279,19 @@ def _check_tree(cfg: "SpecConfig") -> None:
     if dynamic is not None:
         if not isinstance(dynamic, DynamicTree):
             raise ValueError(f"{SPEC}dynamic_tree must be a DynamicTree, got {type(dynamic).__name__}")
-        check_dynamic_tree(dynamic, frontiers=methods.lookup(cfg.method).model != methods.NONE)
-    if not methods.lookup(cfg.method).tree:
-        raise ValueError(f"{name} is not supported with method {cfg.method!r} "
+        check_dynamic_tree(dynamic, frontiers=methods.lookup(method).model != methods.NONE)
+    if not methods.lookup(method).tree:
+        raise ValueError(f"{name} is not supported with method {method!r} "
                          f"(token trees: {list(methods.select(tree=True))})")
-    tree_max_k(cfg.tree, cfg.num_speculative_tokens)
-    if cfg.verifier_method != "standard":
-        raise ValueError(f"{name} verifies with the lossless tree rule only, not {cfg.verifier_method!r} "
+    tree = static or dynamic
+    tree_max_k(tree, max_k)
+    if rule != "standard":
+        raise ValueError(f"{name} verifies with the lossless tree rule only, not {rule!r} "
                          f"({SPEC}rejection_sample_method and {RS}enable_* must stay off)")
-    if cfg.dynamic_spec is not None:
+    if dyn is not None:
         raise ValueError(f"{EXTRA}dynamic_spec_config cannot be combined with {name}: "
                          "a tree's size comes from num_speculative_tokens_per_batch_size, not confidence")
-    _check_tree_sizes(cfg.num_speculative_tokens_per_batch_size, cfg.tree.size)
+    _check_tree_sizes(table, tree.size)
 
 
 def _check_tree_sizes(table: Optional[tuple[tuple[int, int, int], ...]], size: int) -> None:

@@ -7,8 +7,9 @@ the translation of vLLM's dicts is in ``vllm``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 from funcspec.capture.backends import BACKENDS  # the capture layer owns backend names
 from funcspec.config import rules, vllm
@@ -20,13 +21,15 @@ NPU_MAX_QUERY_TOKENS = 16
 """``npu_fused_infer_attention_score`` takes at most this many query tokens per decode round."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SpecConfig:
     """A parsed and validated vLLM ``speculative_config``, plus vLLM-Ascend's ``additional_config`` keys.
 
     Build it from vLLM dicts with :meth:`from_vllm`. Direct construction runs the
     same checks and fills in the n-gram window defaults. It does not resolve
     aliases or the other vLLM fallbacks, and it does not look at the filesystem.
+    Either way the fields are resolved first (:func:`funcspec.config.rules.resolve`)
+    and each is set once, to its final value: a built config is never rewritten.
 
     Attributes:
         method: the canonical vLLM method name (see ``funcspec.methods``).
@@ -93,8 +96,17 @@ class SpecConfig:
     quantization: Optional[str] = None
     ignored_keys: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        rules.validate(self)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Take the fields as the dataclass would (positional in field order, or by name), resolve them
+        (``rules.resolve``: checks, defaults, normalised values), then set each once."""
+        try:
+            bound = _SIGNATURE.bind(*args, **kwargs)
+        except TypeError as err:  # a missing or unknown argument, as the generated __init__ would say
+            raise TypeError(f"SpecConfig(): {err}") from None
+        bound.apply_defaults()
+        # NOTE: object.__setattr__ is how a frozen dataclass's generated __init__ sets its fields too.
+        for name, value in rules.resolve(bound.arguments).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_vllm(
@@ -150,13 +162,7 @@ class SpecConfig:
         not a config choice. MagicMTP combined with entropy verification is
         "magicmtp" with :attr:`verify_entropy` set.
         """
-        if self.rejection_sample_method != "standard":
-            return self.rejection_sample_method
-        if self.rejection_sampler.enable_block_verify:
-            return "magicmtp"
-        if self.rejection_sampler.enable_entropy_verify:
-            return "entropy"
-        return "standard"
+        return rules.verifier_method(self.rejection_sample_method, self.rejection_sampler)
 
     @property
     def verify_entropy(self) -> bool:
@@ -179,3 +185,17 @@ class SpecConfig:
                 f"query tokens per decode round (num_speculative_tokens + 1 <= {NPU_MAX_QUERY_TOKENS}), "
                 f"got {self.num_speculative_tokens}"
             )
+
+
+def _signature(cls: type) -> inspect.Signature:
+    """The signature a dataclass's generated ``__init__`` would have: every field, in order, with its default."""
+    empty = inspect.Parameter.empty
+    return inspect.Signature([
+        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=empty if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(cls)
+    ])
+
+
+_SIGNATURE = _signature(SpecConfig)
+SpecConfig.__signature__ = _SIGNATURE  # help() and inspect show the fields, not (*args, **kwargs)

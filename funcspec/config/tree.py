@@ -18,14 +18,14 @@ import ast
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from funcspec.config.checks import SPEC, check_int, is_int
+from funcspec.config.checks import MAX_DRAFT_TOKENS, SPEC, check_int, is_int
 from funcspec.token_tree import DynamicTree, TokenTree
 
 DYNAMIC_KEYS = ("speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens")
 """SGLang's EAGLE-2 dynamic-tree options, as ``speculative_config`` keys."""
 
-MAX_TREE_NODES = 63
-"""The most draft nodes a tree may have: the verify block is N + 1 tokens per row (64)."""
+MAX_TREE_NODES = MAX_DRAFT_TOKENS
+"""The most draft nodes a tree may have: the verify block is N + 1 tokens per row (64), as a chain's K + 1."""
 
 
 def parse_token_tree(value: Any) -> TokenTree:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from funcspec import methods
 from funcspec.checkpoints import layouts
+from funcspec.checkpoints.files import read_json_object
 from funcspec.quant.formats import STORED, on_load
 from funcspec.config import rules
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
@@ -78,7 +79,7 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
     """The ``SpecConfig`` fields for vLLM's dicts (or JSON strings), or ``None`` without a speculative_config.
 
     ``additional_config`` is validated even then. vLLM's aliases and fallbacks
-    are resolved here; ``SpecConfig.__post_init__`` then checks the fields.
+    are resolved here; ``SpecConfig`` then checks the fields (``rules.resolve``).
     """
     spec = _parse_json(SPEC[:-1], speculative_config)
     extra = _parse_json(EXTRA[:-1], additional_config) or {}
@@ -162,6 +163,7 @@ def _infer_method(model: Any, check_paths: bool = True) -> str:
     if model in ("ngram", "[ngram]"):
         return "ngram"
     if check_paths and isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        _draft_config(model)  # a corrupt config.json is an error naming it, not "a draft model"
         try:
             return layouts.detect(model)[0].method
         except (ValueError, OSError):
@@ -213,34 +215,43 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
     Suffix falls back to ``suffix_decoding_max_tree_depth``. A draft's
     ``config.json`` falls back to ``n_predict``. Otherwise the key is required.
     """
-    max_k = spec.get("num_speculative_tokens")
+    max_k, origin = spec.get("num_speculative_tokens"), ""
     if max_k is None and method == "suffix":
         depth = spec.get("suffix_decoding_max_tree_depth", 24)
         max_k = check_int(SPEC + "suffix_decoding_max_tree_depth", depth, lo=1)
+        origin = " (its default: suffix_decoding_max_tree_depth)"
     if max_k is None and check_paths and model:
-        max_k = _n_predict(model)
+        max_k, origin = _n_predict(model), f" (from {os.path.join(model, 'config.json')})"
     if max_k is None:
         raise ValueError(f"{SPEC}num_speculative_tokens is required for method {method!r}")
-    # Checked here (and again in __post_init__) because the synthetic rates depend on it.
-    rules.check_max_k(method, max_k)
+    # Checked here (and again by SpecConfig) because the synthetic rates depend on it.
+    rules.check_max_k(method, max_k, origin)
     return max_k
+
+
+def _draft_config(model: str) -> Optional[dict]:
+    """The draft directory's ``config.json``, ``None`` without one; ``ValueError`` naming the file when it is
+    not a JSON object."""
+    path = os.path.join(model, "config.json")
+    return read_json_object(path) if os.path.isfile(path) else None
 
 
 def _n_predict(model: str) -> Optional[int]:
     """The draft's own K, as vLLM reads it: speculators' first proposal method's ``speculative_tokens``,
-    else ``n_predict`` from its ``config.json``."""
+    else ``n_predict`` from its ``config.json`` (``None`` without either, or without the file)."""
+    hf = _draft_config(model) if os.path.isdir(model) else None
+    if hf is None:
+        return None
     try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            hf = json.load(f)
         methods_ = (hf.get("speculators_config") or {}).get("proposal_methods") or [{}]
         n = methods_[0].get("speculative_tokens", hf.get("n_predict"))
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (AttributeError, TypeError, IndexError, KeyError):  # an unexpected speculators_config shape
         return None
     return n if is_int(n) else None
 
 
 def _ngram_window(spec: Mapping, method: str) -> dict[str, Any]:
-    """The given n-gram bounds for ngram (``__post_init__`` fills in defaults). Other methods drop them."""
+    """The given n-gram bounds for ngram (``SpecConfig`` fills in defaults). Other methods drop them."""
     if method != "ngram":
         return {}
     return {key: spec.get(key) for key in ("prompt_lookup_min", "prompt_lookup_max")}
@@ -271,7 +282,7 @@ def _hf_config(spec: Mapping) -> Mapping:
 
 
 def _aux_layers(spec: Mapping, method: str) -> Optional[Any]:
-    """The auxiliary layer ids for methods that read them (checked in ``__post_init__``)."""
+    """The auxiliary layer ids for methods that read them (checked by ``SpecConfig``)."""
     if not methods.lookup(method).aux_layers:
         return None
     return _hf_config(spec).get("eagle_aux_hidden_state_layer_ids")
