@@ -363,7 +363,7 @@ class Engine:
             t = self.plan.context_bucket(max(r.total_len for r in rows) + k + 1)
             mode = sampling.mode_for(r.params for r in rows)
             host = self.proposer is not None and self.proposer.runs_on_host
-            drafts = self.proposer.host_drafts(rows, b, k) if host else None
+            drafts = self.proposer.host_drafts(rows, b, k, self.runner.bucket_tree(k)) if host else None
             tokens, n, used, conf, lps = self.runner.step(len(rows), b, k, t, mode, drafts)
             finished += self._record(rows, tokens, n, used, k, b, lps)
             if self.dyn is not None and k > 0:

@@ -158,10 +158,15 @@ class Runner:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
         verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
-        tree = truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None  # N = k
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
-                          KVRead(t, aligned=True), mode, tree)
+                          KVRead(t, aligned=True), mode, self.bucket_tree(k))
+
+    def bucket_tree(self, k: int):
+        """The token tree a bucket of K = N drafts proposes and verifies: the engine's tree cut to N nodes
+        (``token_tree.truncate``), or ``None`` for chains and K = 0. The one place the cut is made: the
+        step hands it to in-graph proposers (``StepContext.tree``), the engine to host drafters."""
+        return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).

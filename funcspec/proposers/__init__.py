@@ -119,9 +119,10 @@ class ProposerHandle:
         """Fold a prefilled prompt into the proposer's state (eager, outside the bucket graphs)."""
         return self.bound.prefill(params, state, tokens, slot, n, hiddens)
 
-    def host_drafts(self, rows, b: int, k: int):
-        """Host drafts [B, K] for the running rows (host proposers only); (tokens, parents) for a tree."""
-        return self.host.drafts(rows, b, k)
+    def host_drafts(self, rows, b: int, k: int, tree=None):
+        """Host drafts [B, K] for the running rows (host proposers only); (tokens, parents) for the
+        bucket's token tree ``tree`` (``Runner.bucket_tree``)."""
+        return self.host.drafts(rows, b, k, tree)
 
     def shard(self, tp) -> "ProposerHandle":
         """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1)."""

@@ -77,9 +77,10 @@ class HostDrafter(Protocol):
     It sees the running requests only through ``drafts``' ``rows`` (row i is slot i).
     """
 
-    def drafts(self, rows, b: int, k: int):
+    def drafts(self, rows, b: int, k: int, tree=None):
         """[b, k] int64 drafts for the running ``rows`` (``PLACEHOLDER``-padded), on ``ctx.device``;
-        with a token tree, the pair (tokens, parents), [b, k] each (``funcspec.token_tree``)."""
+        with ``tree`` (the bucket's token tree of k nodes, cut by the engine), the pair (tokens, parents),
+        [b, k] each (``funcspec.token_tree``)."""
 
     def finish(self, req) -> None:
         """A request finished: stop tracking it (it may be kept for later lookups)."""

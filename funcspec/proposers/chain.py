@@ -25,7 +25,7 @@ Token trees (``ChainConfig.tree``): after the catch-up the head drafts the tree
 level by level (:mod:`funcspec.proposers.tree_draft`, static or EAGLE-2
 dynamic), with tree attention over its own drafts; a chain-shaped tree drafts
 exactly what the chain loop does. A bucket of N nodes drafts the tree cut to N
-(``token_tree.truncate``, from its K = N). The verified block is then the accepted
+(``StepContext.tree``, cut once per bucket by ``Runner.bucket_tree``). The verified block is then the accepted
 root path (at most D + 1 positions of the whole tree), so the catch-up covers D + 1
 positions, not max_k + 1.
 
@@ -44,7 +44,7 @@ import torch
 
 from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, init_kv_cache, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import DynamicTree, TokenTree, truncate
+from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.tree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
@@ -160,10 +160,10 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     window = window_start(lens, cfg.window)  # [B] or None
     g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, block, H]
     g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
-    if cfg.tree is not None and k > 0:
-        draft = tree_draft.draft_static if isinstance(cfg.tree, TokenTree) else tree_draft.draft_dynamic
+    if ctx.tree is not None:  # the bucket's tree: the engine's cut to N = K nodes
+        draft = tree_draft.draft_static if isinstance(ctx.tree, TokenTree) else tree_draft.draft_dynamic
         # NOTE: the head re-runs the verified block next step, so where its tree KV was written does not matter.
-        drafts, parents, kv, _ = draft(cfg, truncate(cfg.tree, k), params, kv, g, slots, lens, window, ctx.read)
+        drafts, parents, kv, _ = draft(cfg, ctx.tree, params, kv, g, slots, lens, window, ctx.read)
         return Proposal(drafts, parents=parents), ChainState(kv, state.feats, state.count)
     drafts = []
     for i in range(k):

@@ -10,8 +10,8 @@ Draft KV window (``additional_config.draft_window_size`` W): every draft query
 of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
 the rule every head shares.
 
-Token trees (``DraftModelConfig.tree``: a K = N step drafts the tree cut to N nodes,
-``token_tree.truncate``): the draft runs over the tree level by level, static
+Token trees (a K = N step drafts the bucket's ``StepContext.tree``: the engine's
+tree cut to N nodes by ``Runner.bucket_tree``): the draft runs over the tree level by level, static
 (vLLM's) or EAGLE-2 dynamic (``tree_draft``, with its logits as the "feature"
 each node passes to its children), and takes each node's top-k as children in
 every sampling mode (deterministic drafts, as the tree verifier needs). Its
@@ -25,7 +25,7 @@ a leaf the draft never ran: the next first pass re-feeds it (see :func:`propose`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -35,7 +35,7 @@ from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import commit_path, move_entries, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import TokenTree, truncate
+from funcspec.token_tree import TokenTree
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
@@ -48,7 +48,6 @@ class DraftModelConfig:
 
     model: ModelConfig
     window: Optional[int] = None  # additional_config.draft_window_size W
-    tree: Any = None  # the engine's token tree, static or dynamic (a K = N step drafts it cut to N), or None
 
 
 @pytree_dataclass
@@ -68,7 +67,7 @@ def build(spec, target, ctx):
             f"speculative_config.model: draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
             f"{target.cfg.vocab_size}"
         )
-    return DraftModelConfig(dataclasses.replace(draft.cfg, ops=target.cfg.ops), spec.draft_window_size, spec.tree), draft.params
+    return DraftModelConfig(dataclasses.replace(draft.cfg, ops=target.cfg.ops), spec.draft_window_size), draft.params
 
 
 def check_shard(cfg: DraftModelConfig, size: int) -> None:
@@ -115,10 +114,10 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     window = window_start(ctx.lens, cfg.window)  # [B] or None: one start for every draft of this step
     logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read, window=window)
     logits = logits[:, -1]  # [B, V]
-    if cfg.tree is not None and k > 0:
+    if ctx.tree is not None:  # the bucket's tree: the engine's cut to N = K nodes
         # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
         drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children)
-        tree, base = truncate(cfg.tree, k), ctx.lens + 1  # [B]: node i's slot is base + i
+        tree, base = ctx.tree, ctx.lens + 1  # [B]: node i's slot is base + i
         draft = tree_draft.draft_static if isinstance(tree, TokenTree) else tree_draft.draft_dynamic
         drafts, parents, kv, written = draft(drafter, tree, params, kv, logits, ctx.slots, base, window, ctx.read)
         if not isinstance(tree, TokenTree):

@@ -22,7 +22,6 @@ import torch
 
 from funcspec.proposers import keep_state, no_prefill
 from funcspec.suffix_tree import SuffixDecodingCache
-from funcspec.token_tree import truncate
 from funcspec.types import PLACEHOLDER, Proposal
 
 runs_on_host = True
@@ -83,10 +82,9 @@ class HostDrafter:
             self.cache.add_active_response(rid, new)
             self.seen[rid] = len(req.output_ids)
 
-    def drafts(self, rows, b: int, k: int):
-        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with a token tree,
-        (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
-        tree = truncate(self.cfg.tree, k, frontiers=False) if self.cfg.tree is not None and k > 0 else None  # N = k
+    def drafts(self, rows, b: int, k: int, tree=None):
+        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with the bucket's token tree
+        ``tree`` (N = K nodes), (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
         parents = torch.full((b, k), -1, dtype=torch.int64) if tree is not None else None
         depth = self.cfg.max_tree_depth
