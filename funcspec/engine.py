@@ -95,6 +95,9 @@ class Engine:
         ops: the kernels (:class:`funcspec.kernels.Ops`); default: what
             :func:`funcspec.kernels.resolve` picks for ``device``. Pass one to
             choose a path (tests, benchmarks).
+        cpu_kernels: ``False`` leaves funcspec's own CPU kernels (streaming
+            products, decode attention, quantized products) out of the default
+            ``ops`` and never builds them, as ``FUNCSPEC_CPU_KERNELS=0`` does.
         quantization: quantize the target's linear layers on load
             (:data:`funcspec.quant.formats.SCHEMES`: ``"int8"``, ``"int4"``,
             ...); the drafter takes ``speculative_config["quantization"]``.
@@ -129,10 +132,14 @@ class Engine:
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
                  ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
                  tokenizer: Optional[str] = None, compile_cache: Optional[str] = None,
-                 capture_logprobs: bool = False):
+                 capture_logprobs: bool = False, cpu_kernels: bool = True):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
+        if not isinstance(cpu_kernels, bool):
+            raise ValueError(f"cpu_kernels must be True or False, got {cpu_kernels!r}")
+        if ops is not None and not cpu_kernels:
+            raise ValueError("cpu_kernels=False shapes the default ops: pass ops or cpu_kernels, not both")
         self.startup_modes = STARTUP_SAMPLING + (("filtered_logprobs",) if capture_logprobs else ())
         self.quantization = on_load(quantization)
         self.followers = None
@@ -143,7 +150,7 @@ class Engine:
                                                                         tokenizer=tokenizer, quantization=stored)
         # NOTE: the kernels are chosen once, here, from the device: every ModelConfig (the target's, and the
         # drafter's, built from it) carries them into each bucket's static key.
-        ops = kernels.resolve(device) if ops is None else ops
+        ops = kernels.resolve(device, cpu_kernels) if ops is None else ops
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
@@ -213,10 +220,11 @@ class Engine:
                 self.proposer = self.proposer.shard(self.tp)
             self._prepare(ops)
             self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
-            self.runner = Runner(self.model, self.proposer, verify,
-                                 self.plan, self.backend, self.num_slots, self.t_max, device, dtype, self.dyn,
-                                 spec.synthetic_acceptance_rates if spec else None, hooks,
-                                 spec.tree if spec else None,
+            self.runner = Runner(model=self.model, proposer=self.proposer, verify=verify, plan=self.plan,
+                                 backend=self.backend, num_slots=self.num_slots, t_max=self.t_max, device=device,
+                                 dtype=dtype, dyn=self.dyn,
+                                 synthetic_rates=spec.synthetic_acceptance_rates if spec else None,
+                                 prefill_hooks=hooks, tree=spec.tree if spec else None,
                                  tree_frontiers=spec is None or methods.lookup(spec.method).model != methods.NONE)
             if compile_cache is not None:
                 self.compile_cache = cache.load(compile_cache)  # before any capture

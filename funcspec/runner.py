@@ -111,7 +111,7 @@ def _next_pow2(n: int, lo: int) -> int:
 class Runner:
     """The device side of an engine.
 
-    Args:
+    Args (keyword-only: thirteen of them, several of the same type, are too easy to pass out of order):
         model: the loaded target (:class:`~funcspec.checkpoints.Model`).
         proposer: the built proposer handle, or ``None`` (autoregressive).
         verify: ``verify(k) -> VerifyConfig`` for bucket K, or ``None``.
@@ -129,7 +129,7 @@ class Runner:
             (``False`` for ngram and suffix), which caps the depth of a cut dynamic tree.
     """
 
-    def __init__(self, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
+    def __init__(self, *, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
                  dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = (), tree=None,
                  tree_frontiers: bool = True):
         self.model, self.proposer, self.verify, self.plan, self.backend = model, proposer, verify, plan, backend
