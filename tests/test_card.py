@@ -47,3 +47,13 @@ def test_block_drafters_must_also_reach_their_rivals_and_every_corpus_gets_a_tab
     assert "| dspark | 2.95 | ≥ 2.5, ≥ eagle3 (2.90), ≥ dflash (2.70) ✓ |" in text
     tail = text.split("## Measured acceptance on a second corpus: numpy 2.4.6")[1]
     assert "| dflash | 1.90 | - | 0.80, 0.60, 0.40, 0.20 | True |" in tail and "✗" not in tail
+
+
+def test_the_corpus_is_named_by_version_never_by_the_training_machine_path():
+    root = card.Path(__file__).parents[1] / "models"
+    corpus = json.loads((root / "target" / "train.json").read_text())["corpus"]
+    name = card.corpus_name(corpus)  # train.json holds the path only: the version comes from it
+    assert name.startswith("The standard library of CPython 3.11.7,") and corpus["stdlib"] not in name
+    assert any(line.startswith(f"- {name}:") for line in (root / "README.md").read_text().splitlines())
+    assert card.corpus_name({"stdlib": "/x/lib/python3.12", "python": "3.12.1"}).startswith(
+        "The standard library of CPython 3.12.1,")

@@ -7,6 +7,7 @@ so the numbers in the cards are exactly those the recipes and the benchmark wrot
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -52,6 +53,15 @@ def _tau_rows(bench: dict | None) -> dict[str, dict]:
     return out
 
 
+def corpus_name(corpus: dict) -> str:
+    """The training corpus by its Python version and the command that finds it, never the training machine's
+    absolute path (``train.json`` records it; older ones hold only the path, whose first version number is
+    the interpreter's)."""
+    version = corpus.get("python") or re.search(r"\d+\.\d+(?:\.\d+)?", corpus["stdlib"]).group(0)
+    return (f"The standard library of CPython {version}, the directory that `python -c \"import sysconfig; "
+            "print(sysconfig.get_paths()['stdlib'])\"` prints (`funcspec.train.data.stdlib_root()`)")
+
+
 def render(models: Path, bench_paths: Sequence[Path] = ()) -> str:
     """The model cards as markdown; ``bench_paths``: bench spec results, the first on the held-out
     stdlib (where goals are judged), any others on corpora no model was trained on."""
@@ -67,7 +77,7 @@ def render(models: Path, bench_paths: Sequence[Path] = ()) -> str:
         c = facts["target"]["corpus"]
         h = facts["target"]["heldout"]
         lines += ["## Corpus", "",
-                  f"- `{c['stdlib']}`: `.py` files, sorted, without `test`/`tests`/`idlelib`/`lib2to3`/"
+                  f"- {corpus_name(c)}: `.py` files, sorted, without `test`/`tests`/`idlelib`/`lib2to3`/"
                   "`site-packages` parts.",
                   f"- Training split: {c['files']} files, {c['bytes'] / 1e6:.1f} MB "
                   f"(sha256 of the path list `{c['paths_sha256'][:16]}`).",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import sysconfig
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def manifest(split: str) -> dict:
     """What a recipe read: the stdlib root, file count, bytes and a digest of the sorted relative paths."""
     files = split_files(split)
     rels = [p.relative_to(stdlib_root()).as_posix() for p in files]
-    return {"split": split, "stdlib": str(stdlib_root()), "files": len(files),
+    return {"split": split, "stdlib": str(stdlib_root()), "python": platform.python_version(), "files": len(files),
             "bytes": sum(p.stat().st_size for p in files),
             "paths_sha256": hashlib.sha256("\n".join(rels).encode()).hexdigest()}
 
