@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import os
 import warnings
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, Callable, Optional
 
+from funcspec.capture import CAPTURE_MODES
+from funcspec.capture.backends import BACKENDS
+from funcspec.checkpoints import Model
+from funcspec.checkpoints.files import FLOAT_DTYPES, TOKENIZER_FILES, has_tokenizer
+from funcspec.config.checks import check_bool, check_int, is_int
 from funcspec.engine import Engine
 
 # vLLM engine arguments that have no effect on a single-device funcspec engine.
@@ -14,6 +23,86 @@ NO_EFFECT_ARGS = frozenset({
     "block_size", "enable_chunked_prefill", "disable_log_stats", "tokenizer_mode", "data_parallel_size",
     "served_model_name", "kv_cache_dtype", "disable_custom_all_reduce",
 })
+
+DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "float64": "float64", "double": "float64"}
+"""``dtype`` names -> torch dtypes: vLLM's, and float64. NOTE: ``"auto"`` is float32 here (vLLM: the
+checkpoint's ``torch_dtype``), the precision every CPU path is tested in."""
+
+
+def torch_dtype(dtype: Any):
+    """``LLM(dtype=...)`` as a torch dtype: a name of :data:`DTYPES` or a floating torch dtype."""
+    import torch
+
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return getattr(torch, DTYPES[dtype])
+    if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES:
+        return dtype
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a floating torch dtype, got {dtype!r}")
+
+
+def check_device(device: Any):
+    """``device`` as a ``torch.device`` this process can use; ``ValueError`` naming it otherwise."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device name such as 'cpu' or 'cuda:0', got {device!r} ({e})") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available to this torch")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def check_compilation(compilation_config: Any) -> None:
+    """vLLM's ``compilation_config`` (a dict, a ``CompilationConfig``-like object, or vLLM's integer level) and
+    the keys funcspec reads from it, before anything is built."""
+    cc = compilation_config
+    if isinstance(cc, (str, bytes, bool, float, Sequence, Set)):
+        raise ValueError(f"compilation_config must be a dict (or vLLM's CompilationConfig or level), "
+                         f"got {type(cc).__name__}")
+    capture = compilation_option(cc, "capture", "startup")
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"compilation_config.capture must be one of {CAPTURE_MODES}, got {capture!r}")
+    check_bool("compilation_config.capture_logprobs", compilation_option(cc, "capture_logprobs", False))
+    cache = compilation_option(cc, "compile_cache", None)
+    if cache is not None and not isinstance(cache, (str, os.PathLike)):
+        raise ValueError(f"compilation_config.compile_cache must be a file path, got {cache!r}")
+    sizes = compilation_option(cc, "cudagraph_capture_sizes", None)
+    if sizes is not None and (isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence)
+                              or not all(is_int(s) and s >= 1 for s in sizes)):
+        raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a list of integers >= 1, got {sizes!r}")
+
+
+def check_engine_args(model: Any, tensor_parallel_size: Any, max_num_seqs: Any, max_model_len: Any,
+                      enforce_eager: Any, seed: Any, tokenizer: Any, backend: Any, kwargs: Mapping) -> None:
+    """``LLM``'s scalar arguments, checked before the checkpoint is read: ``ValueError`` naming the argument
+    (``FileNotFoundError`` for a tokenizer directory without a tokenizer); ``kwargs``: the rest, each a vLLM
+    argument with no effect here (else a ``ValueError`` with a suggestion)."""
+    unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
+    if unknown:
+        known = sorted(NO_EFFECT_ARGS | set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"})
+        close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        hints = "; ".join(f"{k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+        raise ValueError(f"LLM: unknown engine argument(s) {unknown}" + (f" ({hints})" if hints else ""))
+    if not isinstance(model, (str, os.PathLike, Model)):
+        raise ValueError(f"model must be a checkpoint directory or a .gguf file path, got {model!r}")
+    check_int("tensor_parallel_size", tensor_parallel_size, lo=1)  # whether the target divides by it: the engine
+    check_int("max_num_seqs", max_num_seqs, lo=1)
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, lo=2)
+    check_bool("enforce_eager", enforce_eager)
+    if not is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError(f"tokenizer must be a directory path, got {tokenizer!r}")
+    if tokenizer is not None and not has_tokenizer(tokenizer):  # NOTE: load_model would quietly run without one
+        raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r}: not a directory with a tokenizer "
+                                f"(looked for {', '.join(TOKENIZER_FILES)})")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Callable[[int], int],
@@ -72,29 +161,32 @@ class LLM:
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
                  backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None,
                  tokenizer: Optional[str] = None, **kwargs):
-        unknown = sorted(set(kwargs) - NO_EFFECT_ARGS)
-        if unknown:
-            raise ValueError(f"LLM: unknown engine argument(s) {unknown}")
+        # NOTE: every argument is checked before the checkpoint is read or anything is built, so a refused
+        # LLM(...) costs nothing and leaves nothing behind (no ranks, no caches).
+        check_engine_args(model, tensor_parallel_size, max_num_seqs, max_model_len, enforce_eager, seed, tokenizer,
+                          backend, kwargs)
+        dt = torch_dtype(dtype)
+        check_device(device)
+        check_compilation(compilation_config)
         if kwargs:
             warnings.warn(f"LLM: arguments with no effect in funcspec were ignored: {sorted(kwargs)}", stacklevel=2)
-        import torch
-
         from funcspec import methods
         from funcspec.config import SpecConfig
 
-        spec = SpecConfig.from_vllm(speculative_config, additional_config) if speculative_config else None
+        # An empty dict or string is no speculation, as None; additional_config is validated either way.
+        off = speculative_config is None or (isinstance(speculative_config, (Mapping, str)) and not speculative_config)
+        spec = SpecConfig.from_vllm(None if off else speculative_config, additional_config)
         if spec is not None and spec.ignored_keys:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
         # A method that does not speculate (extract_hidden_states) decodes autoregressively: K = 0.
         max_k = spec.num_speculative_tokens if spec and methods.lookup(spec.method).speculates else 0
         k_of = spec.k_for_batch_size if spec and spec.num_speculative_tokens_per_batch_size else lambda n: max_k
-        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else torch.float32
         self.engine = Engine(
             model, speculative_config=spec, backend=backend or ("eager" if enforce_eager else "auto"),
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
             batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
-            device=device, dtype=torch_dtype, kv_transfer_config=kv_transfer_config,
+            device=device, dtype=dt, kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
             capture=compilation_option(compilation_config, "capture", "startup"),  # funcspec's key: or "lazy"
             compile_cache=compilation_option(compilation_config, "compile_cache", None),

@@ -226,13 +226,32 @@ def read_json_object(file: Path) -> dict:
     return value
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+"""A directory with one of these has a tokenizer."""
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether directory ``path`` holds tokenizer files (:data:`TOKENIZER_FILES`)."""
+    return any((Path(path) / f).exists() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer via ``AutoTokenizer``, or ``None`` if it ships none."""
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    """The checkpoint's tokenizer via ``AutoTokenizer``, or ``None`` if it ships none.
+
+    A tokenizer that does not load because one of its JSON files is corrupt is a ``ValueError`` naming that file.
+    """
+    path = Path(path)
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - transformers' errors name no file (a corrupt one: a bare JSONDecodeError)
+        for name in (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json"):
+            if (path / name).is_file():
+                read_json_object(path / name)  # a corrupt one: ValueError naming it
+        raise  # not a corrupt file (a missing dependency, an unknown tokenizer class): transformers' own error
 
 
 def save_params(path: str | os.PathLike, params: dict, hf_config: dict, file: str = "model.safetensors") -> None:

@@ -8,7 +8,6 @@ The math over those params is :mod:`funcspec.nn.llama`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from funcspec.checkpoints import gguf, quantized
-from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config
+from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config, read_json_object
 from funcspec.nn.llama import ModelConfig
 
 ARCHITECTURES = {
@@ -162,14 +161,23 @@ class Model:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids from the config, the generation config and the tokenizer."""
-        ids = set(self.cfg.eos_token_ids)
-        gen = Path(self.path) / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        ids = set(self.cfg.eos_token_ids) | set(generation_eos(Path(self.path)))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
+
+
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` of checkpoint ``path``'s ``generation_config.json`` (an id or a list), ``()`` without
+    one; ``ValueError`` naming the file when it is corrupt or the ids are not integers."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    eos = read_json_object(gen).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{gen}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 EMBEDDED_HEADS = (r"model\.layers\.(\d+)\.", r"model\.mtp_layers\.", r"medusa_head\.")
@@ -209,6 +217,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         return model
     path, hf = read_config(path)
     cfg = model_config(hf, str(path / "config.json"))
+    generation_eos(path)  # NOTE: read on every stop check; a corrupt file is refused here, before any request
     scheme = quantized.detect(path, hf)
     quantized.check_requested(quantization, scheme, str(path))
     shapes = expected_shapes(cfg)
