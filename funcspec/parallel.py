@@ -28,7 +28,8 @@ class TPGroup:
     Attributes:
         size: ranks in the group (``tensor_parallel_size``); 1 is no parallelism.
         rank: this process's rank in the group, ``0 <= rank < size``.
-        group: the ``torch.distributed`` group name the all-reduces run on.
+        group: the ``torch.distributed`` group name the all-reduces run on: a spawned engine's own
+            group (``funcspec-tp0``, ...), or the world group's under ``torchrun``.
     """
 
     size: int = 1

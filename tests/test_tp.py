@@ -6,6 +6,7 @@ row-parallel rule that a bias is added once, after the all-reduce.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import funcspec
-from funcspec import Engine, SamplingParams
+from funcspec import Engine, SamplingParams, distributed
 from funcspec.checkpoints import init_draft_head, load_model
 from funcspec.checkpoints.tp import shard_model
 from funcspec.distributed import _free_port
@@ -62,6 +63,18 @@ def specs(paths: dict) -> dict:
 
 def tokens(engine_or_llm) -> list:
     return [o.outputs[0].token_ids for o in engine_or_llm.generate(PROMPTS, PARAMS)]
+
+
+TP_LLM = dict(enforce_eager=True, max_num_seqs=2, max_model_len=40)
+
+
+def registered(group: str) -> bool:
+    """Whether torch still resolves ``group`` (the name a bucket's all-reduces run on) in this process."""
+    try:
+        torch._C._distributed_c10d._resolve_process_group(group)
+    except RuntimeError:
+        return False
+    return True
 
 
 def test_shards_tile_the_weights_and_heads_stay_with_their_kv_head(tp_models):
@@ -154,6 +167,7 @@ def _all_reduces(gm) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1_for_every_method_on_eager_and_inductor(tp_models, tmp_path):
     """Greedy and sampled rows, AR and three drafters, eager and inductor: TP=2 emits TP=1's tokens."""
     ctx = torch.multiprocessing.spawn(_rank, (_free_port(), tp_models, str(tmp_path)), nprocs=2, join=False)
@@ -215,22 +229,25 @@ def test_llm_spawns_its_ranks_refuses_bad_input_alike_and_closes_cleanly(tp_mode
     ref = tokens(funcspec.LLM(tp_models["target"], enforce_eager=True, max_num_seqs=2, max_model_len=40))
     llm = funcspec.LLM(tp_models["target"], enforce_eager=True, max_num_seqs=2, max_model_len=40,
                        tensor_parallel_size=2)
-    procs = llm.engine.followers.procs
+    procs, group = llm.engine.followers.procs, llm.engine.tp.group
+    assert group.startswith("funcspec-tp") and registered(group) and not dist.is_initialized()  # its own group
     assert tokens(llm) == ref
     with pytest.raises(ValueError, match="prompt must not be empty"):
         llm.generate([[]], PARAMS[0])
     assert tokens(llm) == ref  # a refused call leaves the group working
     llm.close()
-    assert [p.exitcode for p in procs] == [0] and not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="closed"):
+    assert [p.exitcode for p in procs] == [0] and not registered(group) and not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"this tensor-parallel engine is closed: close\(\) stopped its ranks; "
+                                           r"build a new engine"):
         llm.generate(PROMPTS, PARAMS)
+    llm.close()  # again: a no-op
 
 
 class FailsOnRank1(Engine):
     """An engine whose follower fails while it is built (rank 0 must not wait for it forever)."""
 
     def __init__(self, *args, **kwargs):
-        if dist.is_initialized() and dist.get_rank() == 1:
+        if distributed.global_rank() == 1:
             raise RuntimeError("rank 1 could not build its engine")
         super().__init__(*args, **kwargs)
 
@@ -245,13 +262,13 @@ def test_a_follower_failing_to_start_is_reported_by_rank_0(tp_models):
 def test_a_dying_rank_stops_the_group_with_an_error_not_a_hang(tp_models):
     llm = funcspec.LLM(tp_models["target"], enforce_eager=True, max_num_seqs=2, max_model_len=40,
                        tensor_parallel_size=2)
-    follower = llm.engine.followers.procs[0]
+    follower, group = llm.engine.followers.procs[0], llm.engine.tp.group
     threading.Timer(1.0, os.kill, (follower.pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
         while time.monotonic() - t0 < 60:  # generate until the kill lands, mid-call or between calls
             llm.generate(PROMPTS, PARAMS)
-    assert time.monotonic() - t0 < 30 and not dist.is_initialized()
+    assert time.monotonic() - t0 < 30 and not registered(group)
 
 
 def test_only_rank_0_writes_extracted_hidden_states(tmp_path):
@@ -289,5 +306,117 @@ def test_a_rank_dying_between_poll_and_recv_is_named_not_an_eoferror():
         def recv(self):
             raise EOFError
 
+        def close(self):
+            pass
+
     with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
         Followers([DeadRank()], [ClosedPipe()])._acks()
+
+
+# ---------------------------------------------------------------- reliability: groups, dead ranks, closing
+@pytest.fixture(scope="module")
+def tp1_tokens(tp_models):
+    """The single-rank tokens every tensor-parallel engine of these tests must emit."""
+    return tokens(funcspec.LLM(tp_models["target"], **TP_LLM))
+
+
+def test_two_spawned_engines_in_one_process_each_run_their_own_group(tp_models, tp1_tokens):
+    """A second TP engine while the first is open used the first one's group and hung in a gloo timeout."""
+    a = funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM)
+    b = funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM)
+    assert tokens(b) == tp1_tokens and tokens(a) == tp1_tokens and tokens(b) == tp1_tokens
+    assert a.engine.tp.group != b.engine.tp.group and not dist.is_initialized()
+    a.close()
+    assert not registered(a.engine.tp.group) and registered(b.engine.tp.group)
+    assert tokens(b) == tp1_tokens  # closing one engine leaves the other's group alone
+    b.close()
+    assert not registered(b.engine.tp.group)
+
+
+@pytest.mark.parametrize("call", ["generate", "step", "close"])
+def test_a_rank_killed_between_calls_is_named_by_the_next_call_and_a_new_engine_works(tp_models, tp1_tokens,
+                                                                                         call):
+    llm = funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM)
+    follower, group = llm.engine.followers.procs[0], llm.engine.tp.group
+    dead = r"tensor-parallel rank 1 exited with code -9 \(SIGKILL\)"
+    if call == "close":
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join()
+        with pytest.raises(RuntimeError, match=dead):
+            llm.close()
+    else:
+        if call == "step":
+            llm.engine.add_request(PROMPTS[0], PARAMS[0])
+        # NOTE: a stopped rank looks alive, so rank 0 sends it the call and then waits in an all-reduce when
+        # the kill lands: the unread call resets the pipe (a bare ConnectionResetError before the fix).
+        os.kill(follower.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (follower.pid, signal.SIGKILL)).start()
+        with pytest.raises(RuntimeError, match=dead):
+            llm.generate(PROMPTS, PARAMS) if call == "generate" else llm.engine.step()
+    assert follower.exitcode == -9 and not registered(group)
+    with pytest.raises(RuntimeError, match=f"this tensor-parallel engine is closed: {dead}"):
+        llm.generate(PROMPTS, PARAMS)
+    llm.close()  # closing a stopped engine again is a no-op
+    again = funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM)
+    assert tokens(again) == tp1_tokens
+    again.close()
+
+
+def test_a_dead_rank_read_off_a_reset_pipe_is_named_not_a_connectionreseterror():
+    """A rank killed with a call still unread resets its pipe: its answer reads as ConnectionResetError."""
+    from funcspec.distributed import Followers
+
+    class DeadRank:
+        exitcode = -9
+
+        def is_alive(self):
+            return False
+
+        def join(self, timeout=None):
+            pass
+
+    class ResetPipe:
+        def poll(self, timeout=0):
+            return True
+
+        def recv(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        def close(self):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with code -9 \(SIGKILL\)"):
+        Followers([DeadRank()], [ResetPipe()]).call("step", (), {}, lambda: None)
+
+
+def test_a_collected_engine_stops_its_ranks_and_its_group(tp_models, tp1_tokens):
+    llm = funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM)
+    procs, group = llm.engine.followers.procs, llm.engine.tp.group
+    assert tokens(llm) == tp1_tokens
+    del llm
+    gc.collect()
+    assert [p.exitcode for p in procs] == [0] and not registered(group)
+
+
+def test_interpreter_exit_stops_the_ranks_of_an_open_engine(tp_models, tmp_path):
+    """A script that never closes its TP engine: at exit its followers are asked to stop, and stop cleanly."""
+    script = tmp_path / "open_at_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(funcspec.__file__))!r})
+        import torch
+        import funcspec
+
+        if __name__ == "__main__":
+            procs = []
+            # registered first, so it runs last: after the engine's own clean-up at exit
+            atexit.register(lambda: print("exit codes", [p.exitcode for p in procs], flush=True))
+            torch.set_num_threads(1)
+            llm = funcspec.LLM({tp_models["target"]!r}, tensor_parallel_size=2, **{TP_LLM!r})
+            procs.extend(llm.engine.followers.procs)
+            llm.generate([[3, 4, 5]], funcspec.SamplingParams(max_tokens=2))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "exit codes [0]" in out.stdout
