@@ -148,7 +148,8 @@ class LLM:
     start-up), ``additional_config``, ``seed``, ``dtype``, ``quantization``
     (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
     ``.gguf`` model, whose weights come quantized), ``tokenizer`` (a directory). funcspec's own
-    ``backend`` and ``device`` may also be given. Arguments with no effect here
+    ``backend``, ``device`` and ``cpu_kernels`` (``False``: none of funcspec's CPU kernels, as
+    ``FUNCSPEC_CPU_KERNELS=0``) may also be given. Arguments with no effect here
     are accepted with one warning. ``tensor_parallel_size=N`` shards the target
     across N ranks: from a plain process this ``LLM`` is rank 0 and spawns the
     others (:mod:`funcspec.distributed`); under ``torchrun`` every rank builds
@@ -160,7 +161,7 @@ class LLM:
                  compilation_config: Any = None, additional_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
                  backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None,
-                 tokenizer: Optional[str] = None, **kwargs):
+                 tokenizer: Optional[str] = None, cpu_kernels: bool = True, **kwargs):
         # NOTE: every argument is checked before the checkpoint is read or anything is built, so a refused
         # LLM(...) costs nothing and leaves nothing behind (no ranks, no caches).
         check_engine_args(model, tensor_parallel_size, max_num_seqs, max_model_len, enforce_eager, seed, tokenizer,
@@ -191,6 +192,7 @@ class LLM:
             capture=compilation_option(compilation_config, "capture", "startup"),  # funcspec's key: or "lazy"
             compile_cache=compilation_option(compilation_config, "compile_cache", None),
             capture_logprobs=compilation_option(compilation_config, "capture_logprobs", False),
+            cpu_kernels=cpu_kernels,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

@@ -38,7 +38,7 @@ def supports(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` takes these operands (static: device, dtypes, head size, autograd)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, vals))
     return (q.device.type == "cpu" and not grad and q.dtype in DTYPES and keys.dtype == q.dtype
-            and vals.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM and build.available())
+            and vals.dtype == q.dtype and 1 <= q.shape[-1] <= MAX_HEAD_DIM and build.available())
 
 
 def _check(q, keys, vals, visible) -> None:
@@ -46,11 +46,14 @@ def _check(q, keys, vals, visible) -> None:
     if q.dtype not in DTYPES or keys.dtype != q.dtype or vals.dtype != q.dtype:
         raise ValueError(f"decode_attention: q, keys and vals must all be bfloat16 or float32, "
                          f"got {q.dtype}, {keys.dtype} and {vals.dtype}")
-    if q.dim() != 4 or q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"decode_attention: q must be [B, T, H, D] with D <= {MAX_HEAD_DIM}, got {list(q.shape)}")
+    if q.dim() != 4 or not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"decode_attention: q must be [B, T, H, D] with the head size D in 1..{MAX_HEAD_DIM}, "
+                         f"got {list(q.shape)}")
     b, t, h, d = q.shape
+    # NOTE: H_kv >= 1 before h % H_kv: a Python ZeroDivisionError (or the kernel's integer division by zero)
+    # would not say which operand is wrong.
     if keys.dim() != 4 or keys.shape != vals.shape or keys.shape[0] != b or keys.shape[3] != d \
-            or h % keys.shape[1]:
+            or keys.shape[1] < 1 or h % keys.shape[1]:
         raise ValueError(f"decode_attention: keys and vals must be [{b}, H_kv, T_read, {d}] with H_kv "
                          f"dividing {h}, got {list(keys.shape)} and {list(vals.shape)}")
     if visible.dtype != torch.bool or tuple(visible.shape) != (b, t, keys.shape[2]):

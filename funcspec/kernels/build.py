@@ -1,12 +1,15 @@
 """The CPU kernels' library: compiled from :data:`SOURCES` on first use, loaded through ``ctypes``.
 
 The kernels are compiled with ``$CXX`` (default ``g++``, which inductor needs
-on the CPU anyway; about 2 s), cached under ``~/.cache/funcspec/kernels`` keyed
-by the sources, compiler and flags, and called through ``ctypes``; OpenMP links
-to torch's own ``libgomp``, so they run on torch's threads
+on the CPU anyway; about 2 s, 20 s on a busy 2-core machine; ``CXX`` may carry
+arguments, as in ``CXX="ccache g++"``), cached under
+``$XDG_CACHE_HOME/funcspec/kernels`` (else ``~/.cache/funcspec/kernels``) keyed
+by the sources, compiler command and flags, and called through ``ctypes``;
+OpenMP links to torch's own ``libgomp``, so they run on torch's threads
 (``torch.set_num_threads``). Where they cannot be built (no compiler, another
-ISA), :func:`available` is false and :func:`funcspec.kernels.resolve` picks
-other paths.
+ISA, a compile that outlasts :data:`BUILD_TIMEOUT_S`), :func:`available` is
+false (warned once) and :func:`funcspec.kernels.resolve` picks other paths; so
+it is, with no build and no warning, where ``FUNCSPEC_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -30,7 +36,13 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.c
 HEADERS = (Path(__file__).with_name("bf16.h"),)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
-CACHE = Path.home() / ".cache" / "funcspec" / "kernels"
+SWITCH = "FUNCSPEC_CPU_KERNELS"
+"""The environment variable that turns the kernels off: ``0`` (unset, empty or ``1``: on)."""
+TIMEOUT = "FUNCSPEC_CPU_KERNELS_BUILD_TIMEOUT"
+"""The environment variable that sets the compile's time limit in seconds (default :data:`BUILD_TIMEOUT_S`)."""
+BUILD_TIMEOUT_S = 300.0
+"""A compile that runs longer is stopped (with every process it started) and the kernels are unavailable:
+a hung compiler must not hang the engine that asked for them."""
 
 # (C function, ctypes argument types) of every kernel in the library.
 _SIGNATURES = {
@@ -49,19 +61,94 @@ def supported() -> bool:
     return cpu.avx512_bf16() and cpu.vnni()
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
+def enabled() -> bool:
+    """Whether the kernels may be used: :data:`SWITCH` (``FUNCSPEC_CPU_KERNELS``) is unset, empty or ``1``."""
+    value = os.environ.get(SWITCH, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SWITCH} must be 0 (the CPU kernels off) or 1 (on), got {value!r}")
+    return value != "0"
 
 
-def build(cache: Path = CACHE) -> Path:
-    """Compile :data:`SOURCES` into one library in ``cache`` (once per sources, flags and compiler); return it."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(f"no C++ compiler: set CXX or install g++ (looked for {os.environ.get('CXX', 'g++')!r})")
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$XDG_CACHE_HOME/funcspec/kernels``, else ``~/.cache/funcspec/kernels``
+    (an empty or relative ``XDG_CACHE_HOME`` is ignored, as the XDG base directory spec asks)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "funcspec" / "kernels"
+
+
+def compiler() -> list[str]:
+    """The compiler command: ``$CXX`` split as a shell splits it (a launcher and its compiler, ``ccache g++``,
+    or a compiler and its own flags), default ``g++``, its first word resolved on ``PATH``."""
+    cxx = os.environ.get("CXX", "")
+    try:
+        words = shlex.split(cxx) or ["g++"]
+    except ValueError as e:  # NOTE: an unclosed quote; RuntimeError, as for a missing compiler: lib() warns
+        raise RuntimeError(f"CXX={cxx!r} is not a command line: {e}") from None
+    exe = shutil.which(words[0])
+    if exe is None:
+        where = f", the first word of CXX={cxx!r}" if cxx.strip() and cxx.strip() != words[0] else ""
+        raise RuntimeError(f"no C++ compiler: set CXX or install g++ (looked for {words[0]!r}{where})")
+    return [exe, *words[1:]]
+
+
+def build_timeout() -> float:
+    """The compile's time limit in seconds: :data:`TIMEOUT` (``FUNCSPEC_CPU_KERNELS_BUILD_TIMEOUT``), else
+    :data:`BUILD_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT, "").strip()
+    if not raw:
+        return BUILD_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{TIMEOUT} must be a positive number of seconds, got {raw!r}")
+    return seconds
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and everything it started (its own process group: g++'s cc1plus and as, a launcher's
+    compiler), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (AttributeError, ProcessLookupError, PermissionError):  # no process groups here, or already gone
+        proc.kill()
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # NOTE: something outside the group still holds the pipes: stop reading
+        proc.kill()
+        proc.wait()
+
+
+def _compile(cmd: list[str], timeout: float) -> None:
+    """Run ``cmd`` in a process group of its own, stopped whole after ``timeout`` seconds."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} did not finish in {timeout:g} s "
+                           f"and was stopped (set {TIMEOUT} to allow more): {shlex.join(cmd[:1])}") from None
+    except BaseException:  # NOTE: an interrupt must not leave the compiler running
+        _stop(proc)
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} failed:\n{err}")
+
+
+def build(cache: Path | None = None, timeout: float | None = None) -> Path:
+    """Compile :data:`SOURCES` into one library in ``cache`` (default :func:`cache_dir`), once per sources, flags
+    and compiler command, within ``timeout`` seconds (default :func:`build_timeout`); return it."""
+    cache = cache_dir() if cache is None else Path(cache)
+    cmd = compiler()
+    timeout = build_timeout() if timeout is None else timeout
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"build: timeout must be a positive number of seconds, got {timeout!r}")
     torch_lib = Path(torch.__file__).parent / "lib"
     flags = [*FLAGS, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, cxx, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, *cmd, *flags]).encode()).hexdigest()[:16]
     lib = cache / f"stream-{key}.so"
     if lib.exists():
         return lib
@@ -71,10 +158,8 @@ def build(cache: Path = CACHE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True)
+        _compile([*cmd, *flags, *map(str, SOURCES), "-o", tmp], timeout)
         os.replace(tmp, lib)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} failed:\n{e.stderr}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -101,5 +186,6 @@ def lib() -> ctypes.CDLL | None:
 # NOTE: asked at trace time; compiled code takes the answer as a constant instead of tracing into the build.
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the kernels run here (built on first call; a failed build warns once)."""
-    return lib() is not None
+    """Whether the kernels run here and are not turned off (:func:`enabled`): built on first call; a failed
+    build warns once. Turned off, nothing is built."""
+    return enabled() and lib() is not None

@@ -14,13 +14,22 @@ takes the plain torch paths.
 NOTE on the choice of product per CPU (measured on three 2-core machines,
 Qwen2.5-0.5B and Llama-3.2-1B-shaped weights beyond the caches):
 
-- bf16, or fp32 up to :data:`STREAM_ROWS` rows, outside autograd, on x86 with
-  AVX512-BF16 and no AMX (``stream``, AMD EPYC Zen 4): the weight-streaming
-  kernel (:mod:`funcspec.kernels.stream`). On the 113 linears of a
-  Llama-3.2-1B shape (2.47 GB in bf16) it streamed 33-40 GB/s at 1 row and
-  31-33 at 5, where oneDNN's packed GEMM streamed 27 and 30; in fp32 25-28 GB/s
-  at 1 row and 25-27 at 5, where MKL streamed 14-16 and 6. A row's result does
-  not depend on the rows beside it.
+- bf16 and fp32, at any row count, outside autograd, on x86 with AVX512-BF16
+  and no AMX (``stream``, AMD EPYC Zen 4): the weight-streaming kernel
+  (:mod:`funcspec.kernels.stream`). On the 113 linears of a Llama-3.2-1B shape
+  (2.47 GB in bf16) it streamed 33-40 GB/s at 1 row and 31-33 at 5, where
+  oneDNN's packed GEMM streamed 27 and 30; in fp32 25-28 GB/s at 1 row and
+  25-27 at 5, where MKL streamed 14-16 and 6. A row's result does not depend on
+  the rows beside it, so no row count may leave it: fp32 products of more than
+  72 rows once took MKL, and at batch 16 with K = 4 (80 rows) verification and
+  AR then rounded differently (greedy speculation could differ from greedy AR;
+  MKL's sums over k of 256 or more are split in another order). Prefill-sized
+  fp32 products lose nothing by streaming: on 2048x2048, 8192x2048 and
+  2048x8192 weights at 80, 512 and 2048 rows (2 threads, a busy 2-core EPYC)
+  the kernel took 0.20-0.83x MKL's time, 50-180 against 13-86 GFLOPS. bf16
+  at 128 and 512 rows ran as fast as oneDNN (89-102 against 95-105 GMAC/s).
+  Nor does the choice compare the row count, which is symbolic in a graph with
+  a symbolic batch (a comparison would be a guard on it).
 - otherwise bf16 on a CPU with bf16 instructions (AMX, or AVX512-BF16 without
   the kernel), outside autograd: oneDNN on pre-packed weights (``onednn_bf16``,
   :mod:`funcspec.kernels.onednn`). Its cost is flat in the row count, so
@@ -56,6 +65,7 @@ The row count is static, so every choice is made at trace time.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -69,11 +79,6 @@ SKINNY_ROWS = 64
 STACKED_ROWS = 9
 """Compiled CPU products of at most this many rows (B·(K+1): batch 8 AR, K = 8 at batch 1)
 are row-wise reductions on the plain paths. Inductor stopped fusing them into one pass at 12 fp32 rows."""
-
-STREAM_ROWS = 72
-"""fp32 products of at most this many rows (B·(K+1) up to batch 8 at K = 8) take the streaming
-kernel; more rows (prefill) are compute-bound and keep MKL. bf16 takes it at any row count: at
-128 and 512 rows it ran as fast as oneDNN (89-102 against 95-105 GMAC/s, all compute-bound)."""
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -120,12 +125,12 @@ class Ops:
         if "qweight" in p:
             return self._quantized(x, p if bias else {k: v for k, v in p.items() if k != "bias"})
         weight, b = p["weight"], p.get("bias") if bias else None
-        rows = x.numel() // x.shape[-1]
+        rows = math.prod(x.shape[:-1])  # not numel // in: a linear of 0 inputs has rows too
         if x.device.type != "cpu":
             return F.linear(x, weight, b)
         autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         packed = None if autograd else p.get("packed")
-        if packed is not None and self._streams(x, weight, rows):
+        if packed is not None and self._streams(x, weight):
             return stream.stream_op(x, packed, b, weight.shape[0])
         if packed is not None and self.onednn_bf16 and weight.dtype == torch.bfloat16:
             return onednn.packed_op(x, packed, b, weight.shape[0])
@@ -144,9 +149,8 @@ class Ops:
             return quant.split(out, [p["format"].out_features for p in ps])
         if fused is None or any("weight" not in p for p in ps):
             return [self.linear(x, p) for p in ps]
-        rows = x.numel() // x.shape[-1]
         autograd = torch.is_grad_enabled() and (x.requires_grad or any(p["weight"].requires_grad for p in ps))
-        if fused is not None and not autograd and all(self._streams(x, p["weight"], rows) for p in ps):
+        if fused is not None and not autograd and all(self._streams(x, p["weight"]) for p in ps):
             sizes = [p["weight"].shape[0] for p in ps]
             out = stream.stream_op(x, fused["packed"], fused.get("bias"), sum(stream.widths(sizes)))
             return stream.split(out, sizes)
@@ -161,10 +165,10 @@ class Ops:
             return quant.qlinear(x, p)
         return quant.reference(x, p)
 
-    def _streams(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-        """Whether a product of ``rows`` rows takes the streaming kernel (static)."""
-        return (self.stream and x.dtype == weight.dtype and weight.dtype in stream.DTYPES
-                and (rows <= STREAM_ROWS or weight.dtype == torch.bfloat16))
+    def _streams(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether a product takes the streaming kernel (static). NOTE: never by row count: AR and
+        verification must take the same kernel, and a symbolic batch's row count would become a guard."""
+        return self.stream and x.dtype == weight.dtype and weight.dtype in stream.DTYPES
 
     def attends(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
         """Whether the decode attention kernel takes these operands (static)."""
@@ -174,6 +178,8 @@ class Ops:
         """Whether decode and verify attention of a model with this dtype and head size takes the decode
         kernel, which reads only each row's live positions: then a step's cost does not depend on how
         much of the cache it is handed, and one context bucket serves every length."""
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int (a model's head size), got {head_dim!r}")
         return (self.decode_attention and torch.device(device).type == "cpu" and dtype in attention.DTYPES
                 and head_dim <= attention.MAX_HEAD_DIM)
 
@@ -186,14 +192,21 @@ REFERENCE = Ops()
 """Plain torch products and attention: what a model runs before :func:`resolve`, and training (autograd)."""
 
 
-def resolve(device=None) -> Ops:
-    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's."""
+def resolve(device=None, cpu_kernels: bool = True) -> Ops:
+    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's.
+
+    ``cpu_kernels=False`` (or ``FUNCSPEC_CPU_KERNELS=0`` in the environment) leaves out funcspec's own CPU
+    kernels (streaming products, decode attention, quantized products) and never builds them: what is picked
+    is what a CPU where they cannot be built gets (oneDNN, MKL, SDPA, the quantized math in torch).
+    ``REFERENCE`` is plain torch everywhere.
+    """
     if torch.device(device or "cpu").type != "cpu":
         return REFERENCE
-    streams = cpu.avx512_bf16() and not cpu.amx() and build.available()
+    kernels = cpu_kernels and build.available()
+    streams = cpu.avx512_bf16() and not cpu.amx() and kernels
     return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
                half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
-               decode_attention=build.available(), quantized=build.available())
+               decode_attention=kernels, quantized=kernels)
 
 
 def _plain(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:
@@ -207,7 +220,7 @@ def _plain(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> 
         return y.to(x.dtype)
     if rows > SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, -1)  # [rows, in]
+    x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
     if rows <= STACKED_ROWS and torch.compiler.is_compiling():
         w = weight.float()
         y = torch.stack([(w * x2[r].float()).sum(-1) for r in range(rows)]).to(x.dtype)  # [rows, out]

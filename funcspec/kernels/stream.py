@@ -32,6 +32,8 @@ speculation equals greedy AR. :func:`stream_op` is a custom op, opaque to
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -109,7 +111,7 @@ def _stream_linear(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch
         bias = bias.to(x.dtype)
     out = x.new_empty((*x.shape[:-1], n))  # [..., n]
     k = x.shape[-1]
-    rows = x.numel() // k
+    rows = math.prod(x.shape[:-1])  # not numel // k: a product over k = 0 (the empty sum) has rows too
     lib = build.lib()
     fn = lib.funcspec_linear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_linear_f32
     threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
