@@ -323,6 +323,13 @@ class Engine:
         if self.followers is not None:
             self.followers.close()
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with Engine(...) as engine:`` closes the engine (its tensor-parallel ranks) on leaving the block."""
+        self.close()
+
     # -------------------------------------------------------------- the loop
     @mirrored
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None) -> str:

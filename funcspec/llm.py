@@ -203,6 +203,13 @@ class LLM:
         """Stop the spawned tensor-parallel ranks, if any (:meth:`funcspec.Engine.close`)."""
         self.engine.close()
 
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with LLM(...) as llm:`` closes the engine (its tensor-parallel ranks) on leaving the block."""
+        self.close()
+
     def get_tokenizer(self):
         """The target checkpoint's tokenizer (``None`` if it ships none), as vLLM's ``LLM.get_tokenizer``."""
         return self.engine.model.tokenizer

@@ -398,6 +398,23 @@ def test_a_collected_engine_stops_its_ranks_and_its_group(tp_models, tp1_tokens)
     assert [p.exitcode for p in procs] == [0] and not registered(group)
 
 
+def test_a_with_block_closes_the_engine_and_its_ranks(tp_models, tp1_tokens):
+    with funcspec.Engine(tp_models["target"], tensor_parallel_size=2, max_batch_size=2, max_model_len=40) as eng:
+        procs, group = eng.followers.procs, eng.tp.group
+        out = eng.generate([[3, 4, 5]], funcspec.SamplingParams(max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+    assert [p.exitcode for p in procs] == [0] and not registered(group)
+    with pytest.raises(RuntimeError, match="this tensor-parallel engine is closed"):
+        eng.generate([[3, 4, 5]], funcspec.SamplingParams(max_tokens=2))
+
+
+def test_an_llm_with_block_closes_its_ranks(tp_models, tp1_tokens):
+    with funcspec.LLM(tp_models["target"], tensor_parallel_size=2, **TP_LLM) as llm:
+        procs, group = llm.engine.followers.procs, llm.engine.tp.group
+        assert tokens(llm) == tp1_tokens
+    assert [p.exitcode for p in procs] == [0] and not registered(group)
+
+
 def test_interpreter_exit_stops_the_ranks_of_an_open_engine(tp_models, tmp_path):
     """A script that never closes its TP engine: at exit its followers are asked to stop, and stop cleanly."""
     script = tmp_path / "open_at_exit.py"
