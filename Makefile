@@ -1,12 +1,12 @@
 # Two commands, each doing the whole setup on a fresh machine:
 #   make run   - set up, then generate text with the default model
-#   make test  - set up, then run the test suite
+#   make test  - set up, then run the test suite (make test-fast: its unit tier)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test test-fast setup clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -x -p no:cacheprovider tests
+
+# the unit tier: no engine, no compile (under a minute)
+test-fast: setup
+	$(BIN)/python -m pytest -x -p no:cacheprovider tests/unit
 
 clean:
 	rm -rf $(VENV)

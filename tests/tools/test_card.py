@@ -50,7 +50,7 @@ def test_block_drafters_must_also_reach_their_rivals_and_every_corpus_gets_a_tab
 
 
 def test_the_corpus_is_named_by_version_never_by_the_training_machine_path():
-    root = card.Path(__file__).parents[1] / "models"
+    root = card.Path(__file__).parents[2] / "models"
     corpus = json.loads((root / "target" / "train.json").read_text())["corpus"]
     name = card.corpus_name(corpus)  # train.json holds the path only: the version comes from it
     assert name.startswith("The standard library of CPython 3.11.7,") and corpus["stdlib"] not in name

@@ -5,7 +5,7 @@ drafts and the bonus or recovered token), the target's log-probabilities bit
 for bit as decoding without speculation computes them. Greedy requests also
 return the same tokens. Seeded sampled requests do not: the verifier draws
 from its own random streams, so speculation equals plain sampling in law, not
-sample by sample (tests/test_spec.py checks the law); their logprobs are checked
+sample by sample (tests/engine/test_spec.py checks the law); their logprobs are checked
 bitwise against the target's at the same tokens (teacher-forced prompt logprobs,
 which on this CPU's streaming kernels carry the same bits as decode steps).
 

@@ -2,7 +2,7 @@
 greedy-losslessly on eager (every layout) and inductor (one layout per compiled head), and drafts what its authors' own forward drafts.
 
 Each case writes a tiny random head in exactly the published file names, config.json fields and key names
-(``tests/published.py``, from reading the authors' code and vLLM's loaders):
+(``tests/engine/published.py``, from reading the authors' code and vLLM's loaders):
 
 - EAGLE-1 (SafeAILab/EAGLE ``eagle/model/cnets1.py``, loaded by ``ea_model.py``: ``pytorch_model.bin``;
   ``qkv_bias`` for the Qwen2 heads, ``bias`` for ``fc``);

@@ -10,7 +10,7 @@ from funcspec.suffix_tree import SuffixDecodingCache
 from funcspec.token_tree import DynamicTree, TokenTree, chain, truncate
 from funcspec.types import PLACEHOLDER
 
-from test_spec import GREEDY, _ids, _prompts, _spec
+from spec_cases import GREEDY, _ids, _prompts, _spec
 
 # 1 2 3 9 | 1 2 4 5 | 1 2 3 7 | 1 2: the suffix "1 2" continues as 3 9.., 4 5.. and 3 7..
 HISTORY = torch.tensor([[1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 3, 7, 1, 2]])

@@ -47,7 +47,7 @@ def test_tree_k_and_combinations_are_checked():
         SpecConfig.from_vllm({"method": "echo", "speculative_token_tree": "[(0,)]"})
     with pytest.raises(ValueError, match="tree rule only, not 'block'"):
         spec(speculative_token_tree="[(0,)]", rejection_sample_method="block")
-    # a batch-size table gives the node count per batch size (tests/test_tree_sizes.py)
+    # a batch-size table gives the node count per batch size (tests/engine/test_tree_sizes.py)
     assert spec(speculative_token_tree="[(0,), (1,)]", num_speculative_tokens_per_batch_size=[[1, 4, 1]]
                 ).k_for_batch_size(4) == 1
 

@@ -15,7 +15,7 @@ import nbclient
 import nbformat
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TIMEOUT = 300  # seconds per cell
 
 # NOTE: CI runs 01 and 05 on the zoo (target, EAGLE-3 and DSpark heads) and the others on

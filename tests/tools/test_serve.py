@@ -381,7 +381,7 @@ def test_the_core_package_never_imports_the_server_stack():
     """FastAPI, uvicorn and prometheus_client (the [serve] extra) are imported only by funcspec.serve.app and
     .metrics, which nothing outside funcspec.serve imports but `bench serve` (a client of the server, which
     reads /metrics with metrics.samples, and needs the extra anyway)."""
-    root = Path(__file__).resolve().parents[1] / "funcspec"
+    root = Path(__file__).resolve().parents[2] / "funcspec"
     stack = re.compile(r"^\s*(from|import)\s+(fastapi|uvicorn|prometheus_client|starlette)\b", re.M)
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if stack.search(p.read_text()))
     assert users == ["serve/app.py", "serve/metrics.py"]

@@ -12,9 +12,9 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCH = "funcspec/ARCHITECTURE.md"
-LAYERING = "tests/test_layering.py"
+LAYERING = "tests/unit/test_layering.py"
 
 # NOTE: spelled in two parts so that this file does not cite the document it bans.
 BANNED_DOC = re.compile("DESIGN" + r"(\.md|\s*§)")
@@ -190,7 +190,7 @@ def documented_layers(root: Path = ROOT) -> list[tuple[str, set[str]]]:
 
 def documented_exceptions(root: Path = ROOT) -> set[tuple[str, str]]:
     """The exceptions ARCHITECTURE.md lists: "Exceptions (...): none." or `importer` → `unit` pairs."""
-    match = re.search(r"(?m)^Exceptions \(`ALLOWED` in `tests/test_layering.py`\): (.*)$",
+    match = re.search(r"(?m)^Exceptions \(`ALLOWED` in `tests/unit/test_layering.py`\): (.*)$",
                       _section(_text(root, ARCH), "Layers"))
     assert match, f"{ARCH} must list the layering exceptions ('Exceptions (`ALLOWED` in ...): ...')"
     listed = match.group(1).strip().rstrip(".")

@@ -1,0 +1,31 @@
+"""Shared cases of the speculative-decoding tests (test_spec, test_history_trees): repetitive prompts,
+greedy params and per-method speculative configs."""
+
+import torch
+
+from funcspec import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts (code-editing-like), so ngram and suffix find matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, 96, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        out.append((motif * 4)[: 4 + (i * 5) % 14])
+    return out
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _spec(method, k, draft=None, **extra):
+    cfg = {"method": method, "num_speculative_tokens": k, **extra}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "draft_model":
+        cfg["model"] = draft
+    return cfg
