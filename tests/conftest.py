@@ -56,6 +56,14 @@ def check_slot_declarations():
 
 
 @pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """The neural-head zoo (``tests/heads_cases.py``): a 3-layer target, a random head per method, AR outputs."""
+    from heads_cases import build_zoo
+
+    return build_zoo(tmp_path_factory.mktemp("heads"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """Path of a 2-layer GQA Llama (vocab 96), untied embeddings."""
     path = tmp_path_factory.mktemp("tiny_llama")

@@ -4,7 +4,6 @@ against a from-scratch recompute, checkpoint round trips, state structure, paddi
 from __future__ import annotations
 
 import json
-import shutil
 import types
 from pathlib import Path
 
@@ -12,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_hf_model
-from funcspec import Engine, SamplingParams, load_model
-from funcspec.checkpoints import flatten, layouts, read_weights, save_params
+from funcspec import Engine, SamplingParams
+from funcspec.checkpoints import flatten, layouts, read_weights
 from funcspec.checkpoints import eagle, medusa, mtp
 from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
@@ -22,47 +20,7 @@ from funcspec.step import StepContext, VerifyResult
 from funcspec.tree import clone_state, tree_signature
 from funcspec.types import Sampling
 
-K_MAX = 3
-HEADS = {"medusa": (medusa, {}), "eagle": (eagle, {"version": 1}), "eagle3": (eagle, {"version": 3}),
-         "mtp": (mtp, {})}
-METHODS = ["medusa", "eagle", "eagle3", "mtp", "mtp_in_target"]
-PROMPTS = [[5, 17, 33], list(range(10, 30)), [44, 9, 71, 8, 3, 90, 12, 6, 51, 7, 23], [7, 7, 7, 7, 8]]
-
-
-def greedy(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
-    """A 3-layer target (EAGLE-3's default aux layers [2, 1, 0] fit it), one random head per method,
-    and a copy of the target with the MTP module appended as ``model.layers.3.*``."""
-    root = tmp_path_factory.mktemp("heads")
-    make_hf_model(root / "target", num_hidden_layers=3)
-    target = load_model(root / "target")
-    paths = {"target": str(root / "target")}
-    for name, (mod, kw) in HEADS.items():
-        hf, params = mod.init_params(target.cfg, seed=1, **kw)
-        save_params(root / name, params, hf)
-        paths[name] = str(root / name)
-    make_hf_model(root / "draft_model", seed=1, num_hidden_layers=1)  # a separate small LM
-    paths["draft_model"] = str(root / "draft_model")
-    both = root / "target_mtp"
-    both.mkdir()
-    shutil.copy(root / "target" / "config.json", both)
-    tensors = {**read_weights(root / "target"), **read_weights(root / "mtp")}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(both / "model.safetensors"))
-    paths["mtp_in_target"] = str(both)
-    ar = Engine(target, max_batch_size=4, max_model_len=96).generate(PROMPTS, greedy(24))
-    return types.SimpleNamespace(target=target, paths=paths, ar=[o.outputs[0].token_ids for o in ar])
-
-
-def spec_engine(zoo, method, k=K_MAX, max_batch_size=4, spec=None, **kw):
-    if method == "mtp_in_target":
-        return Engine(zoo.paths["mtp_in_target"], {"method": "mtp", "num_speculative_tokens": k, **(spec or {})},
-                      max_batch_size=max_batch_size, max_model_len=96, **kw)
-    return Engine(zoo.target, {"method": method, "model": zoo.paths[method], "num_speculative_tokens": k,
-                               **(spec or {})}, max_batch_size=max_batch_size, max_model_len=96, **kw)
+from heads_cases import HEADS, K_MAX, METHODS, PROMPTS, TREE, greedy, spec_engine
 
 
 def record_drafts(eng):
@@ -297,7 +255,6 @@ def test_whole_step_captures_as_one_graph(zoo, method, traced_codegen, tmp_path)
 
 # ----------------------------------------------------------------------------- token trees
 
-TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
@@ -346,7 +303,8 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
     (key, graph), = eng.graphs.items()
-    assert key[:2] == (4, 7) and graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
+    assert key[:2] == (4, 7) and graph.stats.graph_breaks == 0
+    assert graph.stats.compiles == (0 if graph.stats.loaded else 1)  # compiled once, or loaded from the store
     assert eng.stats["recompiles"] == 0
 
 
@@ -361,7 +319,8 @@ def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
     (key, graph), = eng.graphs.items()
-    assert key[:2] == (4, 7) and graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
+    assert key[:2] == (4, 7) and graph.stats.graph_breaks == 0
+    assert graph.stats.compiles == (0 if graph.stats.loaded else 1)  # compiled once, or loaded from the store
     assert eng.stats["recompiles"] == 0
 
 

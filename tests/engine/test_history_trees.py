@@ -135,7 +135,7 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
         assert _ids(eng.generate(prompts[4:], GREEDY)) == want[4:]
     assert [key[:2] for key in eng.graphs] == [(4, n)] and eng.stats["recompiles"] == 0
     (graph,) = eng.graphs.values()
-    assert graph.stats.compiles == 1 and graph.stats.graph_breaks == 0
+    assert graph.stats.graph_breaks == 0 and graph.stats.compiles == (0 if graph.stats.loaded else 1)  # or loaded
 
 
 

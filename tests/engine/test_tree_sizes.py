@@ -8,7 +8,7 @@ from funcspec.capture import BucketPlan
 from funcspec.config import SpecConfig
 from funcspec.config.tree import check_dynamic_tree
 from funcspec.token_tree import DynamicTree, TokenTree, truncate
-from test_heads import PROMPTS, TREE, greedy, spec_engine, zoo  # noqa: F401  (zoo: the heads' fixture)
+from heads_cases import PROMPTS, TREE, greedy, spec_engine
 
 TABLE = "speculative_config.num_speculative_tokens_per_batch_size"
 DYNAMIC = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}

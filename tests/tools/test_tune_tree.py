@@ -7,7 +7,7 @@ import pytest
 
 from funcspec import LLM, Engine, SamplingParams, tune
 from funcspec.cli import main
-from test_heads import PROMPTS, TREE, zoo  # noqa: F401  (zoo: the heads' fixture)
+from heads_cases import PROMPTS, TREE
 
 KEYS = {"speculative_token_tree": str(TREE)}  # 7 nodes, depth 3
 # Per-depth acceptance measured at N = 2, 4, 7 (E = 1.5, 2.0, 2.5). N = 4 is not a prefix of N = 7.
