@@ -177,12 +177,14 @@ def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:
 
 
 def row_keys(state: EngineState, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Per-row keys [B] for drawing the token after position ``pos``.
+    """Per-row keys [B, ...] for drawing the token after position ``pos`` [B, ...].
 
     NOTE: keys depend on (request seed, position) only, so a request's draws
-    do not depend on which other requests share its batch.
+    do not depend on which other requests share its batch, nor on whether a
+    position is drawn alone (decoding) or inside a verified block (speculation).
     """
-    return rng.fold_in(state.keys[slots], pos)
+    keys = state.keys[slots]  # [B]
+    return rng.fold_in(keys.view(keys.shape + (1,) * (pos.dim() - 1)), pos)
 
 
 def mask_beyond(drafts: torch.Tensor, verify_len: torch.Tensor) -> torch.Tensor:
@@ -252,13 +254,17 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
                                   sc.read, tree=mask)  # [B, K+1, V] float32
     path = None
+    # NOTE: the keys decoding without speculation draws positions lens.. with: drawing the target's tokens
+    # with them makes a seeded sampled request emit the same tokens with and without speculation.
+    position_keys = row_keys(state, slots, lens.unsqueeze(1) + torch.arange(logits.shape[1], device=lens.device))
     if tree is not None:
-        out, n, path = tree_verifier.verify(key, logits, proposal, samp, sc.mode, tree.depth)  # [B, D+1], [B], [B, D+1]
+        out, n, path = tree_verifier.verify(position_keys[:, : tree.depth + 1], logits, proposal, samp, sc.mode,
+                                            tree.depth)  # [B, D+1], [B], [B, D+1]
         commit_path(kv, slots, lens, path)
         hiddens = tuple(torch.gather(h, 1, path.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in hiddens)
     elif sc.k > 0:
         out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy,
-                                  inputs.synthetic_cond)  # [B, K+1], [B]
+                                  inputs.synthetic_cond, position_keys)  # [B, K+1], [B]
     else:
         out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p, sc.mode).unsqueeze(1)
         n = torch.ones_like(slots, dtype=torch.int32)

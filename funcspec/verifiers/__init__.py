@@ -29,6 +29,13 @@ synthetic (which accepts by rate, then emits the target argmax).
 
 Token trees have their own rule, ``verifiers.tree.verify`` (lossless; it also
 returns the accepted root path, which the step needs to move KV into place).
+
+Reproducibility: the step hands the standard rule and the tree rule the keys
+that autoregressive decoding draws each position with (``step.row_keys``). With
+deterministic drafts (every method but ``draft_model`` and ``dspark`` in sampled
+buckets, whose drafts carry q) they draw the target's token at each position
+exactly as decoding without speculation would, so a seeded sampled request
+emits the same tokens with and without speculation, not only the same law.
 """
 
 from __future__ import annotations
@@ -123,8 +130,8 @@ def verify_config(spec, k: int) -> VerifyConfig:
 
 
 def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling, all_greedy: bool = False,
-           synthetic_cond: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           sampling: Sampling, all_greedy: bool = False, synthetic_cond: Optional[torch.Tensor] = None,
+           position_keys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the rule ``cfg.method``; see the module docstring for shapes.
 
     ``all_greedy`` (static: the host knows every row has temperature 0) runs the
@@ -132,11 +139,18 @@ def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, pr
     O(K·V) argmax cost instead of probabilities, ratios and a race.
     ``synthetic_cond`` [K]: the synthetic rule's conditional rates as a runtime
     tensor (``synthetic.conditional_tensor``), overriding ``cfg.synthetic_rates``.
+    ``position_keys`` [B, K+1]: autoregressive decoding's key at each position of
+    the block; with them the standard rule draws deterministic drafts' targets as
+    autoregressive decoding does (``standard.autoregressive_draws``: same law, and
+    the very tokens of decoding without speculation).
     """
     if cfg.method == "synthetic":
         return synthetic.verify(cfg, key, target_logits, proposal, sampling, synthetic_cond)
-    rule = "greedy" if all_greedy else cfg.method
-    return VERIFIERS[rule](cfg, key, target_logits, proposal, sampling)
+    if all_greedy:
+        return greedy.verify(cfg, key, target_logits, proposal, sampling)
+    if cfg.method == "standard":
+        return standard.verify(cfg, key, target_logits, proposal, sampling, position_keys)
+    return VERIFIERS[cfg.method](cfg, key, target_logits, proposal, sampling)
 
 
 def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:

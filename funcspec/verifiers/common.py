@@ -205,6 +205,15 @@ def emit(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) 
     return tokens, (num_accepted + 1).to(torch.int32)
 
 
+def match(drafts: torch.Tensor, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts [B, K] while they equal the target's own choices [B, K+1] (its argmax, or its keyed
+    draws); emit the choice at the first mismatch, or the bonus choice K. ``PLACEHOLDER`` never matches."""
+    drafts = drafts.long()
+    num_accepted = num_leading(drafts == choices[:, :-1])  # [B]
+    final = torch.gather(choices, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
+    return emit(drafts, num_accepted, final)
+
+
 def finish(key: torch.Tensor, inp: Inputs, num_accepted: torch.Tensor,
            weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw the final token after ``num_accepted [B]`` drafts and assemble the output."""

@@ -20,8 +20,4 @@ def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Propos
     # NOTE: argmax takes the first index on ties, the same rule as target_probs'
     # one-hot at temperature 0 and greedy autoregressive decoding. O(K·V): no
     # probabilities.
-    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
-    drafts = proposal.tokens.long()  # [B, K]
-    num_accepted = common.num_leading(drafts == argmax[:, :-1])  # [B]
-    final = torch.gather(argmax, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return common.emit(drafts, num_accepted, final)
+    return common.match(proposal.tokens, target_logits.argmax(dim=-1))  # [B, K+1]

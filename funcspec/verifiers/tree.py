@@ -21,27 +21,28 @@ Siblings that repeat a token are never accepted twice (only the first can be).
 Greedy rows draw ``y = argmax p``, which is greedy tree verification: accept
 the child equal to the target's argmax at its parent.
 
-Randomness: y at a node of depth d comes from ``fold_in(fold_in(key, STREAM_TREE), d)``;
-the nodes of one root path have distinct depths, so its draws are independent.
+Randomness: y at a node of depth d is drawn with ``keys[:, d]``, the key that
+autoregressive decoding draws that position with (``step.row_keys`` at the
+committed length + d), by the same ``sampling.sample``. The nodes of one root
+path have distinct depths, so its draws are independent; and the emitted tokens
+are the ones decoding without speculation emits with the same seed, since each
+is y at its position, drawn from the same distribution with the same key.
 """
 
 from __future__ import annotations
 
 import torch
 
-from funcspec import rng, sampling as sampling_lib
+from funcspec import sampling as sampling_lib
 from funcspec.token_tree import ancestors, depths, root_path, tree_parents
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
 
-STREAM_TREE = 2
-
-
-def target_choices(key: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling, mode: sampling_lib.Mode,
+def target_choices(keys: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling, mode: sampling_lib.Mode,
                    dep: torch.Tensor) -> torch.Tensor:
-    """y [B, N+1]: the target's draw at every tree index (argmax under a greedy ``mode``)."""
-    keys = rng.fold_in(rng.fold_in(key, STREAM_TREE).unsqueeze(1), dep)  # [B, N+1]
-    return sampling_lib.sample(keys, target_logits, sampling.temperature, sampling.top_k, sampling.top_p, mode)
+    """y [B, N+1]: the target's draw at every tree index with its depth's key (argmax under a greedy ``mode``)."""
+    node_keys = torch.gather(keys, 1, dep)  # [B, N+1]
+    return sampling_lib.sample(node_keys, target_logits, sampling.temperature, sampling.top_k, sampling.top_p, mode)
 
 
 def accepted_nodes(tok: torch.Tensor, tparents: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
@@ -59,12 +60,12 @@ def accepted_nodes(tok: torch.Tensor, tparents: torch.Tensor, y: torch.Tensor, d
     return acc
 
 
-def verify(key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
+def verify(keys: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
            mode: sampling_lib.Mode, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify a token tree.
 
     Args:
-        key: [B] row keys.
+        keys: [B, D+1] the key of each depth's draw (autoregressive decoding's key at that position).
         target_logits: [B, N+1, V] the target over [pending, nodes] with tree attention.
         proposal: ``tokens [B, N]`` (``PLACEHOLDER`` is never accepted), ``parents [B, N]``, ``probs=None``.
         mode: static sampling mode (greedy buckets take argmax only).
@@ -85,7 +86,9 @@ def verify(key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, s
     tparents = tree_parents(proposal.parents.long())  # [B, N+1]
     anc = ancestors(tparents, depth)  # [B, N+1, N+1]
     dep = depths(anc)  # [B, N+1]
-    y = target_choices(key, target_logits, sampling, mode, dep)  # [B, N+1]
+    if tuple(keys.shape) != (b, depth + 1):
+        raise ValueError(f"keys must be [B, D+1] = [{b}, {depth + 1}], got {tuple(keys.shape)}")
+    y = target_choices(keys, target_logits, sampling, mode, dep)  # [B, N+1]
     tok = torch.cat([torch.full_like(proposal.tokens[:, :1], PLACEHOLDER), proposal.tokens.long()], 1)  # [B, N+1]
     acc = accepted_nodes(tok, tparents, y, depth)  # [B, N+1]
     best = torch.where(acc, dep, -1).argmax(-1)  # [B]: the deepest accepted node (one per depth at most)

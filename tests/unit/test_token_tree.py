@@ -158,12 +158,12 @@ def test_greedy_tree_accepts_the_deepest_agreeing_path():
     # root's argmax is node (1,)'s token; at (1,) (tree index 2) it is (1,0)'s token; then 42.
     logits = one_hot_logits([11, 20, 22, 0, 0, 0, 42, 0])
     for mode in (sampling.GREEDY, sampling.FILTERED):  # temperature 0 rows are greedy in every mode
-        out, n, path = tree_verifier.verify(torch.tensor([7]), logits, Proposal(drafts, parents=parents),
+        out, n, path = tree_verifier.verify(torch.full((1, tree.depth + 1), 7), logits, Proposal(drafts, parents=parents),
                                             Sampling.full(1, temperature=0.0), mode, tree.depth)
         assert out.tolist() == [[11, 22, 42, PLACEHOLDER]] and n.tolist() == [3]
         assert path.tolist() == [[0, 2, 6, 6]]
     # nothing agrees: the root's argmax alone; a PLACEHOLDER draft is never accepted
-    out, n, _ = tree_verifier.verify(torch.tensor([7]), one_hot_logits([13] * 8),
+    out, n, _ = tree_verifier.verify(torch.full((1, tree.depth + 1), 7), one_hot_logits([13] * 8),
                                      Proposal(torch.tensor([[PLACEHOLDER] * 7]), parents=parents),
                                      Sampling.full(1, temperature=0.0), sampling.GREEDY, tree.depth)
     assert out.tolist() == [[13, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]] and n.tolist() == [1]
@@ -178,7 +178,7 @@ def tree_joint_pvalue():
     small vocabulary, so they often share a token. When a step emits one token,
     the second is what the next step would draw: a fresh draw from P1[first].
     """
-    from test_verifiers_distribution import chi2_pvalue
+    from chi_square import chi2_pvalue
 
     from funcspec import rng, sampling
     from funcspec.types import Proposal, Sampling
@@ -194,7 +194,7 @@ def tree_joint_pvalue():
     dep = torch.tensor([len(p) for p in tree.paths])
     node_logits = torch.where((dep == 1).view(1, -1, 1), l1[drafts], l2[drafts])  # [n, N, V]
     logits = torch.cat([l0.expand(n, 1, vocab), node_logits], 1)  # [n, N+1, V]
-    keys = rng.split(rng.key(11), n)
+    keys = rng.split(rng.key(11), n * (tree.depth + 1)).view(n, tree.depth + 1)  # [n, D+1]: a key per depth
     out, num, _ = tree_verifier.verify(keys, logits, Proposal(drafts, parents=parents),
                                        Sampling.full(n, temperature=temp, top_k=top_k), sampling.FILTERED, tree.depth)
     first = out[:, 0]

@@ -12,38 +12,21 @@ position, so it is drawn from ``p1`` with an independent key. The joint of
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import funcspec.verifiers as verifiers
 from funcspec import rng
-from funcspec.sampling import target_probs
-from funcspec.verifiers import common
+from funcspec.sampling import sample, target_probs
+from funcspec.types import Proposal, Sampling
+from funcspec.verifiers import common, standard
+
+from chi_square import chi2_pvalue
 
 N = 30000
 ALPHA = 1e-4
 K = 3
 SEED_WEIGHT = 1  # a case where p_τ < 1 at τ < K is common (not every seed has one)
-
-
-def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of a chi-square goodness-of-fit test of counts against ``probs`` (flattened).
-
-    Cells of probability 0 must be empty (asserted) and are dropped; cells with
-    expected count below 5 are pooled so the chi-square approximation holds.
-    """
-    observed = observed.flatten().double().numpy()
-    probs = probs.flatten().double().numpy()
-    assert observed[probs == 0].sum() == 0, "a zero-probability token was emitted"
-    observed, probs = observed[probs > 0], probs[probs > 0]
-    expected = probs / probs.sum() * observed.sum()
-    small = expected < 5
-    if small.any():
-        observed = np.append(observed[~small], observed[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    return float(stats.chisquare(observed, expected).pvalue)
 
 
 def make_case(seed: int, vocab: int, n: int = N, k: int = K):
@@ -97,6 +80,38 @@ def test_lossless_marginal_and_joint(method, vocab, with_probs):
     assert chi2_pvalue(marginal, p[0]) > ALPHA
     assert joint_pvalue(pair, p) > ALPHA
     assert (num >= 2).float().mean() > 0.15  # many rows emit token 1 themselves: the joint is not trivial
+
+
+def autoregressive_keyed(seed: int, vocab: int, top_k: int, n: int = N, k: int = K):
+    """Standard verification of deterministic drafts [N, K] with per-position keys [N, K+1]: (tokens, num,
+    p, pair, keys, logits), as ``emitted_pairs``."""
+    logits, _, drafts = make_case(seed, vocab, n, k)
+    keys = rng.split(rng.key(seed), n * (k + 1)).view(n, k + 1)  # [N, K+1]: AR's key at each position
+    cfg = verifiers.VerifyConfig("standard")
+    sampling = Sampling.full(n, temperature=0.9, top_k=top_k)
+    tokens, num = standard.verify(cfg, rng.split(rng.key(seed + 1), n), logits, Proposal(drafts), sampling, keys)
+    p = target_probs(logits[:1], 0.9, top_k)[0]  # [K+1, V]
+    fresh = torch.multinomial(p[1], n, replacement=True, generator=torch.Generator().manual_seed(seed))  # [N]
+    second = torch.where(num >= 2, tokens[:, 1], fresh)
+    return tokens, num, p, torch.stack([tokens[:, 0], second], 1), keys, logits, sampling
+
+
+@pytest.mark.parametrize("vocab", [8, 16])
+def test_deterministic_drafts_drawn_as_decoding_draws_are_lossless_and_accept_as_often(vocab):
+    """Drafts checked against the target's own keyed draws: the law of standard rejection sampling (chi-square),
+    its acceptance (paired with the uniform rule on the same drafts), and each emitted token is the draw that
+    decoding without speculation makes at its position with its key."""
+    tokens, num, p, pair, keys, logits, sampling = autoregressive_keyed(vocab, vocab, top_k=vocab - 3)
+    assert_in_support(tokens, num, p)
+    assert chi2_pvalue(torch.bincount(tokens[:, 0], minlength=vocab), p[0]) > ALPHA
+    assert joint_pvalue(pair, p) > ALPHA
+    _, uniform_num, *_ = emitted_pairs("standard", seed=vocab, vocab=vocab, with_probs=False, top_k=vocab - 3)
+    diff = num.double().mean() - uniform_num.double().mean()
+    se = (num.double().var() / N + uniform_num.double().var() / N) ** 0.5
+    assert abs(diff) < 4 * se, (diff, se)
+    draws = sample(keys, logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [N, K+1] decoding's draws
+    emitted = torch.arange(K + 1) < num.long().unsqueeze(1)
+    assert torch.equal(tokens[emitted], draws[emitted])
 
 
 def broken_residual_from_p(inp, p_row, pos, weight):
