@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from funcspec import methods
@@ -70,15 +73,27 @@ def build_default(out: Path | None = None, seed: int = 0) -> Path:
     out = out or RANDOM_DEFAULT
     if (out / "model.safetensors").exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out, 2048, stdlib_files()[:60])
-    tok = AutoTokenizer.from_pretrained(str(out))
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(str(out))
+    # NOTE: built in a private directory and renamed into place, so a concurrent builder (two test workers,
+    # two `make run`s) never reads a half-written checkpoint; the first rename wins, the other copy is dropped.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        train_tokenizer(tmp, 2048, stdlib_files()[:60])
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        LlamaForCausalLM(cfg).save_pretrained(str(tmp))
+        if out.exists() and not (out / "model.safetensors").exists():
+            shutil.rmtree(out)  # an incomplete build of an older version
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "model.safetensors").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -4,6 +4,8 @@ layouts, and every method is greedy-lossless on the trained heads, on eager and 
 from __future__ import annotations
 
 import json
+import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +139,22 @@ def test_dynamic_tree_on_trained_eagle3_is_lossless_and_beats_the_chain(target, 
         assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
         taus.append(eng.stats["mean_acceptance_length"])
     assert taus[1] > 1.15 * taus[0], taus
+
+
+def _build_default(out: str) -> None:
+    zoo.build_default(Path(out))
+
+
+def test_concurrent_default_builds_leave_one_complete_checkpoint(tmp_path):
+    """Two processes building the default model at once (two test workers, two `make run`s): both succeed,
+    the checkpoint is whole, and no private build directory is left behind."""
+    out = tmp_path / "default"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_build_default, args=(str(out),)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [x.name for x in tmp_path.iterdir()] == ["default"]
+    assert load_model(out).cfg.num_layers == 2
