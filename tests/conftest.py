@@ -64,6 +64,22 @@ def zoo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zoo_target():
+    """The trained zoo's target (``models/target``), loaded once."""
+    from funcspec import load_model, zoo
+
+    return load_model(zoo.model_path("target"))
+
+
+@pytest.fixture(scope="session")
+def zoo_prompts(zoo_target):
+    """Two code prompts for the zoo target, as token ids."""
+    tok = zoo_target.tokenizer
+    return [tok("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")["input_ids"],
+            tok("import os\nimport sys\n\n")["input_ids"]]
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """Path of a 2-layer GQA Llama (vocab 96), untied embeddings."""
     path = tmp_path_factory.mktemp("tiny_llama")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from funcspec import Engine, SamplingParams, kernels, load_model, rng, zoo
+from funcspec import Engine, SamplingParams, kernels, rng, zoo
 
 MAX_LEN = 128
 _OPS = kernels.resolve("cpu")
@@ -16,20 +16,8 @@ _OPS = kernels.resolve("cpu")
 ROWS_INDEPENDENT = _OPS.stream and _OPS.decode_attention
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_model(zoo.model_path("target"))
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    tok = target.tokenizer
-    return [tok("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")["input_ids"],
-            tok("import os\nimport sys\n\n")["input_ids"]]
-
-
-def test_n_above_max_num_seqs_raises_naming_n(target):
-    eng = Engine(target, max_batch_size=2, max_model_len=MAX_LEN)
+def test_n_above_max_num_seqs_raises_naming_n(zoo_target):
+    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN)
     with pytest.raises(ValueError, match="SamplingParams.n=3 must be <= max_num_seqs=2"):
         eng.add_request([5, 6, 7], SamplingParams(n=3))
     with pytest.raises(ValueError, match="SamplingParams.n must be >= 1"):
@@ -41,41 +29,41 @@ def test_n_above_max_num_seqs_raises_naming_n(target):
 
 @pytest.mark.skipif(not ROWS_INDEPENDENT, reason="this CPU's kernels round a row differently in a larger batch")
 @pytest.mark.parametrize("method", [None, "eagle3", "draft_model", "dflash"])
-def test_n_completions_prefill_once_and_each_is_reproducible_alone(target, prompts, method):
+def test_n_completions_prefill_once_and_each_is_reproducible_alone(zoo_target, zoo_prompts, method):
     """Completion i equals the request with seed completion_seed(seed, i) run alone: the copied prompt KV
     and drafter state (a draft model's own KV, EAGLE-3's features) are the prompt's own."""
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=1, n=3)
     for spec in [zoo.speculative_config(method, 3) if method else None]:
-        eng = Engine(target, speculative_config=spec, max_batch_size=4, max_model_len=MAX_LEN)
+        eng = Engine(zoo_target, speculative_config=spec, max_batch_size=4, max_model_len=MAX_LEN)
         prefills = []
         real = eng.runner.prefill
         eng.runner.prefill = lambda reqs, seeds: prefills.append(sum(r.index == 0 for r in reqs)) or real(reqs, seeds)
-        out = eng.generate(prompts[:1], sp)[0]
+        out = eng.generate(zoo_prompts[:1], sp)[0]
         assert prefills == [1]  # one prompt row for three completions
         assert [c.index for c in out.outputs] == [0, 1, 2]
         assert len({tuple(c.token_ids) for c in out.outputs}) == 3
         for c in out.outputs:
-            alone = eng.generate(prompts[:1], SamplingParams(temperature=1.0, seed=rng.completion_seed(7, c.index),
+            alone = eng.generate(zoo_prompts[:1], SamplingParams(temperature=1.0, seed=rng.completion_seed(7, c.index),
                                                              max_tokens=12, ignore_eos=True, logprobs=1))[0]
             assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == (c.token_ids, c.logprobs)
             assert c.finish_reason == "length" and len(c.logprobs) == 12
             assert math.isclose(c.cumulative_logprob, sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
 
 
-def test_n_with_a_host_drafter_keeps_one_suffix_tree_per_completion(target, prompts):
-    eng = Engine(target, speculative_config=zoo.speculative_config("suffix", 3), max_batch_size=4,
+def test_n_with_a_host_drafter_keeps_one_suffix_tree_per_completion(zoo_target, zoo_prompts):
+    eng = Engine(zoo_target, speculative_config=zoo.speculative_config("suffix", 3), max_batch_size=4,
                  max_model_len=MAX_LEN)
-    out = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2))[0]
-    ar = Engine(target, max_batch_size=4, max_model_len=MAX_LEN).generate(
-        prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    out = eng.generate(zoo_prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2))[0]
+    ar = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN).generate(
+        zoo_prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [ar.outputs[0].token_ids] * 2
     assert not eng.proposer.host.seen  # both completions' trees stopped
 
 
-def test_n_waits_for_its_slots_and_counts_against_max_num_seqs(target, prompts):
-    eng = Engine(target, max_batch_size=4, max_model_len=MAX_LEN)
-    eng.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2))
-    rid = eng.add_request(prompts[1], SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, n=3))
+def test_n_waits_for_its_slots_and_counts_against_max_num_seqs(zoo_target, zoo_prompts):
+    eng = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN)
+    eng.add_request(zoo_prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2))
+    rid = eng.add_request(zoo_prompts[1], SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, n=3))
     eng.step()
     assert len(eng.running) == 2 and len(eng.scheduler.waiting) == 3  # three slots are not free yet
     done = []
