@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python -m funcspec.cli run-default
 
+# NOTE: one pytest worker per core (-n auto): the tests pin torch to one thread each, and most of the
+# suite's time is inductor compiling graphs, one process at a time
 test: setup
-	$(BIN)/python -m pytest -x -p no:cacheprovider tests
+	$(BIN)/python -m pytest -x -n auto -p no:cacheprovider tests
 
 # the unit tier: no engine, no compile (under a minute)
 test-fast: setup

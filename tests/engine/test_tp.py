@@ -36,7 +36,9 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
 ENGINE = dict(max_batch_size=2, batch_buckets=[2], max_model_len=40)
 # NOTE: inductor compiles take most of this file's time (two ranks compile at once on two cores,
 # about 2 minutes cold for the four methods); the sharded draft model runs eager only.
-COMPILED = ("ar", "ngram", "draft_model", "eagle3")
+# NOTE: compiled under TP: the target's all-reduces inside the graph (ar) and a replicated drafter's graph beside
+# them (eagle3); ngram and the draft model add no collective of their own, and a cold compile is this test's cost
+COMPILED = ("ar", "eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +171,7 @@ def _all_reduces(gm) -> int:
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_for_every_method_on_eager_and_inductor(tp_models, tmp_path):
-    """Greedy and sampled rows, AR and three drafters, eager and inductor: TP=2 emits TP=1's tokens."""
+    """Greedy and sampled rows, AR and four drafters on eager, AR and EAGLE-3 on inductor: TP=2 emits TP=1's tokens."""
     ctx = torch.multiprocessing.spawn(_rank, (_free_port(), tp_models, str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 600
     while not ctx.join(timeout=5):
