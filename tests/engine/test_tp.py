@@ -288,31 +288,40 @@ def test_only_rank_0_writes_extracted_hidden_states(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["7.safetensors"]
 
 
+class DeadRank:
+    """A follower process killed with SIGKILL."""
+
+    exitcode = -9
+
+    def is_alive(self):
+        return False
+
+    def join(self, timeout=None):
+        pass
+
+
+class BrokenPipe:
+    """A dead rank's pipe: it polls ready, then its read raises ``error``."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def poll(self, timeout=0):
+        return True
+
+    def recv(self):
+        raise self.error
+
+    def close(self):
+        pass
+
+
 def test_a_rank_dying_between_poll_and_recv_is_named_not_an_eoferror():
     """A dead rank's pipe polls ready and then ends: rank 0 reports the rank's exit, not a bare EOFError."""
     from funcspec.distributed import Followers
 
-    class DeadRank:
-        exitcode = -9
-
-        def is_alive(self):
-            return False
-
-        def join(self, timeout=None):
-            pass
-
-    class ClosedPipe:
-        def poll(self, timeout=0):
-            return True
-
-        def recv(self):
-            raise EOFError
-
-        def close(self):
-            pass
-
     with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
-        Followers([DeadRank()], [ClosedPipe()])._acks()
+        Followers([DeadRank()], [BrokenPipe(EOFError())])._acks()
 
 
 # ---------------------------------------------------------------- reliability: groups, dead ranks, closing
@@ -368,27 +377,9 @@ def test_a_dead_rank_read_off_a_reset_pipe_is_named_not_a_connectionreseterror()
     """A rank killed with a call still unread resets its pipe: its answer reads as ConnectionResetError."""
     from funcspec.distributed import Followers
 
-    class DeadRank:
-        exitcode = -9
-
-        def is_alive(self):
-            return False
-
-        def join(self, timeout=None):
-            pass
-
-    class ResetPipe:
-        def poll(self, timeout=0):
-            return True
-
-        def recv(self):
-            raise ConnectionResetError(104, "Connection reset by peer")
-
-        def close(self):
-            pass
-
+    pipe = BrokenPipe(ConnectionResetError(104, "Connection reset by peer"))
     with pytest.raises(RuntimeError, match=r"rank 1 exited with code -9 \(SIGKILL\)"):
-        Followers([DeadRank()], [ResetPipe()]).call("step", (), {}, lambda: None)
+        Followers([DeadRank()], [pipe]).call("step", (), {}, lambda: None)
 
 
 def test_a_collected_engine_stops_its_ranks_and_its_group(tp_models, tp1_tokens):
