@@ -47,6 +47,16 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if missing:
         raise ValueError(f"{where}: missing or non-integer decoder fields {missing} (a decoder config needs "
                          f"{list(REQUIRED)})")
+    empty = [k for k in REQUIRED if hf[k] < 1]
+    if empty:
+        raise ValueError(f"{where}: decoder fields {empty} must be >= 1, got {[hf[k] for k in empty]}")
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if hf["num_attention_heads"] % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads={hf['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}")
+    if (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) < 1:
+        raise ValueError(f"{where}: head_dim is 0 (hidden_size={hf['hidden_size']} // "
+                         f"num_attention_heads={hf['num_attention_heads']}); set head_dim or fewer heads")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))

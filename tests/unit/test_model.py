@@ -141,3 +141,18 @@ def test_sharded_checkpoint_loads(tmp_path):
     a, b = load_model(tmp_path / "a"), load_model(tmp_path / "b")
     for (ka, va), (kb, vb) in zip(sorted(flatten(a.params).items()), sorted(flatten(b.params).items())):
         assert ka == kb and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_attention_heads": 64, "hidden_size": 32}, r"head_dim is 0 \(hidden_size=32 // num_attention_heads=64\)"),
+    ({"hidden_size": 0}, r"decoder fields \['hidden_size'\] must be >= 1, got \[0\]"),
+    ({"num_hidden_layers": -1}, r"decoder fields \['num_hidden_layers'\] must be >= 1"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+])
+def test_impossible_sizes_are_refused_naming_the_field(change, message):
+    from funcspec.checkpoints.llama import model_config
+
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **change}
+    with pytest.raises(ValueError, match=message):
+        model_config(hf, "x/config.json")
