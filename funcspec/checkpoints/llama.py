@@ -47,9 +47,10 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if missing:
         raise ValueError(f"{where}: missing or non-integer decoder fields {missing} (a decoder config needs "
                          f"{list(REQUIRED)})")
-    empty = [k for k in REQUIRED if hf[k] < 1]
+    empty = [k for k in REQUIRED if hf[k] < (0 if k == "num_hidden_layers" else 1)]  # 0 layers: embed, norm, head
     if empty:
-        raise ValueError(f"{where}: decoder fields {empty} must be >= 1, got {[hf[k] for k in empty]}")
+        raise ValueError(f"{where}: decoder fields {empty} must be positive (layers: >= 0), got "
+                         f"{[hf[k] for k in empty]}")
     kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if hf["num_attention_heads"] % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={hf['num_attention_heads']} is not a multiple of "

@@ -145,8 +145,8 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"num_attention_heads": 64, "hidden_size": 32}, r"head_dim is 0 \(hidden_size=32 // num_attention_heads=64\)"),
-    ({"hidden_size": 0}, r"decoder fields \['hidden_size'\] must be >= 1, got \[0\]"),
-    ({"num_hidden_layers": -1}, r"decoder fields \['num_hidden_layers'\] must be >= 1"),
+    ({"hidden_size": 0}, r"decoder fields \['hidden_size'\] must be positive \(layers: >= 0\), got \[0\]"),
+    ({"num_hidden_layers": -1}, r"decoder fields \['num_hidden_layers'\] must be positive \(layers: >= 0\)"),
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
 ])
 def test_impossible_sizes_are_refused_naming_the_field(change, message):
