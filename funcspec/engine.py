@@ -20,26 +20,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, kernels, methods, rng, sampling
-from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, cache, resolve_backend
+from funcspec import distributed, kernels, rng, sampling
+from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, cache
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
+from funcspec.plan import plan_engine
 from funcspec.quant import prepare_params, quantized
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler, logprob_dict
-from funcspec.verifiers import verify_config
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
 
@@ -117,8 +116,10 @@ class Engine:
             they load instead of compiling.
 
     Attributes:
-        model, spec, backend, plan, proposer: what the engine runs (``model``
-            is this rank's shard of the target).
+        model, spec, proposer: what the engine runs (``model`` is this rank's shard of the target).
+        plan: the :class:`~funcspec.plan.EnginePlan` its arguments resolve to (K, cache length,
+            slots, backend, buckets, per-K verify rule and tree); ``backend``, ``max_model_len``,
+            ``t_max`` and ``num_slots`` are its values.
         tp: this rank's :class:`~funcspec.parallel.TPGroup`.
         followers: the spawned ranks (:class:`~funcspec.distributed.Followers`), or ``None``.
         scheduler: requests and slots (:class:`~funcspec.scheduler.Scheduler`).
@@ -170,28 +171,13 @@ class Engine:
         elif kv_transfer_config is not None:
             raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")
         self.spec = spec
-        max_k = spec.num_speculative_tokens if spec else 0
-        if spec is not None:
-            spec.validate_for_backend(backend)  # before importing torch_npu: report K+1 <= 16 first
-        self.backend = resolve_backend(backend, device)
-        if max_model_len is None:
-            max_model_len = min(cfg.max_position_embeddings, 2048)
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.max_model_len, self.device, self.seed = max_model_len, torch.device(device), seed
-        # NOTE: room for a full K+1 block past max_model_len, so writes never go out of bounds.
-        self.t_max = max_model_len + max_k + 1
-        tree = spec is not None and spec.tree is not None
-        # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)
-        sizes = [spec.k_for_batch_size(n) for n in range(1, max_batch_size + 1)] \
-            if tree and spec.num_speculative_tokens_per_batch_size else None
-        if context_buckets is None and ops.reads_live_only(dtype, cfg.head_dim, device):
-            context_buckets = (self.t_max,)
-        startup = capture == "startup" and self.backend != "eager"  # eager has nothing to capture
-        self.plan = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, startup, self.t_max,
-                                          context_buckets, tree=tree, tree_sizes=sizes,
-                                          symbolic_batch=self.backend == "inductor")
-        self.num_slots = max_batch_size
+        self.plan = plan = plan_engine(spec, cfg, ops, backend=backend, device=device, dtype=dtype,
+                                       max_batch_size=max_batch_size, max_model_len=max_model_len,
+                                       batch_buckets=batch_buckets, context_buckets=context_buckets, capture=capture)
+        self.backend, self.max_model_len, self.t_max, self.num_slots = (plan.backend, plan.max_model_len,
+                                                                         plan.t_max, plan.num_slots)
+        self.device, self.seed = torch.device(device), seed
+        max_model_len, max_k, startup = plan.max_model_len, plan.max_k, plan.startup
         from funcspec.proposers import BuildContext, build_proposer
 
         self.proposer = build_proposer(spec, self.model, BuildContext(max_model_len, self.device)) if spec else None
@@ -201,7 +187,6 @@ class Engine:
 
             self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
             self._dyn_k = self.dyn.budget_k
-        verify = functools.partial(verify_config, spec) if spec else None  # k -> the bucket's VerifyConfig
         shard_draft = _shards_draft(spec, self.proposer, tensor_parallel_size)
         # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
         # refused engine leaves no processes behind; proposers were built from the whole target.
@@ -220,12 +205,8 @@ class Engine:
                 self.proposer = self.proposer.shard(self.tp)
             self._prepare(ops)
             self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
-            self.runner = Runner(model=self.model, proposer=self.proposer, verify=verify, plan=self.plan,
-                                 backend=self.backend, num_slots=self.num_slots, t_max=self.t_max, device=device,
-                                 dtype=dtype, dyn=self.dyn,
-                                 synthetic_rates=spec.synthetic_acceptance_rates if spec else None,
-                                 prefill_hooks=hooks, tree=spec.tree if spec else None,
-                                 tree_frontiers=spec is None or methods.lookup(spec.method).model != methods.NONE)
+            self.runner = Runner(plan=plan, model=self.model, proposer=self.proposer, device=device, dtype=dtype,
+                                 dyn=self.dyn, prefill_hooks=hooks)
             if compile_cache is not None:
                 self.compile_cache = cache.load(compile_cache)  # before any capture
             if startup:
@@ -242,12 +223,12 @@ class Engine:
         size up to ``max_batch_size`` with the K it runs (the K table, or every K under a confidence budget),
         every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING` (and the general mode
         with logprobs under ``capture_logprobs``)."""
-        ks = lambda n: self.plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
+        ks = lambda n: self.plan.bucket_plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
         todo = {}
         for n in range(1, self.num_slots + 1):
-            b = self.plan.batch_bucket(n)
+            b = self.plan.bucket_plan.batch_bucket(n)
             for k in ks(n):
-                for t in self.plan.context_buckets or (self.t_max,):
+                for t in self.plan.bucket_plan.context_buckets or (self.t_max,):
                     for mode in self.startup_modes:
                         todo.setdefault(self.runner.graph_key(b, k, t, sampling.MODES[mode]), (b, k, t, mode))
         return sorted(todo.values())
@@ -302,11 +283,11 @@ class Engine:
         calling or capturing ``bucket.fn(*bucket.args)`` changes no request;
         ``live=n`` makes the first n rows the running requests (slots 0..n-1).
         """
-        tree = self.spec.tree if self.spec else None
+        tree = self.plan.tree
         if tree is not None and not (isinstance(k, int) and 0 <= k <= tree.size):
             raise ValueError(f"k must be a node count 0..{tree.size} of this engine's token tree, got {k}")
-        if tree is None and k not in self.plan.ks:
-            raise ValueError(f"k must be one of this engine's K values {self.plan.ks}, got {k}")
+        if tree is None and k not in self.plan.bucket_plan.ks:
+            raise ValueError(f"k must be one of this engine's K values {self.plan.bucket_plan.ks}, got {k}")
         return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
 
     @mirrored
@@ -374,11 +355,11 @@ class Engine:
         finished = self._admit(self.scheduler.admit())
         rows = self.scheduler.rows()
         if rows:
-            b, k = self.plan.batch_bucket(len(rows)), self._choose_k(len(rows))
-            t = self.plan.context_bucket(max(r.total_len for r in rows) + k + 1)
+            b, k = self.plan.bucket_plan.batch_bucket(len(rows)), self._choose_k(len(rows))
+            t = self.plan.bucket_plan.context_bucket(max(r.total_len for r in rows) + k + 1)
             mode = sampling.mode_for(r.params for r in rows)
             host = self.proposer is not None and self.proposer.runs_on_host
-            drafts = self.proposer.host_drafts(rows, b, k, self.runner.bucket_tree(k)) if host else None
+            drafts = self.proposer.host_drafts(rows, b, k, self.plan.bucket_tree(k)) if host else None
             tokens, n, used, conf, lps = self.runner.step(len(rows), b, k, t, mode, drafts)
             finished += self._record(rows, tokens, n, used, k, b, lps)
             if self.dyn is not None and k > 0:
@@ -580,7 +561,7 @@ class Engine:
             "buckets_used": dict(self._buckets_used),
             "mean_acceptance_length": s["emitted"] / s["row_steps"] if s["row_steps"] else 0.0,
             "per_position_acceptance": [a / spec_rows if spec_rows else 0.0 for a in self._accepted_per_pos],
-            "capture_sizes": self.plan.capture_sizes(),
+            "capture_sizes": self.plan.bucket_plan.capture_sizes(),
         }
 
 

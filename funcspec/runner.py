@@ -22,7 +22,7 @@ from funcspec.capture import capture
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
 from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
-from funcspec.token_tree import truncate
+from funcspec.plan import EnginePlan
 from funcspec.tree import move_slot, replace
 from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import synthetic
@@ -111,32 +111,25 @@ def _next_pow2(n: int, lo: int) -> int:
 class Runner:
     """The device side of an engine.
 
-    Args (keyword-only: thirteen of them, several of the same type, are too easy to pass out of order):
+    Args (keyword-only):
+        plan: the engine's :class:`~funcspec.plan.EnginePlan`: slots, cache length,
+            backend, buckets, and per bucket K its verify rule and token tree.
         model: the loaded target (:class:`~funcspec.checkpoints.Model`).
         proposer: the built proposer handle, or ``None`` (autoregressive).
-        verify: ``verify(k) -> VerifyConfig`` for bucket K, or ``None``.
-        plan: the engine's :class:`~funcspec.capture.BucketPlan`.
-        backend: resolved capture backend.
-        num_slots, t_max: KV slots and positions per slot.
-        dyn: the confidence scheduler (dynamic verify length), or ``None``.
-        synthetic_rates: per-position rates of the synthetic verifier, or ``None``.
+        device, dtype: where and in what the state lives.
+        dyn: the confidence scheduler (dynamic verify length; host state that
+            changes every step, so not part of the plan), or ``None``.
         prefill_hooks: callables ``hook(reqs, tokens [P, T], lens, hiddens)``
             with a ``layers`` attribute: they see each prefill's hidden states
             of those layers (``extract_hidden_states`` is one).
-        tree: the token tree of the engine, or ``None`` for chains. A bucket
-            with K = N > 0 drafts and verifies it cut to N nodes (``token_tree.truncate``).
-        tree_frontiers: whether a draft network expands the tree's frontiers
-            (``False`` for ngram and suffix), which caps the depth of a cut dynamic tree.
     """
 
-    def __init__(self, *, model, proposer, verify, plan, backend: str, num_slots: int, t_max: int, device, dtype,
-                 dyn=None, synthetic_rates=None, prefill_hooks: Sequence[Any] = (), tree=None,
-                 tree_frontiers: bool = True):
-        self.model, self.proposer, self.verify, self.plan, self.backend = model, proposer, verify, plan, backend
-        self.num_slots, self.t_max, self.device, self.dyn = num_slots, t_max, torch.device(device), dyn
-        self.synthetic_rates = synthetic_rates
+    def __init__(self, *, plan: EnginePlan, model, proposer, device, dtype, dyn=None,
+                 prefill_hooks: Sequence[Any] = ()):
+        self.plan, self.model, self.proposer, self.device, self.dyn = plan, model, proposer, torch.device(device), dyn
+        self.backend, self.num_slots, self.t_max = plan.backend, plan.num_slots, plan.t_max
+        self.synthetic_rates = plan.synthetic_rates  # NOTE: a tensor input: set_synthetic_acceptance_rates changes it
         self.prefill_hooks = tuple(prefill_hooks)
-        self.tree, self.tree_frontiers = tree, tree_frontiers
         self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
@@ -157,16 +150,10 @@ class Runner:
     def step_config(self, k: int, t: int, mode: sampling.Mode) -> StepConfig:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
-        verify = dataclasses.replace(self.verify(k), filters=mode.filters) if p else None
+        verify = dataclasses.replace(self.plan.verify(k), filters=mode.filters) if p else None
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
-                          KVRead(t, aligned=True), mode, self.bucket_tree(k))
-
-    def bucket_tree(self, k: int):
-        """The token tree a bucket of K = N drafts proposes and verifies: the engine's tree cut to N nodes
-        (``token_tree.truncate``), or ``None`` for chains and K = 0. The one place the cut is made: the
-        step hands it to in-graph proposers (``StepContext.tree``), the engine to host drafters."""
-        return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None
+                          KVRead(t, aligned=True), mode, self.plan.bucket_tree(k))
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).
@@ -186,7 +173,7 @@ class Runner:
         parents = None
         if isinstance(drafts, tuple):  # a host token tree: (tokens [B, N], parents [B, N])
             drafts, parents = drafts
-        elif host and k > 0 and self.tree is not None:
+        elif host and k > 0 and self.plan.tree is not None:
             # NOTE: example inputs of a tree bucket: PLACEHOLDER nodes under the root.
             parents = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
         return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), drafts, parents, budget, cond)
@@ -201,7 +188,7 @@ class Runner:
     def graph_key(self, b: int, k: int, t: int, mode: sampling.Mode) -> BucketKey:
         """The key of the graph that runs bucket (b, k, t, mode): buckets above B = 1 share one graph when
         the plan's batch is symbolic."""
-        return self.plan.graph_batch(b), k, t, mode.name
+        return self.plan.bucket_plan.graph_batch(b), k, t, mode.name
 
     @torch.no_grad()
     def graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
@@ -222,7 +209,7 @@ class Runner:
         """The exact bucket's graph; after a start-up capture, a mode that was not captured runs in the
         general mode's graph (``filtered`` serves every request), so that no step compiles; a logprobs
         mode runs in ``filtered_logprobs``, captured on its first use."""
-        if self.plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
+        if self.plan.bucket_plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
             # NOTE: logprobs graphs are not captured at start-up (they would double its graphs for a
             # feature few requests use): the first logprobs step of a (B, K, T) graph captures the general
             # mode with logprobs, once, and every logprobs mode runs in it afterwards.

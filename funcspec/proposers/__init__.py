@@ -121,7 +121,7 @@ class ProposerHandle:
 
     def host_drafts(self, rows, b: int, k: int, tree=None):
         """Host drafts [B, K] for the running rows (host proposers only); (tokens, parents) for the
-        bucket's token tree ``tree`` (``Runner.bucket_tree``)."""
+        bucket's token tree ``tree`` (``EnginePlan.bucket_tree``)."""
         return self.host.drafts(rows, b, k, tree)
 
     def shard(self, tp) -> "ProposerHandle":

@@ -25,7 +25,7 @@ Token trees (``ChainConfig.tree``): after the catch-up the head drafts the tree
 level by level (:mod:`funcspec.proposers.tree_draft`, static or EAGLE-2
 dynamic), with tree attention over its own drafts; a chain-shaped tree drafts
 exactly what the chain loop does. A bucket of N nodes drafts the tree cut to N
-(``StepContext.tree``, cut once per bucket by ``Runner.bucket_tree``). The verified block is then the accepted
+(``StepContext.tree``, cut once per bucket by ``EnginePlan.bucket_tree``). The verified block is then the accepted
 root path (at most D + 1 positions of the whole tree), so the catch-up covers D + 1
 positions, not max_k + 1.
 

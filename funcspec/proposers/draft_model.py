@@ -11,7 +11,7 @@ of a step reads positions >= ``nn.llama.window_start(n, W)`` = max(n - W, 0),
 the rule every head shares.
 
 Token trees (a K = N step drafts the bucket's ``StepContext.tree``: the engine's
-tree cut to N nodes by ``Runner.bucket_tree``): the draft runs over the tree level by level, static
+tree cut to N nodes by ``EnginePlan.bucket_tree``): the draft runs over the tree level by level, static
 (vLLM's) or EAGLE-2 dynamic (``tree_draft``, with its logits as the "feature"
 each node passes to its children), and takes each node's top-k as children in
 every sampling mode (deterministic drafts, as the tree verifier needs). Its

@@ -81,7 +81,7 @@ def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced
     traces, guards and counts compiles); the tests above and test_runtime.py run real inductor code.
     """
     eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24)
-    assert eng.plan.batch_buckets == tuple(range(1, 11)) and eng.plan.symbolic_batch
+    assert eng.plan.bucket_plan.batch_buckets == tuple(range(1, 11)) and eng.plan.bucket_plan.symbolic_batch
     assert sorted(eng.runner.compiled) == [(0, 0, 25, "filtered"), (0, 0, 25, "greedy"),
                                            (1, 0, 25, "filtered"), (1, 0, 25, "greedy")]
     assert all(g.stats.compiles == 1 for g in eng.runner.compiled.values())

@@ -294,7 +294,7 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
         request.getfixturevalue("traced_codegen")
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
-    assert eng.plan.ks == (0, 7) and eng.plan.capture_sizes()[7] == [32]
+    assert eng.plan.bucket_plan.ks == (0, 7) and eng.plan.bucket_plan.capture_sizes()[7] == [32]
     bucket = eng.bucket(4, 7, mode="greedy")
     sig = tree_signature(bucket.args[1])
     out, new = bucket.fn(*bucket.args)

@@ -33,7 +33,7 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     plain-temperature requests run in the filtered graph, and every token equals the eager engine's."""
     eng = Engine(tiny_llama, NGRAM, backend="inductor", max_batch_size=4, max_model_len=96)
     t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
-    assert eng.plan.context_buckets == (t,) and eng.startup_seconds > 0
+    assert eng.plan.bucket_plan.context_buckets == (t,) and eng.startup_seconds > 0
     assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
                                            (1, 2, t, "filtered"), (1, 2, t, "greedy")]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -69,9 +69,9 @@ def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
 def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
     """One bucket above 1 stays a static graph; eager and device graphs never take a symbolic batch."""
     one = Engine(tiny_llama, backend="inductor", max_batch_size=4, batch_buckets=[4], capture="lazy")
-    assert not one.plan.symbolic_batch and one.runner.graph_key(4, 0, 10, sampling.GREEDY)[0] == 4
+    assert not one.plan.bucket_plan.symbolic_batch and one.runner.graph_key(4, 0, 10, sampling.GREEDY)[0] == 4
     eager = Engine(tiny_llama, backend="eager", max_batch_size=4)
-    assert not eager.plan.symbolic_batch and eager.plan.batch_buckets == (1, 2, 4)
+    assert not eager.plan.bucket_plan.symbolic_batch and eager.plan.bucket_plan.batch_buckets == (1, 2, 4)
 
 
 def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny_llama, tmp_path, monkeypatch,

@@ -83,7 +83,7 @@ def test_engine_with_a_tree_size_per_batch_size_is_greedy_lossless(zoo, tree):
     keys = {"speculative_token_tree": str(TREE)} if tree == "static" else DYNAMIC
     eng = spec_engine(zoo, "eagle3", k=7,
                       spec={**keys, "num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 0], [3, 4, 5]]})
-    assert eng.plan.buckets == [(1, 0), (1, 2), (2, 0), (4, 0), (4, 5)]
+    assert eng.plan.bucket_plan.buckets == [(1, 0), (1, 2), (2, 0), (4, 0), (4, 5)]
     assert sorted({key[:2] for key in eng.startup_graphs()}) == [(1, 2), (2, 0), (4, 5)]
     _run(eng, zoo, [[0], [1, 2], [0, 1, 2, 3], [3]])
     assert eng.stats["buckets_used"].keys() == {"B1_K2", "B2_K0", "B4_K5"}

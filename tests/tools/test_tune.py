@@ -186,7 +186,7 @@ def test_exported_file_drives_the_engine(tiny_llama, tmp_path, monkeypatch):
     assert tune.load(out) == exported
     llm = LLM(tiny_llama, enforce_eager=True, max_model_len=96, **exported)
     eng = llm.engine
-    assert eng.plan.batch_buckets == (1, 2, 4) and eng.num_slots == 4
+    assert eng.plan.bucket_plan.batch_buckets == (1, 2, 4) and eng.num_slots == 4
     seen = []  # (active rows, K the engine chose) per step
     run = eng.runner.step
     monkeypatch.setattr(eng.runner, "step", lambda live, b, k, *a: seen.append((live, k)) or run(live, b, k, *a))

@@ -161,8 +161,8 @@ def test_exported_tree_file_drives_the_engine(zoo, tmp_path, monkeypatch):
     assert exported["compilation_config"]["cudagraph_capture_sizes"] == [4, 6, 8]  # 4·(0+1), 2·(2+1), 1·(7+1)
     llm = LLM(zoo.paths["target"], backend="eager", max_model_len=96, **exported)
     eng = llm.engine
-    assert eng.plan.batch_buckets == (1, 2, 4)
-    assert eng.plan.buckets == [(1, 0), (1, 7), (2, 0), (2, 2), (4, 0)]
+    assert eng.plan.bucket_plan.batch_buckets == (1, 2, 4)
+    assert eng.plan.bucket_plan.buckets == [(1, 0), (1, 7), (2, 0), (2, 2), (4, 0)]
     seen = []  # (active rows, N the engine chose) per step
     run = eng.runner.step
     monkeypatch.setattr(eng.runner, "step", lambda live, b, k, *a: seen.append((live, k)) or run(live, b, k, *a))

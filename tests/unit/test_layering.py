@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture
     # host loop: scheduler (requests, slots) and runner (device state, graphs), wired by engine;
     # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks
-    ("engine", {"engine", "scheduler", "runner", "extract", "distributed"}),
+    ("engine", {"engine", "scheduler", "runner", "plan", "extract", "distributed"}),
     ("llm", {"llm", "__init__"}),
     # public API users; serve: the OpenAI-compatible server (it drives an Engine by add/abort/step)
     ("tools", {"bench", "tune", "train", "zoo", "cli", "serve"}),

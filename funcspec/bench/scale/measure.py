@@ -107,7 +107,7 @@ def batch_rows(ctx: ScaleContext, backend: str, batches: list[int]) -> dict:
     for b in tqdm(batches, desc="batch", leave=False):
         prompts[b] = make_prompts(ctx.shape, b, ctx.prompt_tokens, ctx.seed + 1000 + b)  # B prompts of P tokens
         r = timed_generate(eng, prompts[b], n, ctx.reps)
-        step = r["replay_ms"].get(f"B{eng.plan.batch_bucket(b)}_K0")
+        step = r["replay_ms"].get(f"B{eng.plan.bucket_plan.batch_bucket(b)}_K0")
         rows.append({"batch": b, "tokens_per_s": b * 1e3 / r["ms_per_token"],
                      "ms_per_token": r["ms_per_token"], "step_ms": step})
     out = {"backend": eng.backend, "rows": rows}
