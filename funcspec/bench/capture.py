@@ -12,7 +12,6 @@ with a PNG plot beside it.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -24,6 +23,17 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parents[2] / "graphs" / "results"
+
+
+def write_result(result: dict, out, render) -> Path:
+    """File ``result`` as ``<bench>-<time>.json`` and its ``render(result)`` markdown beside it, under ``out``
+    (default: ``graphs/results/cpu``); returns the JSON path."""
+    out_dir = Path(out) if out else RESULTS / device_name("cpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{result['bench']}-{result['time']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(render(result))
+    return path
 
 
 def device_name(device: str) -> str:

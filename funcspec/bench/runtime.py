@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from funcspec.bench.capture import RESULTS, device_name
+from funcspec.bench.capture import write_result
 
 WORKLOAD_PROMPTS = ["def parse(x):\n    ", "import os\nclass A:\n", "for i in range(10):\n", "x = [1, 2, 3]\n"]
 LONG_PROMPT = "def f(a, b):\n    return a + b\n" * 40
@@ -176,11 +176,7 @@ def run(args) -> Path:
               f"{warm['first_over_second']:.2f}x", flush=True)
     result = {"bench": "runtime", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine_info(),
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
-    out_dir = Path(args.out) if args.out else RESULTS / device_name("cpu")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"runtime-{result['time']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    path.with_suffix(".md").write_text(markdown(result))
+    path = write_result(result, args.out, markdown)
     print(f"wrote {path} and .md")
     return path
 

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from funcspec.bench.capture import RESULTS, device_name
+from funcspec.bench.capture import write_result
 
 try:  # NOTE: the openai package brings httpx2 (httpx's API); plain httpx serves as well
     import httpx2 as httpx
@@ -622,11 +622,7 @@ def run(args) -> Path:
               "wall_s": time.perf_counter() - t_run, "loadavg_start": load_start, "loadavg_end": loadavg(),
               "rows": rows}
     result["goals"] = goals(rows)
-    out_dir = Path(args.out) if args.out else RESULTS / device_name("cpu")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"serve-{result['time']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    path.with_suffix(".md").write_text(markdown(result))
+    path = write_result(result, args.out, markdown)
     print(f"wrote {path} and .md ({result['wall_s']:.0f}s)")
     return path
 
