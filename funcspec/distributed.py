@@ -18,8 +18,11 @@ Two ways to start N ranks:
   the OS picks, and every rank builds the group on it under a name of its own
   (``funcspec-tp0``, ``funcspec-tp1``, ...: the lowest this process has free),
   so two engines of one process never share a group or a port. Each follower
-  builds the same engine and then replays every public call rank 0 makes
-  (:func:`mirrored`), sent over a pipe, and acknowledges it.
+  builds the same engine from rank 0's arguments and rank 0's serialised plan
+  (``EnginePlan.to_dict()``, passed as the engine's ``_plan``: a follower never
+  plans for itself, so no rank can run other buckets than rank 0's), then
+  replays every public call rank 0 makes (:func:`mirrored`), sent over a pipe,
+  and acknowledges it.
 
 Failures stop the group, never hang it: a follower that raises reports its
 traceback and exits (its sockets close, so rank 0's pending all-reduce fails
@@ -183,11 +186,12 @@ def check_devices(size: int, device) -> None:
             raise ValueError(f"tensor_parallel_size={size} exceeds the {count} {kind} device(s) of this machine")
 
 
-def setup(size: int, device, engine_cls, engine_args: dict) -> tuple[TPGroup, Optional["Followers"]]:
+def setup(size: int, device, engine_cls, engine_args: dict, plan) -> tuple[TPGroup, Optional["Followers"]]:
     """Join or start a group of ``size`` ranks; returns this rank's group and, on a spawning rank 0, its followers.
 
-    Spawned followers rebuild their engine as ``engine_cls(**engine_args)`` (the
-    class is passed in: this module sits below the engine and never imports it).
+    Spawned followers rebuild their engine as ``engine_cls(**engine_args, _plan=plan.to_dict())``: the
+    class is passed in (this module never imports the engine), and ``plan`` is rank 0's ``EnginePlan``,
+    sent as plain data, which followers run instead of planning from their own arguments.
     """
     if size == 1:
         return SINGLE, None
@@ -201,21 +205,21 @@ def setup(size: int, device, engine_cls, engine_args: dict) -> tuple[TPGroup, Op
     if "WORLD_SIZE" in os.environ:  # torchrun: every rank runs the script
         _init_group(device, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         return _group(size), None
-    followers = Followers.spawn(size, device, engine_cls, engine_args)
+    followers = Followers.spawn(size, device, engine_cls, engine_args, plan.to_dict())
     return followers.tp, followers
 
 
 def _follow(rank: int, size: int, port: int, name: str, threads: int, engine_cls, engine_args: dict,
-            conn) -> None:
-    """A spawned follower: join group ``name`` as rank ``rank``, build the engine, then replay rank 0's calls
-    until told to stop."""
+            plan: dict, conn) -> None:
+    """A spawned follower: join group ``name`` as rank ``rank``, build the engine on rank 0's ``plan`` (its
+    ``to_dict()``), then replay rank 0's calls until told to stop."""
     global _joined
     try:
         conn.send(("up", None))  # started: rank 0 may now wait in the rendezvous
         torch.set_num_threads(threads)
         pg = _new_group(rank_device(engine_args["device"], rank), rank, size, _store(port, size, False), name)
         _joined = TPGroup(size, rank, name)
-        engine = engine_cls(**engine_args)
+        engine = engine_cls(**engine_args, _plan=plan)
         conn.send(("ok", None))
         while True:
             try:
@@ -312,8 +316,9 @@ class Followers:
         atexit.register(self._finalizer)
 
     @classmethod
-    def spawn(cls, size: int, device, engine_cls, engine_args: dict) -> "Followers":
-        """Start ranks 1..size-1, then join their new group as rank 0 (the rendezvous waits for all of them)."""
+    def spawn(cls, size: int, device, engine_cls, engine_args: dict, plan: dict) -> "Followers":
+        """Start ranks 1..size-1 on rank 0's serialised ``plan``, then join their new group as rank 0 (the
+        rendezvous waits for all of them)."""
         ctx = torch.multiprocessing.get_context("spawn")
         name = _reserve_name()
         try:
@@ -326,7 +331,7 @@ class Followers:
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=_follow, name=f"funcspec-tp-rank{rank}", daemon=True,
                             args=(rank, size, store.port, name, torch.get_num_threads(), engine_cls, engine_args,
-                                  theirs))
+                                  plan, theirs))
             p.start()
             theirs.close()  # the follower holds its own end: its death ends the pipe here
             procs.append(p)
@@ -470,5 +475,6 @@ def mirrored(method):
 
 
 def engine_args(values: dict[str, Any]) -> dict[str, Any]:
-    """An engine's constructor arguments (from its ``locals()``) as followers receive them."""
-    return {k: v for k, v in values.items() if k not in ("self", "__class__")}
+    """An engine's constructor arguments (from its ``locals()``) as followers receive them (their plan is
+    rank 0's, passed apart: never one a follower was given)."""
+    return {k: v for k, v in values.items() if k not in ("self", "__class__", "_plan")}

@@ -34,7 +34,7 @@ from funcspec.config import SamplingParams, SpecConfig
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
-from funcspec.plan import plan_engine
+from funcspec.plan import EnginePlan, plan_engine
 from funcspec.quant import prepare_params, quantized
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
@@ -90,7 +90,8 @@ class Engine:
             (:mod:`funcspec.distributed`). From a plain process, this engine is
             rank 0 and spawns the others, which replay its public calls; under
             ``torchrun`` every rank builds its own engine. Call :meth:`close`
-            (or let the interpreter exit) to stop them.
+            (or let the interpreter exit) to stop them. Spawned ranks run this
+            engine's plan (they receive ``plan.to_dict()`` as ``_plan``).
         ops: the kernels (:class:`funcspec.kernels.Ops`); default: what
             :func:`funcspec.kernels.resolve` picks for ``device``. Pass one to
             choose a path (tests, benchmarks).
@@ -133,7 +134,7 @@ class Engine:
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
                  ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
                  tokenizer: Optional[str] = None, compile_cache: Optional[str] = None,
-                 capture_logprobs: bool = False, cpu_kernels: bool = True):
+                 capture_logprobs: bool = False, cpu_kernels: bool = True, _plan: Optional[dict] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
@@ -170,10 +171,13 @@ class Engine:
             spec = None  # it does not speculate: decode is plain autoregressive, one token per request
         elif kv_transfer_config is not None:
             raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")
-        self.spec = spec
-        self.plan = plan = plan_engine(spec, cfg, ops, backend=backend, device=device, dtype=dtype,
-                                       max_batch_size=max_batch_size, max_model_len=max_model_len,
-                                       batch_buckets=batch_buckets, context_buckets=context_buckets, capture=capture)
+        # NOTE: a spawned follower runs rank 0's plan (``_plan``, its ``to_dict()``), never one of its own: ranks
+        # that planned apart (another device's kernels, another default) would capture different graphs.
+        self.plan = plan = EnginePlan.from_dict(_plan) if _plan is not None else plan_engine(
+            spec, cfg, ops, backend=backend, device=device, dtype=dtype, max_batch_size=max_batch_size,
+            max_model_len=max_model_len, batch_buckets=batch_buckets, context_buckets=context_buckets,
+            capture=capture)
+        self.spec = spec = plan.spec
         self.backend, self.max_model_len, self.t_max, self.num_slots = (plan.backend, plan.max_model_len,
                                                                          plan.t_max, plan.num_slots)
         self.device, self.seed = torch.device(device), seed
@@ -190,7 +194,7 @@ class Engine:
         shard_draft = _shards_draft(spec, self.proposer, tensor_parallel_size)
         # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
         # refused engine leaves no processes behind; proposers were built from the whole target.
-        self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args)
+        self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args, plan)
         self._stats = collections.Counter()
         self.startup_seconds = 0.0  # spent capturing graphs while the engine was built
         self.compile_cache: Optional[dict] = None  # what a loaded compile cache held, by kind

@@ -11,16 +11,18 @@ that verifies it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence
 
 import torch
 
 from funcspec import methods
 from funcspec.capture import BucketPlan, resolve_backend
 from funcspec.config import SpecConfig
+from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.kernels import Ops
 from funcspec.nn import ModelConfig
-from funcspec.token_tree import truncate
+from funcspec.token_tree import DynamicTree, TokenTree, truncate
 from funcspec.verifiers import VerifyConfig, verify_config
 
 
@@ -73,6 +75,64 @@ class EnginePlan:
         (``token_tree.truncate``), or ``None`` for chains and K = 0. The one place the cut is made: the
         step hands it to in-graph proposers (``StepContext.tree``), the engine to host drafters."""
         return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """This plan as plain data (dicts, lists, str, int, float, bool, ``None``; JSON-able): what a
+        tensor-parallel rank 0 sends its followers, which run it instead of planning from their own
+        arguments. Each dataclass is a dict of its fields, each tuple a list; :meth:`from_dict` inverts it."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EnginePlan":
+        """The plan :meth:`to_dict` wrote (``EnginePlan.from_dict(p.to_dict()) == p``, through JSON too).
+
+        Lists become tuples again and each nested config is rebuilt through its own constructor (its
+        checks run again); a missing or unknown field is a ``ValueError`` naming it.
+        """
+        d = _fields(cls, d, "EnginePlan", nested=("spec", "bucket_plan"))
+        spec = None if d["spec"] is None else _spec(d["spec"])
+        buckets = BucketPlan(**_fields(BucketPlan, d["bucket_plan"], "EnginePlan.bucket_plan"))
+        return cls(**{**d, "spec": spec, "bucket_plan": buckets})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain data: a dataclass as a dict of its fields, a tuple as a list (recursively)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    """Lists as tuples, recursively (every sequence of a plan is a tuple)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _fields(cls: type, d: Any, name: str, nested: Sequence[str] = ()) -> dict[str, Any]:
+    """``d``'s entries once they are exactly ``cls``'s fields, lists as tuples (except in the ``nested``
+    configs, which the caller reads with their own fields)."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{name} must be a dict of its fields, got {type(d).__name__}")
+    want = [f.name for f in dataclasses.fields(cls)]
+    for key in d:
+        if key not in want:
+            raise ValueError(f"{name} has no field {key!r} (fields: {want})")
+    missing = [k for k in want if k not in d]
+    if missing:
+        raise ValueError(f"{name}.{missing[0]} is missing")
+    return {k: v if k in nested else _tuples(v) for k, v in d.items()}
+
+
+def _spec(d: Any) -> SpecConfig:
+    """A :class:`SpecConfig` from its :func:`_plain` dict (``SpecConfig`` resolves a resolved config to itself)."""
+    nested = {"rejection_sampler": RejectionSamplerConfig, "dynamic_spec": DynamicSpecConfig,
+              "speculative_token_tree": TokenTree, "dynamic_tree": DynamicTree}
+    d = _fields(SpecConfig, d, "EnginePlan.spec", nested)
+    for key, kind in nested.items():
+        if d[key] is not None:
+            d[key] = kind(**_fields(kind, d[key], f"EnginePlan.spec.{key}"))
+    return SpecConfig(**d)
 
 
 def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backend: str, device, dtype: torch.dtype,

@@ -408,6 +408,37 @@ def test_an_llm_with_block_closes_its_ranks(tp_models, tp1_tokens):
     assert [p.exitcode for p in procs] == [0] and not registered(group)
 
 
+def _no_planning(*args, **kwargs):
+    raise AssertionError("a follower called plan_engine: it must run rank 0's plan")
+
+
+class PlansOtherwiseOnRank1(Engine):
+    """An engine whose follower could not plan (``plan_engine`` raises there) and whose own arguments would plan
+    another cache length: it must run rank 0's plan, and can report it (a mirrored call every rank runs)."""
+
+    def __init__(self, *args, **kwargs):
+        if distributed.global_rank() == 1:
+            import funcspec.engine
+
+            funcspec.engine.plan_engine = _no_planning  # this follower's process only
+            kwargs["max_model_len"] = 30
+        super().__init__(*args, **kwargs)
+
+    @distributed.mirrored
+    def dump_plan(self, out: str) -> None:
+        with open(os.path.join(out, f"plan{distributed.global_rank()}.json"), "w") as f:
+            json.dump({"plan": self.plan.to_dict(), "lengths": [self.max_model_len, self.t_max]}, f)
+
+
+def test_a_follower_runs_rank_0s_serialised_plan_not_one_of_its_own(tp_models, tp1_tokens, tmp_path):
+    with PlansOtherwiseOnRank1(tp_models["target"], tensor_parallel_size=2, max_batch_size=2,
+                               max_model_len=40) as eng:
+        eng.dump_plan(str(tmp_path))
+        assert tokens(eng) == tp1_tokens
+    ranks = [json.loads((tmp_path / f"plan{r}.json").read_text()) for r in range(2)]
+    assert ranks[1] == ranks[0] == {"plan": eng.plan.to_dict(), "lengths": [40, 41]}
+
+
 def test_interpreter_exit_stops_the_ranks_of_an_open_engine(tp_models, tmp_path):
     """A script that never closes its TP engine: at exit its followers are asked to stop, and stop cleanly."""
     script = tmp_path / "open_at_exit.py"

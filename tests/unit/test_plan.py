@@ -1,6 +1,7 @@
 """The engine's plan: resolved once, purely, from the parsed arguments (no model, no graph)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -52,3 +53,73 @@ def test_bad_values_are_refused_before_anything_is_built():
         plan(max_model_len=1)
     with pytest.raises(ValueError, match="backend must be one of"):
         plan(backend="tpu")
+
+
+# ------------------------------------------------------------------ serialisation: what TP followers receive
+DYN_TREE = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
+SERIALISED = {
+    "no speculation": (None, {}),
+    "chain": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+               "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1]]}, {}),
+    "static tree": ({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 1,
+                     "speculative_token_tree": TREE,
+                     "num_speculative_tokens_per_batch_size": [[1, 2, 7], [3, 4, 3]]}, {}),
+    "dynamic tree": ({"method": "eagle", "model": "head", **DYN_TREE}, {}),
+    "dynamic spec": ({"method": "dspark", "model": "head", "num_speculative_tokens": 5},
+                     {"dynamic_spec_config": {"method": "dspark", "method_params": {"budget_threshold": 0.7}},
+                      "rejection_sampler_config": {"enable_entropy_verify": True, "posterior_alpha": 0.25}}),
+    "synthetic": ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                   "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.3}, {}),
+}
+
+
+def plain(value) -> bool:
+    """Whether ``value`` is JSON's data model: dicts with str keys, lists, str, int, float, bool, None."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(map(plain, value))
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+@pytest.mark.parametrize("name", SERIALISED)
+def test_a_plan_round_trips_through_plain_data_and_json(name):
+    spec, additional = SERIALISED[name]
+    p = plan(SpecConfig.from_vllm(spec, additional, check_paths=False), backend="inductor", context_buckets=None)
+    d = p.to_dict()
+    assert plain(d), d
+    assert EnginePlan.from_dict(d) == p and hash(EnginePlan.from_dict(d)) == hash(p)
+    again = EnginePlan.from_dict(json.loads(json.dumps(d)))
+    assert again == p and again.to_dict() == d
+    assert again.bucket_plan.buckets == p.bucket_plan.buckets and again.bucket_tree(p.max_k) == p.bucket_tree(p.max_k)
+
+
+def test_the_serialised_plan_names_every_field_and_nested_config_as_plain_values():
+    spec, additional = SERIALISED["dynamic spec"]
+    d = plan(SpecConfig.from_vllm(spec, additional, check_paths=False)).to_dict()
+    assert (d["max_k"], d["max_model_len"], d["t_max"], d["num_slots"], d["backend"]) == (5, 100, 106, 4, "eager")
+    assert d["bucket_plan"]["ks"] == [0, 1, 2, 3, 4, 5] and d["bucket_plan"]["batch_buckets"] == [1, 2, 4]
+    assert d["spec"]["dynamic_spec"] == {"method": "dspark", "initial_verify_budget_per_req": 5,
+                                         "budget_update_interval": 16, "budget_threshold": 0.7,
+                                         "min_verify_tokens": 1}
+    assert d["spec"]["rejection_sampler"]["posterior_alpha"] == 0.25
+    tree = plan(SpecConfig.from_vllm(SERIALISED["static tree"][0])).to_dict()
+    assert tree["spec"]["speculative_token_tree"] == {"paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+    assert tree["bucket_plan"]["pairs"] == [[1, 0], [1, 7], [2, 0], [2, 7], [4, 0], [4, 3]]
+    dyn = plan(SpecConfig.from_vllm(SERIALISED["dynamic tree"][0], check_paths=False)).to_dict()
+    assert dyn["spec"]["dynamic_tree"] == {"topk": 2, "num_steps": 3, "num_draft_tokens": 8}
+
+
+def test_a_serialised_plan_with_a_field_missing_unknown_or_invalid_is_refused_naming_it():
+    d = plan(SpecConfig.from_vllm(SERIALISED["dynamic spec"][0], SERIALISED["dynamic spec"][1],
+                                  check_paths=False)).to_dict()
+    with pytest.raises(ValueError, match=r"EnginePlan\.t_max is missing"):
+        EnginePlan.from_dict({k: v for k, v in d.items() if k != "t_max"})
+    with pytest.raises(ValueError, match=r"EnginePlan has no field 'k_max'"):
+        EnginePlan.from_dict({**d, "k_max": 3})
+    with pytest.raises(ValueError, match=r"EnginePlan\.spec\.dynamic_spec has no field 'budget'"):
+        EnginePlan.from_dict({**d, "spec": {**d["spec"], "dynamic_spec": {**d["spec"]["dynamic_spec"], "budget": 1}}})
+    with pytest.raises(ValueError, match=r"EnginePlan\.bucket_plan must be a dict of its fields, got list"):
+        EnginePlan.from_dict({**d, "bucket_plan": [1, 2]})
+    with pytest.raises(ValueError, match=r"BucketPlan\.ks must be sorted and distinct, got \[2, 1\]"):
+        EnginePlan.from_dict({**d, "bucket_plan": {**d["bucket_plan"], "ks": [2, 1]}})
