@@ -23,6 +23,20 @@ EXTRA = "additional_config."
 RS = EXTRA + "rejection_sampler_config."
 DYN = EXTRA + "dynamic_spec_config."
 
+# The SpecConfig fields whose vLLM key is not ``speculative_config.<field>``.
+_PATHS = {
+    "eagle_aux_hidden_state_layer_ids": SPEC + "draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids",
+    "draft_window_size": EXTRA + "draft_window_size",
+    "dynamic_spec": DYN[:-1],
+    "rejection_sampler": RS[:-1],
+    "dynamic_tree": SPEC + "speculative_eagle_topk",  # the first of SGLang's keys names the dynamic tree
+}
+
+
+def field_path(field: str) -> str:
+    """The dotted vLLM path that messages name for SpecConfig field ``field``."""
+    return _PATHS.get(field, SPEC + field)
+
 MAX_DRAFT_TOKENS = 63
 """The most drafts a row verifies in one step (``num_speculative_tokens``: a chain's K, a token tree's node count
 N): a verify block is at most 64 tokens per row (K + 1), for chains and trees alike."""

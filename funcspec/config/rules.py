@@ -5,8 +5,11 @@
 fields from that result once, so a config built by hand and one parsed from vLLM
 dicts pass the same checks, and no check ever rewrites a built config. This
 module works on plain values, never on a ``SpecConfig`` (``spec`` imports it).
-What a method allows (a draft model, aux layers, a draft window, a batch table)
-is read from the method registry (``funcspec.methods``).
+Which fields a method takes is read from the method registry: each row's option
+group (``funcspec.methods``: a draft model, the n-gram window, the suffix settings,
+aux layers, a draft window, a batch table, trees, ...). A field of another
+method's group is refused in one place (:func:`check_owners`) or ignored
+(:data:`NOT_OWNED`); the per-field checks then judge the values.
 """
 
 from __future__ import annotations
@@ -18,14 +21,32 @@ from funcspec import methods
 from funcspec.token_tree import DynamicTree, TokenTree
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.config.tree import check_dynamic_tree, tree_max_k
-from funcspec.config.checks import (DYN, EXTRA, MAX_DRAFT_TOKENS, RS, SPEC, check_float, check_int,
-                                    synthetic_rates)
+from funcspec.config.checks import (DYN, EXTRA, MAX_DRAFT_TOKENS, RS, SPEC, check_float, check_int, field_path,
+                                    is_int, synthetic_rates)
 
 VLLM_METHODS = methods.supported()
 """The methods ``SpecConfig`` accepts, under their canonical names: the registry's
 supported rows (vLLM-Ascend's guide, plus funcspec's ``echo``)."""
 
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
+
+UNSUPPORTED, UNUSED, IGNORED = "unsupported", "unused", "ignored"
+NOT_OWNED: dict[str, str] = {
+    # vLLM ignores these where the method has no use for them, so config.vllm drops and reports them
+    # (SpecConfig.ignored_keys); a SpecConfig built by hand has nowhere to report one, so it is refused.
+    "model": UNUSED, "prompt_lookup_min": UNUSED, "prompt_lookup_max": UNUSED,
+    "eagle_aux_hidden_state_layer_ids": UNUSED, "draft_window_size": UNUSED,
+    # Kept as given and never read: every value is harmless. vLLM too checks the suffix settings only for
+    # suffix, and quantizes only a draft checkpoint. (The suffix fields have defaults, so a given value
+    # cannot be told from one nobody gave; their values are still checked.)
+    "quantization": IGNORED, **{field: IGNORED for field in methods.SUFFIX},
+    # Combinations funcspec or vLLM-Ascend's guide does not support: refused from vLLM dicts too.
+    "num_speculative_tokens_per_batch_size": UNSUPPORTED, "dynamic_spec": UNSUPPORTED,
+    "speculative_token_tree": UNSUPPORTED, "dynamic_tree": UNSUPPORTED, "draft_tensor_parallel_size": UNSUPPORTED,
+}
+"""What a method does with a field of an option group it does not own (``methods.owner_of``): refuse it
+(``UNSUPPORTED``: "is not supported with"; ``UNUSED``: "is not used by") or keep it unread (``IGNORED``)."""
+_REFUSED = {UNUSED: ("used", "by"), UNSUPPORTED: ("supported", "with")}
 
 
 def resolve(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,16 +58,17 @@ def resolve(given: Mapping[str, Any]) -> dict[str, Any]:
     method, max_k = given["method"], given["num_speculative_tokens"]
     check_method(method)
     check_max_k(method, max_k)
+    check_owners(given, method)
     _check_model(method, given["model"])
     lo, hi = _ngram_window(method, given["prompt_lookup_min"], given["prompt_lookup_max"])
-    table = _normalise_table(given["num_speculative_tokens_per_batch_size"], method)
+    table = _normalise_table(given["num_speculative_tokens_per_batch_size"])
     rs = given["rejection_sampler"]
     rates = _check_rejection(given["rejection_sample_method"], given["synthetic_acceptance_rates"], rs, max_k)
     factor, min_prob = _check_suffix(given)
-    layers = _normalise_layers(given["eagle_aux_hidden_state_layer_ids"], method)
-    _check_draft_window(method, given["draft_window_size"])
+    layers = _normalise_layers(given["eagle_aux_hidden_state_layer_ids"])
+    _check_draft_window(given["draft_window_size"])
     _check_dynamic_spec(given["dynamic_spec"], method, max_k)
-    _check_draft_tp(method, given["draft_tensor_parallel_size"])
+    _check_draft_tp(given["draft_tensor_parallel_size"])
     _check_tree(given["speculative_token_tree"], given["dynamic_tree"], method, max_k, table,
                 verifier_method(given["rejection_sample_method"], rs), given["dynamic_spec"])
     _check_quantization(given["quantization"])
@@ -107,15 +129,41 @@ def check_max_k(method: str, max_k: Any, origin: str = "") -> None:
                          f"{MAX_DRAFT_TOKENS + 1} tokens per row (K + 1, as a token tree's N + 1), got {max_k}")
 
 
+def check_owners(given: Mapping[str, Any], method: str) -> None:
+    """Refuse a field of an option group that ``method``'s row does not hold, where ``given`` sets it (not
+    ``None``; a draft tensor-parallel size only above 1, since 1 is the replicated drafter every method has).
+
+    One rule for every group, in ``methods.GROUPS`` order; fields the method ignores pass (:data:`NOT_OWNED`).
+    """
+    own = methods.options_of(method)
+    for field in methods.GROUPS:
+        value = given[field]
+        if field in own or NOT_OWNED[field] == IGNORED or not _sets(field, value):
+            continue
+        path, owners = field_path(field), methods.owner_of(field)
+        names = f"method {owners[0]!r}" if len(owners) == 1 else f"methods {list(owners)}"
+        if field == "draft_tensor_parallel_size":
+            raise ValueError(f"{path}={value}: only {names} shards its drafter; the {method!r} drafter is "
+                             "replicated (give 1 or None)")
+        verb, prep = _REFUSED[NOT_OWNED[field]]
+        raise ValueError(f"{path} is not {verb} {prep} method {method!r} (only {prep} {names})")
+
+
+def _sets(field: str, value: Any) -> bool:
+    """Whether ``value`` asks for something of ``field``'s group: not ``None``, and for the draft
+    tensor-parallel size a sharded drafter (an int above 1; other values are judged by its own check)."""
+    if field == "draft_tensor_parallel_size":
+        return is_int(value) and value > 1
+    return value is not None
+
+
 def _check_model(method: str, model: Any) -> None:
-    """``model`` is required by draft-model methods and refused by the model-free ones (registry ``model``)."""
-    need = methods.lookup(method).model
+    """``model`` is required by draft-model methods (registry ``model``); a model-free method's was refused by
+    :func:`check_owners`."""
     if model is None:
-        if need == methods.REQUIRED:
+        if methods.lookup(method).model == methods.REQUIRED:
             raise ValueError(f"{SPEC}model is required for method {method!r} (a local checkpoint directory)")
         return
-    if need == methods.NONE:
-        raise ValueError(f"{SPEC}model is not used by method {method!r}, got {model!r}")
     if not isinstance(model, str) or not model:
         raise ValueError(f"{SPEC}model must be a non-empty path string, got {model!r}")
 
@@ -125,11 +173,9 @@ def _ngram_window(method: str, lo: Any, hi: Any) -> tuple[Optional[int], Optiona
     none: ``(None, None)``.
 
     With neither bound given, the window is 5..5. With one bound given, the
-    other copies it.
+    other copies it. (:func:`check_owners` refused bounds given to another method.)
     """
-    if method != "ngram":
-        if lo is not None or hi is not None:
-            raise ValueError(f"{SPEC}prompt_lookup_min/prompt_lookup_max are only used by method 'ngram'")
+    if methods.NGRAM_WINDOW[0] not in methods.options_of(method):
         return None, None
     for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if value is not None:
@@ -144,7 +190,7 @@ def _ngram_window(method: str, lo: Any, hi: Any) -> tuple[Optional[int], Optiona
     return lo, hi
 
 
-def _normalise_table(table: Any, method: str) -> Optional[tuple[tuple[int, int, int], ...]]:
+def _normalise_table(table: Any) -> Optional[tuple[tuple[int, int, int], ...]]:
     """vLLM's checks on the batch-size table, returned as sorted ``(start, end, K)`` triples.
 
     The ranges are positive, start <= end, do not overlap, and the first starts
@@ -154,8 +200,6 @@ def _normalise_table(table: Any, method: str) -> Optional[tuple[tuple[int, int, 
     name = SPEC + "num_speculative_tokens_per_batch_size"
     if table is None:
         return None
-    if not methods.lookup(method).batch_table:
-        raise ValueError(f"{name} is not supported with method {method!r}")
     if isinstance(table, (str, bytes)) or not isinstance(table, Sequence) or not table:
         raise ValueError(f"{name} must be a non-empty list of [start_bs, end_bs, K] entries, got {table!r}")
     rows = tuple(sorted(_table_row(name, entry) for entry in table))
@@ -213,13 +257,11 @@ def _check_suffix(given: Mapping[str, Any]) -> tuple[float, float]:
     return factor, min_prob
 
 
-def _normalise_layers(layers: Any, method: str) -> Optional[tuple[int, ...]]:
+def _normalise_layers(layers: Any) -> Optional[tuple[int, ...]]:
     """The auxiliary hidden-state layer ids as a tuple of distinct ints >= 0, or ``None``."""
     name = SPEC + "draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids"
     if layers is None:
         return None
-    if not methods.lookup(method).aux_layers:
-        raise ValueError(f"{name} is not used by method {method!r}")
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise ValueError(f"{name} must be a non-empty list of layer indices, got {layers!r}")
     for layer in layers:
@@ -229,23 +271,19 @@ def _normalise_layers(layers: Any, method: str) -> Optional[tuple[int, ...]]:
     return tuple(layers)
 
 
-def _check_draft_window(method: str, window: Any) -> None:
-    """The draft KV window is a positive int, and only draft models with their own attention use it."""
+def _check_draft_window(window: Any) -> None:
+    """The draft KV window is a positive int (only draft models with their own attention take one:
+    :func:`check_owners`)."""
     if window is None:
         return
     check_int(EXTRA + "draft_window_size", window, lo=1)
-    if not methods.lookup(method).draft_window:
-        raise ValueError(f"{EXTRA}draft_window_size is not used by method {method!r}")
 
 
-def _check_draft_tp(method: str, size: Any) -> None:
-    """A sharded drafter (size > 1) is a draft model; every other drafter is replicated (None or 1)."""
-    if size is None:
-        return
-    check_int(SPEC + "draft_tensor_parallel_size", size, lo=1)
-    if size > 1 and method != "draft_model":
-        raise ValueError(f"{SPEC}draft_tensor_parallel_size={size}: only method 'draft_model' shards its drafter; "
-                         f"the {method!r} drafter is replicated (give 1 or None)")
+def _check_draft_tp(size: Any) -> None:
+    """The drafter's tensor-parallel size is None or an int >= 1 (a sharded one, > 1, is a draft model's:
+    :func:`check_owners`)."""
+    if size is not None:
+        check_int(SPEC + "draft_tensor_parallel_size", size, lo=1)
 
 
 def _check_dynamic_spec(dyn: Any, method: str, max_k: int) -> None:
@@ -267,8 +305,8 @@ def _check_dynamic_spec(dyn: Any, method: str, max_k: int) -> None:
 
 def _check_tree(static: Any, dynamic: Any, method: str, max_k: int,
                 table: Optional[tuple[tuple[int, int, int], ...]], rule: str, dyn: Any) -> None:
-    """A token tree needs a tree-drafting method and the lossless standard rule (``rule``, the verifier); a
-    batch-size table then gives the node count N per batch size (0 <= N <= the tree's size)."""
+    """A token tree (a tree-drafting method's: :func:`check_owners`) needs the lossless standard rule (``rule``,
+    the verifier); a batch-size table then gives the node count N per batch size (0 <= N <= the tree's size)."""
     if static is None and dynamic is None:
         return
     name = SPEC + ("speculative_token_tree" if static is not None else "speculative_eagle_topk")
@@ -280,9 +318,6 @@ def _check_tree(static: Any, dynamic: Any, method: str, max_k: int,
         if not isinstance(dynamic, DynamicTree):
             raise ValueError(f"{SPEC}dynamic_tree must be a DynamicTree, got {type(dynamic).__name__}")
         check_dynamic_tree(dynamic, frontiers=methods.lookup(method).model != methods.NONE)
-    if not methods.lookup(method).tree:
-        raise ValueError(f"{name} is not supported with method {method!r} "
-                         f"(token trees: {list(methods.select(tree=True))})")
     tree = static or dynamic
     tree_max_k(tree, max_k)
     if rule != "standard":

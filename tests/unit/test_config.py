@@ -535,6 +535,30 @@ def test_direct_construction_is_validated():
         SpecConfig(method="ngram", num_speculative_tokens=3, draft_window_size=64)
 
 
+def test_a_field_of_another_methods_group_is_refused_before_its_value_is_judged(draft):
+    """rules.check_owners reads the registry's option groups: one message names the field, the method and the
+    methods that take it, and comes before the field's own value checks (a bad value of an unused option is
+    still an unused option)."""
+    with pytest.raises(ValueError, match=r"^speculative_config\.prompt_lookup_min is not used by method 'eagle' "
+                                         r"\(only by method 'ngram'\)$"):
+        SpecConfig("eagle", 2, model=draft, prompt_lookup_min=0)
+    with pytest.raises(ValueError, match=r"^additional_config\.draft_window_size is not used by method 'mtp' \(only "
+                                         r"by methods \['draft_model', 'eagle', 'eagle3', 'dflash', 'dspark'\]\)$"):
+        SpecConfig("mtp", 2, draft_window_size=0)
+    with pytest.raises(ValueError, match=r"^speculative_config\.draft_model_config\.hf_config\."
+                                         r"eagle_aux_hidden_state_layer_ids is not used by method 'eagle'"):
+        SpecConfig("eagle", 2, model=draft, eagle_aux_hidden_state_layer_ids=(2, 2))
+    # a dynamic_spec_config for a method without confidence drafts: refused as such, not as a method mismatch
+    with pytest.raises(ValueError, match=r"^additional_config\.dynamic_spec_config is not supported with method "
+                                         r"'eagle3' \(only with methods \['dflash', 'dspark'\]\)$"):
+        SpecConfig.from_vllm({"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+                             {"dynamic_spec_config": {"method": "dflash"}})
+    with pytest.raises(ValueError, match=r"^speculative_config\.model is not used by method 'suffix' \(only by "
+                                         r"methods \['draft_model', 'medusa', 'mtp', 'eagle', 'eagle3', 'dflash', "
+                                         r"'dspark'\]\)$"):
+        SpecConfig("suffix", 2, model=draft)
+
+
 def test_configs_are_frozen_and_hashable():
     a = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3,
                               "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 1]]})
