@@ -155,7 +155,9 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     if context_buckets is None and ops.reads_live_only(dtype, cfg.head_dim, device):
         context_buckets = (t_max,)  # the decode kernel reads only live positions: one context bucket
     startup = capture == "startup" and backend != "eager"  # eager has nothing to capture
+    # NOTE: one graph for every batch above 1 only where no product picks its path by the row count
+    symbolic = backend == "inductor" and ops.rows_free(dtype)
     buckets = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, startup, t_max, context_buckets,
-                                    tree=tree, tree_sizes=sizes, symbolic_batch=backend == "inductor")
+                                    tree=tree, tree_sizes=sizes, symbolic_batch=symbolic)
     frontiers = spec is None or methods.lookup(spec.method).model != methods.NONE
     return EnginePlan(spec, max_k, max_model_len, t_max, max_batch_size, backend, startup, buckets, frontiers)

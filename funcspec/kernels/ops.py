@@ -170,6 +170,17 @@ class Ops:
         verification must take the same kernel, and a symbolic batch's row count would become a guard."""
         return self.stream and x.dtype == weight.dtype and weight.dtype in stream.DTYPES
 
+    def rows_free(self, dtype: torch.dtype) -> bool:
+        """Whether every CPU product of ``dtype`` weights takes a path that never compares the row count
+        (static): the streaming kernel, or ``F.linear`` itself. Only then may a graph leave its batch
+        symbolic; the plain paths (:func:`_plain`) and oneDNN pick by row count, which would specialise a
+        symbolic batch (a guard, or a constraint violation under ``mark_dynamic``)."""
+        if self.stream and dtype in stream.DTYPES:
+            return True
+        if dtype == torch.bfloat16:
+            return self.half_gemm and not self.onednn_bf16
+        return dtype == torch.float32 and self.blas_skinny
+
     def attends(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
         """Whether the decode attention kernel takes these operands (static)."""
         return self.decode_attention and attention.supports(q, keys, vals)

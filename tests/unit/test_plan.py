@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from funcspec.config import SpecConfig
-from funcspec.kernels import REFERENCE
+from funcspec.kernels import REFERENCE, Ops
 from funcspec.nn import ModelConfig
 from funcspec.plan import EnginePlan, plan_engine
-from funcspec.token_tree import truncate
+from funcspec.token_tree import Chain, chain, truncate
+from funcspec.verifiers import VerifyConfig
 
 CFG = ModelConfig("llama", 96, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                   max_position_embeddings=256)
@@ -123,3 +124,22 @@ def test_a_serialised_plan_with_a_field_missing_unknown_or_invalid_is_refused_na
         EnginePlan.from_dict({**d, "bucket_plan": [1, 2]})
     with pytest.raises(ValueError, match=r"BucketPlan\.ks must be sorted and distinct, got \[2, 1\]"):
         EnginePlan.from_dict({**d, "bucket_plan": {**d["bucket_plan"], "ks": [2, 1]}})
+
+
+@pytest.mark.parametrize("ops, dtype, symbolic", [
+    (Ops(stream=True), torch.float32, True),  # the streaming kernel never compares the row count
+    (Ops(stream=True), torch.bfloat16, True),
+    (Ops(half_gemm=True), torch.bfloat16, True),  # F.linear itself
+    (Ops(blas_skinny=True), torch.float32, True),
+    (REFERENCE, torch.float32, False),  # AVX2: the plain paths pick by row count
+    (Ops(onednn_bf16=True, half_gemm=True), torch.bfloat16, False),  # oneDNN picks by row count
+    (Ops(stream=True), torch.float16, False),
+])
+def test_a_symbolic_batch_only_where_no_product_picks_its_path_by_the_row_count(ops, dtype, symbolic):
+    """A comparison with a symbolic row count specialises the graph (under mark_dynamic: a constraint
+    violation at capture), so the plan keeps one graph per batch bucket where a product compares it."""
+    assert ops.rows_free(dtype) is symbolic
+    p = plan_engine(None, CFG, ops, backend="inductor", device="cpu", dtype=dtype, max_batch_size=4,
+                    max_model_len=100, batch_buckets=None, context_buckets=None, capture="lazy")
+    assert p.bucket_plan.symbolic_batch is symbolic
+    assert [p.bucket_plan.graph_batch(b) for b in (1, 2, 4)] == ([1, 0, 0] if symbolic else [1, 2, 4])
