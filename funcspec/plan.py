@@ -22,7 +22,7 @@ from funcspec.config import SpecConfig
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.kernels import Ops
 from funcspec.nn import ModelConfig
-from funcspec.token_tree import DynamicTree, TokenTree, truncate
+from funcspec.token_tree import Chain, DynamicTree, Shape, TokenTree, truncate
 from funcspec.verifiers import VerifyConfig, verify_config
 
 
@@ -66,15 +66,18 @@ class EnginePlan:
         rates = self.spec.synthetic_acceptance_rates if self.spec is not None else None
         return None if rates is None else tuple(rates)
 
-    def verify(self, k: int) -> Optional[VerifyConfig]:
-        """The rule that verifies a bucket of K drafts (``None`` without speculation)."""
-        return verify_config(self.spec, k) if self.spec is not None else None
+    def verify(self, k: int) -> VerifyConfig:
+        """The rule that verifies a bucket of K drafts: the configured one for a chain, ``"tree"`` for a
+        token tree, and for K = 0 (every bucket without speculation) the standard rule, whose one keyed
+        draw is decoding's (``verifiers.verify_config``)."""
+        return verify_config(self.spec, k, self.bucket_tree(k))
 
-    def bucket_tree(self, k: int):
-        """The token tree a bucket of K = N drafts proposes and verifies: the engine's tree cut to N nodes
-        (``token_tree.truncate``), or ``None`` for chains and K = 0. The one place the cut is made: the
-        step hands it to in-graph proposers (``StepContext.tree``), the engine to host drafters."""
-        return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else None
+    def bucket_tree(self, k: int) -> Shape:
+        """The shape a bucket of K = N drafts proposes and verifies, resolved once per bucket: the
+        engine's tree cut to N nodes (``token_tree.truncate``), or the ``Chain`` of K (chains, and
+        K = 0). The one place the cut is made: the step hands it to in-graph proposers
+        (``StepContext.tree``), the engine to host drafters."""
+        return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else Chain(k)
 
     def to_dict(self) -> dict[str, Any]:
         """This plan as plain data (dicts, lists, str, int, float, bool, ``None``; JSON-able): what a

@@ -23,6 +23,7 @@ from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
 from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
 from funcspec.plan import EnginePlan
+from funcspec.token_tree import Chain, static_parents
 from funcspec.tree import move_slot, replace
 from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import synthetic
@@ -101,6 +102,15 @@ def batch_dims(inputs: StepInputs) -> list[tuple[torch.Tensor, int]]:
     return [(x, 0) for x in (inputs.slots, inputs.drafts, inputs.draft_parents) if x is not None]
 
 
+def example_drafts(shape, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host drafts [B, K] of no proposal and their parents [B, K], for a bucket of ``shape``'s example inputs:
+    a chain's i - 1, a tree's nodes all under the root (a dynamic tree's parents arrive per step)."""
+    tokens = torch.full((b, shape.size), PLACEHOLDER, dtype=torch.int64, device=device)
+    # NOTE: contiguous, as the host's are: a graph's guards (and an ahead-of-time graph's) check strides
+    parents = static_parents(shape, b, device).contiguous() if isinstance(shape, Chain) else torch.full_like(tokens, -1)
+    return tokens, parents
+
+
 def _next_pow2(n: int, lo: int) -> int:
     b = lo
     while b < n:
@@ -150,7 +160,7 @@ class Runner:
     def step_config(self, k: int, t: int, mode: sampling.Mode) -> StepConfig:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
-        verify = dataclasses.replace(self.plan.verify(k), filters=mode.filters) if p else None
+        verify = dataclasses.replace(self.plan.verify(k), filters=mode.filters, greedy=mode.greedy)
         return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
                           KVRead(t, aligned=True), mode, self.plan.bucket_tree(k))
@@ -158,7 +168,7 @@ class Runner:
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).
 
-        ``drafts``: a host proposer's [B, K] drafts, or (tokens, parents) [B, N] each for a token tree.
+        ``drafts``: a host proposer's (tokens, parents), [B, K] each.
         """
         if not 0 <= live <= b:
             raise ValueError(f"live rows must be in [0, {b}], got {live}")
@@ -168,15 +178,10 @@ class Runner:
         if self.synthetic_rates is not None and k > 0:
             cond = synthetic.conditional_tensor(self.synthetic_rates[:k], self.device)  # [K]
         host = self.proposer is not None and self.proposer.runs_on_host
-        if drafts is None and host:
-            drafts = torch.full((b, k), PLACEHOLDER, dtype=torch.int64, device=self.device)
-        parents = None
-        if isinstance(drafts, tuple):  # a host token tree: (tokens [B, N], parents [B, N])
-            drafts, parents = drafts
-        elif host and k > 0 and self.plan.tree is not None:
-            # NOTE: example inputs of a tree bucket: PLACEHOLDER nodes under the root.
-            parents = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
-        return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), drafts, parents, budget, cond)
+        if drafts is None and host:  # example inputs: PLACEHOLDER drafts (of a tree: under the root)
+            drafts = example_drafts(self.plan.bucket_tree(k), b, self.device)
+        tokens, parents = drafts if host else (None, None)
+        return StepInputs(torch.tensor(slots, dtype=torch.int64, device=self.device), tokens, parents, budget, cond)
 
     def bucket(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED,
                live: int = 0) -> Bucket:
@@ -201,7 +206,8 @@ class Runner:
                 # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
                 bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
                 self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend, name=f"spec_step_{graph_name(gkey)}",
-                                              symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else ())
+                                              symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else (),
+                                              donated=(1,))  # the state: updated in place
             self.graphs[key] = self.compiled[gkey]
         return self.graphs[key]
 

@@ -1,32 +1,35 @@
 """The speculative step: one pure function per (B, K) bucket (ARCHITECTURE.md, "Contract").
 
-    propose (in-graph proposer, or drafts fed in by a host proposer)
-    -> target forward over [B, K+1] tokens
-    -> verify
-    -> commit: advance lengths, append emitted tokens to the history
+    propose (in-graph proposer, or drafts fed in by a host proposer): K drafts and their parents
+    -> target forward over [B, K+1] tokens (tree attention when the bucket drafts a token tree)
+    -> verify: (tokens, num_emitted, path)
+    -> keep the accepted path's KV and hidden states, commit: advance lengths, append the emitted tokens
 
-K = 0 is plain autoregressive decoding through the same function. With a token
-tree (``StepConfig.tree``, the engine's tree cut to the bucket's N nodes) K is
-its node count N: the target runs over
-the N + 1 tree indices with tree attention, the tree verifier returns the
-accepted root path as ``[B, D+1]`` tokens, and that path's KV entries and
-target hidden states are moved into place (``commit_path``) before lengths advance.
+Every bucket has one shape, resolved once (``StepConfig.tree``, a ``token_tree.Shape``):
+the ``Chain`` of K, whose node i's parent is i - 1, or the engine's token tree cut
+to the bucket's N nodes. The step reads it in two places only: the attention
+(causal for a chain) and the accepted path (a chain's is already in place; a
+tree's KV entries and hidden states are moved there, ``commit_path``). K = 0 is
+plain autoregressive decoding through the same function: a block of no drafts,
+whose one token the standard rule draws with decoding's key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
-from funcspec.token_tree import ancestors, depths, tree_parents
+from funcspec.token_tree import Chain, Shape, ancestors, depths, tree_parents
 from funcspec.tree import pytree_dataclass, replace, slot_field, static_field
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
-from funcspec.verifiers import tree as tree_verifier
+
+if TYPE_CHECKING:
+    from funcspec.proposers import BoundProposer
 
 
 DRAFT_STREAM = -1  # fold_in data of the proposer's key; verifiers use non-negative sub-streams
@@ -59,8 +62,8 @@ class StepInputs:
     Attributes:
         slots: [B] int64 slot per row; padding rows use the scratch slot S.
         drafts: [B, K] int64 drafts from a host proposer, else ``None``.
-        draft_parents: [B, K] int64 parents of a host proposer's token-tree
-            drafts (``funcspec.token_tree``), else ``None``.
+        draft_parents: [B, K] int64 the host drafts' parents (``funcspec.token_tree``;
+            a chain's are i - 1), else ``None``.
         budget_k: int64 [] per-request verify budget (confidence-based
             verify length), else ``None``. A tensor, so a new budget never recompiles.
         synthetic_cond: [K] float32 conditional acceptance rates of the
@@ -122,13 +125,13 @@ class StepContext:
         key: [B] the rows' draft keys (independent of the verifier's).
         sampling: the rows' sampling parameters.
         drafts: [B, K] host drafts, or ``None``.
-        draft_parents: [B, K] the host drafts' tree parents, or ``None``.
+        draft_parents: [B, K] the host drafts' parents, or ``None``.
         read: static: how attention reads the proposer's own caches (the bucket's
             context length; rows are slots).
         mode: static: the bucket's ``sampling.Mode`` (under ``GREEDY`` drafts
             are argmax and carry no q).
-        tree: static: the token tree this bucket drafts (``TokenTree`` or
-            ``DynamicTree``), or ``None`` for a chain.
+        tree: static: the shape this bucket drafts (``token_tree.Shape``): the
+            ``Chain`` of K, or a ``TokenTree`` / ``DynamicTree`` of K nodes.
     """
 
     slots: torch.Tensor
@@ -140,7 +143,7 @@ class StepContext:
     draft_parents: Optional[torch.Tensor] = None
     read: KVRead = static_field(default=FULL_READ)
     mode: sampling.Mode = static_field(default=sampling.FILTERED)
-    tree: Any = static_field(default=None)
+    tree: Optional[Shape] = static_field(default=None)
 
 
 @pytree_dataclass
@@ -149,10 +152,11 @@ class VerifyResult:
 
     slots: torch.Tensor  # [B]
     lens: torch.Tensor  # [B] lengths before this step
-    tokens: torch.Tensor  # [B, K+1] (tree: [B, D+1], the accepted path)
+    tokens: torch.Tensor  # [B, D+1] the emitted tokens (a chain's D is K)
     num_emitted: torch.Tensor  # [B]
-    hiddens: tuple  # target hidden states [B, K+1, H] of the proposer's layers (tree: along the path)
-    path: Optional[torch.Tensor] = None  # [B, D+1] tree indices of the accepted path (tree steps only)
+    hiddens: tuple  # target hidden states [B, D+1, H] of the proposer's layers, along the accepted path
+    path: torch.Tensor  # [B, D+1] tree indices of the accepted path (a chain's: 0..K)
+    tree: Optional[Shape] = static_field(default=None)  # the bucket's shape (a chain's path needs no move)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +165,13 @@ class StepConfig:
 
     model: ModelConfig
     k: int
-    proposer: Any = None  # funcspec.proposers.BoundProposer (module + static cfg), None without speculation
-    verify: Any = None  # funcspec.verifiers.VerifyConfig
+    proposer: Optional["BoundProposer"] = None  # module + static cfg; None without speculation
+    verify: verifiers.VerifyConfig = verifiers.VerifyConfig()  # the bucket's rule (K = 0: standard)
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
     mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
-    tree: Any = None  # funcspec.token_tree.TokenTree | DynamicTree of K nodes (the engine's, cut to K) when K > 0
+    tree: Shape = Chain(0)  # the bucket's shape: the Chain of K, or the engine's tree cut to K nodes
 
 
 def row_sampling(state: EngineState, slots: torch.Tensor) -> Sampling:
@@ -221,6 +225,48 @@ def tree_mask(parents: torch.Tensor, lens: torch.Tensor, depth: int) -> TreeMask
     return TreeMask(lens.unsqueeze(1) + depths(anc), lens, anc)
 
 
+def attention(shape: Shape, parents: torch.Tensor, lens: torch.Tensor) -> Optional[TreeMask]:
+    """How the target attends over a block of ``shape``: causally for a chain (its ancestors are the
+    earlier positions), with the tree mask for a token tree."""
+    return None if isinstance(shape, Chain) else tree_mask(parents, lens, shape.depth)
+
+
+def along_path(shape: Shape, x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """x [B, N+1, ...] at the tree indices of the accepted path [B, D+1]: a chain's path is 0..K, so a
+    chain's x is already in path order."""
+    if isinstance(shape, Chain):
+        return x
+    return torch.gather(x, 1, path.view(path.shape + (1,) * (x.dim() - 2)).expand(path.shape + x.shape[2:]))
+
+
+def keep_path(shape: Shape, kv: KVCache, slots, lens, path: torch.Tensor) -> None:
+    """Move the accepted path's KV entries to positions lens.. (a chain's already sit there). Donates: kv."""
+    if not isinstance(shape, Chain):
+        commit_path(kv, slots, lens, path)
+
+
+def propose(sc: StepConfig, params: dict, state: EngineState, inputs: StepInputs, key: torch.Tensor,
+            samp: Sampling) -> tuple[Proposal, Any]:
+    """The bucket's K drafts with their parents, and the proposer's new state; without a proposer, the
+    empty chain (K = 0). Donates: state.proposer."""
+    slots = inputs.slots  # [B]
+    if sc.proposer is None:
+        none = slots.new_zeros(slots.shape[0], 0)  # [B, 0]
+        return Proposal(none, parents=none), state.proposer
+    # NOTE: proposers run even at K = 0 (a K-table gap), so stateful ones
+    # (a draft KV) keep up with every committed token.
+    lens = state.kv.lens[slots]  # [B]
+    ctx = StepContext(slots, lens, state.history, rng.fold_in(key, DRAFT_STREAM), samp, inputs.drafts,
+                      inputs.draft_parents, sc.read, sc.mode, sc.tree)
+    proposal, pstate = sc.proposer.propose(params["draft"], state.proposer, ctx, sc.k)
+    if proposal.parents is None:  # static: raised while tracing
+        raise ValueError(f"{sc.proposer.module.__name__}.propose returned drafts without parents: every "
+                         f"proposal carries them (a chain's are i - 1, token_tree.static_parents(Chain(k), ...))")
+    if sc.dynamic_min_k is not None and sc.k > 0:
+        proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))
+    return proposal, pstate
+
+
 def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInputs):
     """One decoding step for a (B, K) bucket.
 
@@ -232,60 +278,31 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     slots = inputs.slots  # [B]
     lens = state.kv.lens[slots]  # [B]
     pending = state.history[slots, lens]  # [B]
-    key = row_keys(state, slots, lens)  # [B]
     samp = row_sampling(state, slots)
-    pstate = state.proposer
-    if sc.proposer is not None:
-        # NOTE: proposers run even at K = 0 (a K-table gap), so stateful ones
-        # (a draft KV) keep up with every committed token.
-        draft_key = rng.fold_in(key, DRAFT_STREAM)  # [B]
-        ctx = StepContext(slots, lens, state.history, draft_key, samp, inputs.drafts, inputs.draft_parents,
-                          sc.read, sc.mode, sc.tree if sc.k > 0 else None)
-        proposal, pstate = sc.proposer.propose(params["draft"], pstate, ctx, sc.k)
-        if sc.dynamic_min_k is not None and sc.k > 0:
-            proposal = replace(proposal, tokens=verify_prefix(sc, state, proposal, slots, inputs.budget_k))
-        # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
-        # verifier rejects PLACEHOLDER, so that position's logits are unused.
-        tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
-    else:
-        tokens = pending.unsqueeze(1)  # [B, 1]
-    tree = sc.tree if sc.k > 0 else None
-    mask = tree_mask(proposal.parents, lens, tree.depth) if tree is not None else None
-    logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
-                                  sc.read, tree=mask)  # [B, K+1, V] float32
-    path = None
     # NOTE: the keys decoding without speculation draws positions lens.. with: drawing the target's tokens
     # with them makes a seeded sampled request emit the same tokens with and without speculation.
-    position_keys = row_keys(state, slots, lens.unsqueeze(1) + torch.arange(logits.shape[1], device=lens.device))
-    if tree is not None:
-        out, n, path = tree_verifier.verify(position_keys[:, : tree.depth + 1], logits, proposal, samp, sc.mode,
-                                            tree.depth)  # [B, D+1], [B], [B, D+1]
-        commit_path(kv, slots, lens, path)
-        hiddens = tuple(torch.gather(h, 1, path.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in hiddens)
-    elif sc.k > 0:
-        out, n = verifiers.verify(sc.verify, key, logits, proposal, samp, sc.mode.greedy,
-                                  inputs.synthetic_cond, position_keys)  # [B, K+1], [B]
-    else:
-        out = sampling.sample(key, logits[:, 0], samp.temperature, samp.top_k, samp.top_p, sc.mode).unsqueeze(1)
-        n = torch.ones_like(slots, dtype=torch.int32)
+    keys = row_keys(state, slots, lens.unsqueeze(1) + torch.arange(sc.tree.depth + 1, device=lens.device))  # [B, D+1]
+    proposal, pstate = propose(sc, params, state, inputs, keys[:, 0], samp)
+    # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
+    # verifier rejects PLACEHOLDER, so that position's logits are unused.
+    tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
+    logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
+                                  sc.read, tree=attention(sc.tree, proposal.parents, lens))  # [B, K+1, V] float32
+    block = verifiers.Block(keys[:, 0], logits, proposal, samp, keys, inputs.synthetic_cond)
+    out, n, path = verifiers.verify(sc.verify, block)  # [B, D+1], [B], [B, D+1]
+    keep_path(sc.tree, kv, slots, lens, path)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
-        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens, path))
-        num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
-    else:
-        num_drafts = torch.zeros_like(slots)
+        hiddens = tuple(along_path(sc.tree, h, path) for h in hiddens)  # [B, D+1, H] each
+        pstate = sc.proposer.commit(pstate, VerifyResult(slots, lens, out, n, hiddens, path, sc.tree))
     new_state = EngineState(kv, state.history, state.keys, state.sampling, pstate)
+    num_drafts = (proposal.tokens >= 0).sum(1)  # [B]
     confidence = proposal.confidence if sc.dynamic_min_k is not None and sc.k > 0 else None
-    lps = emitted_logprobs(logits, out, path) if sc.mode.logprobs else None
+    lps = emitted_logprobs(along_path(sc.tree, logits, path), out) if sc.mode.logprobs else None
     return StepOutput(out, n, num_drafts, confidence, lps), new_state
 
 
-def emitted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, path: Optional[torch.Tensor]) -> TokenLogprobs:
-    """Logprobs of the emitted ``tokens [B, E]`` from the verify logits [B, K+1, V].
-
-    Token j of a chain was drawn from position j's logits; a tree's from the
-    logits of node ``path[:, j]`` on its accepted root path.
-    """
-    if path is not None:
-        logits = torch.gather(logits, 1, path.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, D+1, V]
+def emitted_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
+    """Logprobs of the emitted ``tokens [B, D+1]`` from the verify logits along the accepted path
+    [B, D+1, V]: token j was drawn from the logits of the path's j-th tree index."""
     return TokenLogprobs(*sampling.token_logprobs(logits[:, : tokens.shape[1]], tokens, sampling.MAX_LOGPROBS))

@@ -1,6 +1,9 @@
-"""Token trees: the shapes of a tree proposal, static (vLLM's ``speculative_token_tree``) or dynamic (EAGLE-2).
+"""Token trees: the shape of every proposal, a chain, a static tree (vLLM's ``speculative_token_tree``)
+or a dynamic one (EAGLE-2).
 
-A tree proposal has N draft nodes laid out breadth-first after the pending
+Every bucket's drafts form a tree: a chain of K (:class:`Chain`) is the tree
+whose node i's parent is i - 1, and its proposals carry those parents too. A
+proposal has N draft nodes laid out breadth-first after the pending
 token (the root). The verify block is N + 1 *tree indices*: 0 is the root,
 ``i + 1`` is node i. Node i's parent is ``parents[i]`` (-1: the root), always an
 earlier node, so one pass in index order sees parents before children.
@@ -62,8 +65,32 @@ class TokenTree:
 
 
 def chain(k: int) -> TokenTree:
-    """The chain of K as a tree, ``[(0,), (0, 0), ...]``: what vLLM builds without a tree."""
+    """The chain of K as a static tree, ``[(0,), (0, 0), ...]``: what vLLM builds without a tree."""
     return TokenTree(tuple((0,) * (i + 1) for i in range(k)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """K drafts in a line, node i's parent i - 1: the shape of every bucket that drafts no token tree.
+
+    A chain is a tree, and its proposals carry those parents like any other;
+    but its block is verified with causal attention, by any rule, and its
+    accepted path is already where the cache wants it. A configured tree of
+    chain shape (:func:`chain`) stays a :class:`TokenTree`: it is drafted and
+    verified as the user asked.
+    """
+
+    size: int
+
+    @property
+    def depth(self) -> int:
+        """D = K: the verifier emits at most K + 1 tokens."""
+        return self.size
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        """Node i's parent, i - 1 (-1: the pending token)."""
+        return tuple(range(-1, self.size - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +118,10 @@ class DynamicTree:
     def depth(self) -> int:
         """D: a kept node is at most ``num_steps`` deep."""
         return self.num_steps
+
+
+Shape = Chain | TokenTree | DynamicTree
+"""What a bucket of N drafts proposes and verifies (``EnginePlan.bucket_tree``), resolved once per bucket."""
 
 
 def truncate(tree: TokenTree | DynamicTree, n: int, frontiers: bool = True) -> TokenTree | DynamicTree:
@@ -152,6 +183,6 @@ def root_path(anc: torch.Tensor, dep: torch.Tensor, node: torch.Tensor, depth: i
     return torch.where(at.any(-1), at.int().argmax(-1), node.unsqueeze(1))
 
 
-def static_parents(tree: TokenTree, batch: int, device) -> torch.Tensor:
-    """A static tree's node parents as a [B, N] int64 tensor (a graph constant)."""
+def static_parents(tree: TokenTree | Chain, batch: int, device) -> torch.Tensor:
+    """A static tree's (or a chain's) node parents as a [B, N] int64 tensor (a graph constant)."""
     return torch.tensor(tree.parents, dtype=torch.int64, device=device).expand(batch, tree.size)

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from funcspec.token_tree import Chain, static_parents
 from funcspec.tree import pytree_dataclass, slot_field
 
 PLACEHOLDER = -1
@@ -44,15 +45,23 @@ class Proposal:
         probs: [B, K, V] float32 draft distribution q, or ``None`` for a
             deterministic draft (q is one-hot at ``tokens``).
         confidence: [B, K] float32 per-token confidence, or ``None``.
-        parents: [B, K] int64 parent node of each draft (-1: the pending token)
-            when the drafts form a token tree (``funcspec.token_tree``), or
-            ``None`` for a chain.
+        parents: [B, K] int64 parent node of each draft (-1: the pending token;
+            ``funcspec.token_tree``). Every proposer sets them, a chain's are
+            i - 1 (:meth:`chain`), so one step serves chains and trees;
+            ``None`` only in a proposal built by hand for a chain rule.
     """
 
     tokens: torch.Tensor
     probs: Optional[torch.Tensor] = None
     confidence: Optional[torch.Tensor] = None
     parents: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, probs: Optional[torch.Tensor] = None,
+              confidence: Optional[torch.Tensor] = None) -> "Proposal":
+        """A chain's proposal: drafts [B, K] whose node i's parent is i - 1 (a graph constant)."""
+        b, k = tokens.shape
+        return Proposal(tokens, probs, confidence, static_parents(Chain(k), b, tokens.device))
 
 
 @pytree_dataclass

@@ -12,8 +12,12 @@ Each proposer module implements :class:`~funcspec.proposers.base.Proposer`::
 
 ``build`` sees a small :class:`~funcspec.proposers.base.BuildContext`, never the
 engine. Host proposers (``runs_on_host = True``) also provide
-``HostDrafter(cfg, ctx)`` whose ``drafts(rows, b, k)`` fills the ``[B, K]``
-draft input of the graph from the running requests ``rows``.
+``HostDrafter(cfg, ctx)`` whose ``drafts(rows, b, k, tree)`` fills the ``[B, K]``
+draft and parent inputs of the graph from the running requests ``rows``.
+
+Every proposal carries its drafts' parents: a chain's are i - 1
+(``Proposal.chain``), a token tree's come from the tree it drafts
+(``StepContext.tree``, the bucket's shape).
 
 :class:`BoundProposer` binds a module to its cfg once, for both paths: the engine
 calls it eagerly (``init_state``, ``prefill``) and the bucket's ``StepConfig``
@@ -119,9 +123,9 @@ class ProposerHandle:
         """Fold a prefilled prompt into the proposer's state (eager, outside the bucket graphs)."""
         return self.bound.prefill(params, state, tokens, slot, n, hiddens)
 
-    def host_drafts(self, rows, b: int, k: int, tree=None):
-        """Host drafts [B, K] for the running rows (host proposers only); (tokens, parents) for the
-        bucket's token tree ``tree`` (``EnginePlan.bucket_tree``)."""
+    def host_drafts(self, rows, b: int, k: int, tree):
+        """Host drafts (tokens, parents), [B, K] each, for the running rows in the bucket's shape ``tree``
+        (``EnginePlan.bucket_tree``); host proposers only."""
         return self.host.drafts(rows, b, k, tree)
 
     def shard(self, tp) -> "ProposerHandle":

@@ -77,10 +77,10 @@ class HostDrafter(Protocol):
     It sees the running requests only through ``drafts``' ``rows`` (row i is slot i).
     """
 
-    def drafts(self, rows, b: int, k: int, tree=None):
-        """[b, k] int64 drafts for the running ``rows`` (``PLACEHOLDER``-padded), on ``ctx.device``;
-        with ``tree`` (the bucket's token tree of k nodes, cut by the engine), the pair (tokens, parents),
-        [b, k] each (``funcspec.token_tree``)."""
+    def drafts(self, rows, b: int, k: int, tree):
+        """(tokens, parents), [b, k] int64 each, on ``ctx.device``: drafts for the running ``rows``
+        (``PLACEHOLDER``-padded) in the bucket's shape ``tree`` (``token_tree.Shape`` of k nodes, cut by
+        the engine: a ``Chain``, whose parents are i - 1, or a token tree)."""
 
     def finish(self, req) -> None:
         """A request finished: stop tracking it (it may be kept for later lookups)."""

@@ -44,7 +44,7 @@ import torch
 
 from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, init_kv_cache, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import DynamicTree, TokenTree
+from funcspec.token_tree import Chain, DynamicTree, TokenTree
 from funcspec.tree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
@@ -160,7 +160,7 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
     window = window_start(lens, cfg.window)  # [B] or None
     g, kv = cfg.forward(cfg.head, params, state.kv, tokens, h, slots, start, window, ctx.read)  # [B, block, H]
     g = g[rows, (lens - 1 - start).clamp(0, cfg.block - 1)]  # [B, H] at position lens-1
-    if ctx.tree is not None:  # the bucket's tree: the engine's cut to N = K nodes
+    if not isinstance(ctx.tree, Chain):  # the bucket's tree: the engine's cut to N = K nodes
         draft = tree_draft.draft_static if isinstance(ctx.tree, TokenTree) else tree_draft.draft_dynamic
         # NOTE: the head re-runs the verified block next step, so where its tree KV was written does not matter.
         drafts, parents, kv, _ = draft(cfg, ctx.tree, params, kv, g, slots, lens, window, ctx.read)
@@ -173,7 +173,7 @@ def propose(cfg: ChainConfig, params, state: ChainState, ctx, k: int):
                                 window, ctx.read)
             g = g[:, 0]
     out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=slots.device)
-    return Proposal(out), ChainState(kv, state.feats, state.count)
+    return Proposal.chain(out), ChainState(kv, state.feats, state.count)
 
 
 def commit(cfg: ChainConfig, state: ChainState, result) -> ChainState:

@@ -124,8 +124,8 @@ def draft_block(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, rows
 def empty_proposal(ctx, vocab: int, with_probs: bool) -> Proposal:
     """A K = 0 proposal: no drafts (with an empty q when the method samples)."""
     b, dev = ctx.slots.shape[0], ctx.slots.device
-    return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=dev),
-                    torch.zeros(b, 0, vocab, device=dev) if with_probs else None, torch.zeros(b, 0, device=dev))
+    return Proposal.chain(torch.zeros(b, 0, dtype=torch.int64, device=dev),
+                          torch.zeros(b, 0, vocab, device=dev) if with_probs else None, torch.zeros(b, 0, device=dev))
 
 
 def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
@@ -137,4 +137,4 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
     if k == 0:
         return empty_proposal(ctx, cfg.net.model.vocab_size, False), state
     x = dflash.logits(cfg.net, params, h[:, 1:])  # [B, K, V]: the mask rows
-    return Proposal(dflash.target_ids(cfg.net, params, x.argmax(-1)), None, dflash.max_prob(x)), state
+    return Proposal.chain(dflash.target_ids(cfg.net, params, x.argmax(-1)), None, dflash.max_prob(x)), state

@@ -35,7 +35,7 @@ from funcspec.checkpoints.tp import check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import commit_path, move_entries, window_start
 from funcspec.proposers import tree_draft
-from funcspec.token_tree import TokenTree
+from funcspec.token_tree import Chain, TokenTree
 from funcspec.tree import pytree_dataclass
 from funcspec.types import Proposal
 
@@ -114,7 +114,7 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
     window = window_start(ctx.lens, cfg.window)  # [B] or None: one start for every draft of this step
     logits, _, kv = forward(cfg.model, params, state.kv, x, ctx.slots, start, read=ctx.read, window=window)
     logits = logits[:, -1]  # [B, V]
-    if ctx.tree is not None:  # the bucket's tree: the engine's cut to N = K nodes
+    if not isinstance(ctx.tree, Chain):  # the bucket's tree: the engine's cut to N = K nodes
         # NOTE: lens + 1: the pending token sits at lens in the draft's cache, so its nodes start one later.
         drafter = tree_draft.Drafter(cfg.model, _tree_forward, _top_children)
         tree, base = ctx.tree, ctx.lens + 1  # [B]: node i's slot is base + i
@@ -139,9 +139,9 @@ def propose(cfg: DraftModelConfig, params, state: DraftState, ctx, k: int):
             logits = step_logits[:, 0]
     b, v = ctx.slots.shape[0], cfg.model.vocab_size
     if k == 0:
-        return Proposal(torch.zeros(b, 0, dtype=torch.int64, device=x.device),
-                        None if ctx.mode.greedy else torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
-    return Proposal(torch.stack(tokens, 1), None if ctx.mode.greedy else torch.stack(probs, 1)), DraftState(kv)
+        return Proposal.chain(torch.zeros(b, 0, dtype=torch.int64, device=x.device),
+                              None if ctx.mode.greedy else torch.zeros(b, 0, v, device=x.device)), DraftState(kv)
+    return Proposal.chain(torch.stack(tokens, 1), None if ctx.mode.greedy else torch.stack(probs, 1)), DraftState(kv)
 
 
 def _tree_forward(model, params, kv, tokens, feats, slots, starts, window, read, tree):
@@ -157,10 +157,10 @@ def _top_children(model, params, logits, k: int):
 
 
 def commit(cfg: DraftModelConfig, state: DraftState, result) -> DraftState:
-    """After a tree step, move the accepted path's draft KV into place; a chain keeps the state.
+    """After a tree step, move the accepted path's draft KV into place; a chain's is already there.
 
     Donates: state.kv.
     """
-    if result.path is not None:
+    if not isinstance(result.tree, Chain):
         commit_path(state.kv, result.slots, result.lens, result.path)
     return state

@@ -48,4 +48,4 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
         conf = net.max_prob(corrected)  # NOTE: a checkpoint without the head falls back to DFlash's proxy
     else:
         conf = net.confidence(cfg.net, params, h, prev_emb).clamp(1e-6, 1.0)
-    return Proposal(tokens, q, conf), state
+    return Proposal.chain(tokens, q, conf), state

@@ -36,4 +36,4 @@ def init_state(cfg, params, num_slots, max_len):
 def propose(cfg, params, state, ctx, k: int):
     """Drafts [B, K]: the pending token ``history[slot, lens]``, K times."""
     pending = ctx.history[ctx.slots, ctx.lens]  # [B]
-    return Proposal(pending.unsqueeze(1).expand(-1, k).contiguous()), state
+    return Proposal.chain(pending.unsqueeze(1).expand(-1, k).contiguous()), state

@@ -71,7 +71,7 @@ def propose(cfg: MedusaProposerConfig, params, state: MedusaState, ctx, k: int):
     drafts = [net.draft_tokens(cfg.head, params, h, i) for i in range(k)]  # K × [B]
     b = ctx.slots.shape[0]
     out = torch.stack(drafts, 1) if drafts else torch.zeros(b, 0, dtype=torch.int64, device=h.device)
-    return Proposal(out), state
+    return Proposal.chain(out), state
 
 
 def commit(cfg: MedusaProposerConfig, state: MedusaState, result) -> MedusaState:

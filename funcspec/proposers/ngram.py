@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from funcspec.proposers import keep_state, no_prefill
-from funcspec.token_tree import TokenTree, static_parents
+from funcspec.token_tree import Chain, TokenTree, static_parents
 from funcspec.types import PLACEHOLDER, Proposal
 
 
@@ -288,8 +288,8 @@ def propose(cfg: NgramConfig, params, state, ctx, k: int):
     a token tree of K nodes when the bucket drafts one (``ctx.tree``)."""
     # NOTE: only the bucket's context is searched: every row's tokens lie below it.
     history = ctx.history[:, : ctx.read.length][ctx.slots]  # [B, T]
-    if ctx.tree is not None:
+    if not isinstance(ctx.tree, Chain):
         tokens, parents = ngram_tree(history, ctx.lens + 1, ctx.tree, cfg.n_min, cfg.n_max, cfg.max_model_len)
         return Proposal(tokens, parents=parents), state
     drafts, _ = ngram_propose(history, ctx.lens + 1, k, cfg.n_min, cfg.n_max, cfg.max_model_len)
-    return Proposal(drafts), state
+    return Proposal.chain(drafts), state

@@ -22,6 +22,7 @@ import torch
 
 from funcspec.proposers import keep_state, no_prefill
 from funcspec.suffix_tree import SuffixDecodingCache
+from funcspec.token_tree import Chain, static_parents
 from funcspec.types import PLACEHOLDER, Proposal
 
 runs_on_host = True
@@ -59,7 +60,7 @@ def init_state(cfg, params, num_slots, max_len):
 
 def propose(cfg, params, state, ctx, k: int):
     """In the graph, the host's drafts (and a tree's parents) are simply the proposal."""
-    return Proposal(ctx.drafts, parents=ctx.draft_parents if ctx.tree is not None else None), state
+    return Proposal(ctx.drafts, parents=ctx.draft_parents), state
 
 
 class HostDrafter:
@@ -82,11 +83,15 @@ class HostDrafter:
             self.cache.add_active_response(rid, new)
             self.seen[rid] = len(req.output_ids)
 
-    def drafts(self, rows, b: int, k: int, tree=None):
-        """[B, K] int64 drafts for the live rows, ``PLACEHOLDER``-padded; with the bucket's token tree
-        ``tree`` (N = K nodes), (tokens, parents) [B, N] each, absent nodes ``PLACEHOLDER`` under the root."""
+    def drafts(self, rows, b: int, k: int, tree):
+        """(tokens, parents) [B, K] each for the live rows and the bucket's shape ``tree``: a chain's drafts,
+        ``PLACEHOLDER``-padded, with parents i - 1; a token tree's N = K nodes, absent ones ``PLACEHOLDER``
+        under the root."""
         out = torch.full((b, k), PLACEHOLDER, dtype=torch.int64)
-        parents = torch.full((b, k), -1, dtype=torch.int64) if tree is not None else None
+        if isinstance(tree, Chain):
+            parents, tree = static_parents(tree, b, "cpu").contiguous(), None  # the suffix cache speculates a chain
+        else:
+            parents = torch.full((b, k), -1, dtype=torch.int64)
         depth = self.cfg.max_tree_depth
         for i, req in enumerate(rows):
             self._sync(req)
@@ -105,8 +110,6 @@ class HostDrafter:
             out[i, at] = torch.tensor(d.token_ids, dtype=torch.int64)
             if tree is not None:
                 parents[i, at] = torch.tensor([d.nodes[p] if p >= 0 else -1 for p in d.parents], dtype=torch.int64)
-        if tree is None:
-            return out.to(self.device)
         return out.to(self.device), parents.to(self.device)
 
     def finish(self, req) -> None:

@@ -13,13 +13,15 @@ Glossary (after vLLM's ``rejection_sampler.py``), for one row of the batch:
     emitted tokens    accepted tokens followed by exactly one recovered or bonus
                       token: ``num_emitted = num_accepted + 1`` in ``[1, K+1]``.
 
-Every rule has the signature
+Every rule, chain or tree, has the signature
 
-    verify(cfg, key, target_logits, proposal, sampling) -> (tokens, num_emitted)
-    #  key [B] int64 · target_logits [B, K+1, V] · proposal.tokens [B, K]
-    #  -> tokens [B, K+1] int64 (PLACEHOLDER after the emitted ones) · num_emitted [B] int32
+    verify(cfg, block) -> (tokens, num_emitted, path)
+    #  block: common.Block (key [B], logits [B, N+1, V], proposal.tokens/parents [B, N], sampling,
+    #         keys [B, D+1] decoding's key per position, rates [K] for synthetic)
+    #  -> tokens [B, D+1] int64 (PLACEHOLDER after the emitted ones) · num_emitted [B] int32
+    #     · path [B, D+1] the tree indices of the accepted root path (a chain's: 0..K)
 
-and is a pure function: no host syncs, randomness only from ``funcspec.rng``
+(a chain of K is the tree of depth D = K whose node i's parent is i - 1), and is a pure function: no host syncs, randomness only from ``funcspec.rng``
 (sub-streams in ``common``), so it captures with ``fullgraph=True`` and gives
 the same tokens eager and compiled. ``p`` is always
 ``funcspec.sampling.target_probs(target_logits, temperature, top_k, top_p)``;
@@ -27,8 +29,10 @@ the same tokens eager and compiled. ``p`` is always
 Rows with temperature 0 reduce to greedy verification under every rule except
 synthetic (which accepts by rate, then emits the target argmax).
 
-Token trees have their own rule, ``verifiers.tree.verify`` (lossless; it also
-returns the accepted root path, which the step needs to move KV into place).
+Token trees are verified by the rule ``"tree"`` (``verifiers.tree``; lossless),
+which an engine's plan picks for every bucket that drafts a tree; the step moves
+the KV of the path it returns into place. Every rule sees the rows' sampling
+mode through ``VerifyConfig.greedy`` and ``filters``, which the runner sets per bucket.
 
 Reproducibility: the step hands the standard rule and the tree rule the keys
 that autoregressive decoding draws each position with (``step.row_keys``). With
@@ -46,18 +50,25 @@ from typing import Callable, Optional
 import torch
 
 from funcspec import rng
+from funcspec.token_tree import Chain
 from funcspec.types import Proposal, Sampling
-from funcspec.verifiers import block, common, entropy, greedy, magicmtp, standard, synthetic
+from funcspec.verifiers import block, common, entropy, greedy, magicmtp, standard, synthetic, tree
+from funcspec.verifiers.common import Block, Verdict
 
-VERIFIERS: dict[str, Callable] = {
+VERIFIERS: dict[str, Callable[..., Verdict]] = {
     "greedy": greedy.verify,
     "standard": standard.verify,
     "block": block.verify,
     "magicmtp": magicmtp.verify,
     "entropy": entropy.verify,
     "synthetic": synthetic.verify,
+    "tree": tree.verify,
 }
-"""Rule name -> ``verify`` function."""
+"""Rule name -> ``verify(cfg, block)`` function."""
+
+OWN_GREEDY = ("synthetic", "tree")
+"""Rules that do not reduce to the greedy rule when every row is greedy: synthetic accepts by
+rate whatever the target says; the tree rule takes argmax at each node itself."""
 
 ENTROPY_METHODS = ("entropy", "magicmtp")
 """Methods that ``VerifyConfig.entropy=True`` combines with."""
@@ -84,6 +95,11 @@ class VerifyConfig:
             ``method="synthetic"`` (required there, refused elsewhere).
         filters: apply top-k/top-p to ``p``. ``False`` skips the sort and is
             valid only when every row has both off (see ``sampling.Mode``).
+        greedy: every row is greedy (the bucket's ``sampling.Mode``): the greedy
+            rule then runs, which every rule but those of :data:`OWN_GREEDY`
+            reduces to on greedy rows, at O(K·V) argmax cost instead of
+            probabilities, ratios and a race.
+        depth: the tree rule's static depth D (required by ``"tree"``, refused elsewhere).
     """
 
     method: str = "standard"
@@ -92,6 +108,8 @@ class VerifyConfig:
     entropy: bool = False
     synthetic_rates: Optional[tuple[float, ...]] = None
     filters: bool = True
+    greedy: bool = False
+    depth: Optional[int] = None
 
     def __post_init__(self):
         check_method(self.method)
@@ -106,18 +124,30 @@ class VerifyConfig:
                 "synthetic_rates must be given exactly when method is 'synthetic', "
                 f"got method={self.method!r}, synthetic_rates={self.synthetic_rates!r}"
             )
+        if (self.depth is not None) != (self.method == "tree"):
+            raise ValueError(f"depth must be given exactly when method is 'tree', got method={self.method!r}, "
+                             f"depth={self.depth!r}")
+        if self.depth is not None and not (isinstance(self.depth, int) and self.depth >= 1):
+            raise ValueError(f"depth must be an int >= 1, got {self.depth!r}")
         if self.synthetic_rates is not None:
             # NOTE: stored as a tuple of floats so the config stays hashable.
             rates = synthetic.check_rates(self.synthetic_rates, name="synthetic_rates")
             object.__setattr__(self, "synthetic_rates", rates)
 
 
-def verify_config(spec, k: int) -> VerifyConfig:
-    """The verifier rule of a parsed ``SpecConfig`` for a bucket of K drafts (static per bucket).
+def verify_config(spec, k: int, shape=None) -> VerifyConfig:
+    """The rule that verifies a bucket of K drafts of ``shape`` (``token_tree.Shape``; ``None``: a chain).
 
     It depends on the speculative config only (not on the proposer), so every
-    method's buckets share it; the engine sets ``filters`` per sampling mode.
+    method's buckets share it; the runner sets ``filters`` and ``greedy`` per
+    sampling mode. A bucket of no drafts (K = 0, and decoding without a
+    speculative config: ``spec=None``) is verified by the standard rule, whose
+    keyed draw of its one token is decoding's own; a token tree by ``"tree"``.
     """
+    if k == 0 or spec is None:
+        return VerifyConfig()
+    if shape is not None and not isinstance(shape, Chain):
+        return VerifyConfig(method="tree", depth=shape.depth)
     rs = spec.rejection_sampler
     rates = spec.synthetic_acceptance_rates
     return VerifyConfig(
@@ -129,28 +159,14 @@ def verify_config(spec, k: int) -> VerifyConfig:
     )
 
 
-def verify(cfg: VerifyConfig, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling, all_greedy: bool = False, synthetic_cond: Optional[torch.Tensor] = None,
-           position_keys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the rule ``cfg.method``; see the module docstring for shapes.
+def verify(cfg: VerifyConfig, block: Block) -> Verdict:
+    """Run the rule of ``cfg``; see the module docstring for shapes.
 
-    ``all_greedy`` (static: the host knows every row has temperature 0) runs the
-    greedy rule, which every rule but synthetic reduces to on greedy rows, at
-    O(K·V) argmax cost instead of probabilities, ratios and a race.
-    ``synthetic_cond`` [K]: the synthetic rule's conditional rates as a runtime
-    tensor (``synthetic.conditional_tensor``), overriding ``cfg.synthetic_rates``.
-    ``position_keys`` [B, K+1]: autoregressive decoding's key at each position of
-    the block; with them the standard rule draws deterministic drafts' targets as
-    autoregressive decoding does (``standard.autoregressive_draws``: same law, and
-    the very tokens of decoding without speculation).
+    With ``cfg.greedy`` (static: the host knows every row has temperature 0)
+    every rule but those of :data:`OWN_GREEDY` runs as the greedy rule.
     """
-    if cfg.method == "synthetic":
-        return synthetic.verify(cfg, key, target_logits, proposal, sampling, synthetic_cond)
-    if all_greedy:
-        return greedy.verify(cfg, key, target_logits, proposal, sampling)
-    if cfg.method == "standard":
-        return standard.verify(cfg, key, target_logits, proposal, sampling, position_keys)
-    return VERIFIERS[cfg.method](cfg, key, target_logits, proposal, sampling)
+    method = "greedy" if cfg.greedy and cfg.method not in OWN_GREEDY else cfg.method
+    return VERIFIERS[method](cfg, block)
 
 
 def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:
@@ -197,7 +213,7 @@ def rejection_sample(
         target_logits: [B, K+1, V] raw target logits.
         draft_tokens: [B, K] int64, ``PLACEHOLDER`` where there is no draft.
         draft_probs: [B, K, V] draft distribution, or None (one-hot drafts).
-        method: one of ``VERIFIERS``.
+        method: one of ``VERIFIERS`` but ``"tree"`` (the drafts are a chain).
         temperature, top_k, top_p: numbers or [B] tensors; temperature 0 is greedy.
         entropy: combine "magicmtp" with entropy verify (see :class:`VerifyConfig`).
         synthetic_acceptance_rates, synthetic_acceptance_length: for "synthetic",
@@ -210,6 +226,9 @@ def rejection_sample(
         ValueError: naming the argument or field that is invalid.
     """
     check_method(method)
+    if method == "tree":
+        raise ValueError("method 'tree' verifies token trees, whose drafts need parents: call verifiers.verify "
+                         "with a common.Block whose proposal carries them")
     common.check_inputs(None, target_logits, draft_tokens, draft_probs)
     batch, k = draft_tokens.shape
     rates = None
@@ -227,8 +246,10 @@ def rejection_sample(
                  "an integer >= 0 (0 disables)"),
         _checked_row_tensor("top_p", top_p, batch, torch.float32, device, lambda t: 0 < t <= 1, "in (0, 1]"),
     )
-    proposal = Proposal(draft_tokens, draft_probs)
-    return verify(cfg, _row_keys(key, batch), target_logits, proposal, sampling)
+    proposal = Proposal.chain(draft_tokens, draft_probs)
+    tokens, num_emitted, _ = verify(cfg, Block(_row_keys(key, batch), target_logits, proposal, sampling))
+    return tokens, num_emitted
 
 
-__all__ = ["VERIFIERS", "VerifyConfig", "verify", "verify_config", "rejection_sample", "check_method"]
+__all__ = ["VERIFIERS", "Block", "Verdict", "VerifyConfig", "verify", "verify_config", "rejection_sample",
+           "check_method"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
 
 
@@ -38,10 +37,10 @@ def continue_probs(inp: common.Inputs, cum: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, cum[:, k - 1:]], dim=1)  # [B, K]
 
 
-def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(cfg, block: common.Block) -> common.Verdict:
     """Block verification; reads only ``cfg.filters``."""
-    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
+    key = block.key
+    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
     batch, k = inp.drafts.shape
     cum = common.cumulative_ratio(inp.ratio)  # [B, K]
     u = common.acceptance_uniforms(key, k)  # [B, K]

@@ -22,10 +22,38 @@ import torch
 
 from funcspec import rng
 from funcspec.sampling import target_probs
+from funcspec.tree import pytree_dataclass
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
 STREAM_ACCEPT = 0
 STREAM_FINAL = 1
+
+
+@pytree_dataclass
+class Block:
+    """What every rule verifies: one bucket's proposal and the target's logits over it.
+
+    Attributes:
+        key: [B] int64 the rows' verify keys (the sub-streams above).
+        logits: [B, N+1, V] the target over [pending, drafts]; a chain's N is K.
+        proposal: ``tokens [B, N]``, ``parents [B, N]`` (a chain's are i - 1),
+            ``probs [B, N, V]`` or ``None`` (deterministic drafts).
+        sampling: the rows' sampling parameters, each [B].
+        keys: [B, D+1] the key autoregressive decoding draws each position of
+            the block with (``step.row_keys``; D = K for a chain), or ``None``
+            outside an engine: the standard rule then couples its randomness
+            through uniforms, and the tree rule refuses.
+        rates: [K] float32 conditional acceptance rates of the synthetic rule (a
+            runtime tensor, so new rates never recompile), or ``None``: the
+            config's ``synthetic_rates``.
+    """
+
+    key: torch.Tensor
+    logits: torch.Tensor
+    proposal: Proposal
+    sampling: Sampling
+    keys: Optional[torch.Tensor] = None
+    rates: Optional[torch.Tensor] = None
 
 
 class Inputs(NamedTuple):
@@ -205,21 +233,33 @@ def emit(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) 
     return tokens, (num_accepted + 1).to(torch.int32)
 
 
-def match(drafts: torch.Tensor, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+Verdict = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""What every rule returns: tokens [B, D+1] int64 (the accepted drafts, the final token, then
+``PLACEHOLDER``), num_emitted [B] int32, and path [B, D+1] int64, the tree indices of the
+accepted root path (0 is the pending token; entries past num_emitted are unused)."""
+
+
+def along_chain(tokens: torch.Tensor, num_emitted: torch.Tensor) -> Verdict:
+    """A chain rule's verdict: the accepted path of a chain is its first positions, ``path = 0..K``."""
+    path = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [B, K+1]
+    return tokens, num_emitted, path
+
+
+def match(drafts: torch.Tensor, choices: torch.Tensor) -> Verdict:
     """Accept drafts [B, K] while they equal the target's own choices [B, K+1] (its argmax, or its keyed
     draws); emit the choice at the first mismatch, or the bonus choice K. ``PLACEHOLDER`` never matches."""
     drafts = drafts.long()
     num_accepted = num_leading(drafts == choices[:, :-1])  # [B]
     final = torch.gather(choices, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return emit(drafts, num_accepted, final)
+    return along_chain(*emit(drafts, num_accepted, final))
 
 
 def finish(key: torch.Tensor, inp: Inputs, num_accepted: torch.Tensor,
-           weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw the final token after ``num_accepted [B]`` drafts and assemble the output."""
-    return emit(inp.drafts, num_accepted, final_token(key, inp, num_accepted, weight))
+           weight: Optional[torch.Tensor] = None) -> Verdict:
+    """Draw the final token after ``num_accepted [B]`` drafts and assemble the verdict."""
+    return along_chain(*emit(inp.drafts, num_accepted, final_token(key, inp, num_accepted, weight)))
 
 
-def first_rejection(key: torch.Tensor, inp: Inputs, accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def first_rejection(key: torch.Tensor, inp: Inputs, accept: torch.Tensor) -> Verdict:
     """Token-by-token rules: accept drafts up to the first False in ``accept [B, K]``."""
     return finish(key, inp, num_leading(accept))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
 
 EPSILON = 1e-10
@@ -29,10 +28,10 @@ def threshold(cfg, target_logits: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(-cfg.posterior_alpha * entropy), max=cfg.posterior_threshold)
 
 
-def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(cfg, block: common.Block) -> common.Verdict:
     """Entropy verification with ``cfg.posterior_threshold`` and ``cfg.posterior_alpha``."""
-    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
+    key = block.key
+    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, inp.drafts.shape[1])  # [B, K]
-    thr = threshold(cfg, target_logits)  # [B, K]
+    thr = threshold(cfg, block.logits)  # [B, K]
     return common.first_rejection(key, inp, inp.supported & (inp.ratio >= thr * u))

@@ -24,22 +24,24 @@ stream 1 (final race) of ``common``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common, entropy, standard
 
 MIN_K = 3
 """vLLM-Ascend enables block verify only when ``max_spec_len >= 3``."""
 
 
-def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(cfg, block: common.Block) -> common.Verdict:
     """MagicMTP block verify, combined with entropy verify when ``cfg.entropy``."""
-    if proposal.tokens.shape[-1] < MIN_K:  # static shape, not a tensor value
+    key, target_logits = block.key, block.logits
+    if block.proposal.tokens.shape[-1] < MIN_K:  # static shape, not a tensor value
+        # NOTE: vLLM-Ascend's fallback is the uniform-coupled rule, not decoding's draws (keys=None).
         fallback = entropy.verify if cfg.entropy else standard.verify
-        return fallback(cfg, key, target_logits, proposal, sampling)
-    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
+        return fallback(cfg, dataclasses.replace(block, keys=None))
+    inp = common.prepare(target_logits, block.proposal, block.sampling, key, cfg.filters)
     pi = common.cumulative_ratio(inp.ratio)  # [B, K]
     bound = torch.cumprod(common.acceptance_uniforms(key, inp.drafts.shape[1]), dim=1)  # [B, K]
     if cfg.entropy:

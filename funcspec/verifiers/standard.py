@@ -6,43 +6,38 @@ For i = 0..K-1 in order, accept draft ``x_i`` iff ``q(x_i) > 0`` and
 Uses stream 0 (u) and stream 1 (final race) of ``common``.
 
 Deterministic drafts (``proposal.probs is None``: q is one-hot) given with
-``position_keys`` take the same rule with another coupling of its randomness:
+decoding's keys (``Block.keys``) take the same rule with another coupling of its randomness:
 draw ``y_i ~ p_i`` exactly as autoregressive decoding draws position i (its key,
 its race), accept ``x_i`` iff ``x_i = y_i``, and emit ``y`` at the first
 mismatch. ``P(accept) = p(x_i)`` as above, and ``y`` conditioned on ``y != x_i``
 is the residual ``norm(max(0, p_i - q_i))``, so the law of the output (and of
 the acceptance) is unchanged; but the emitted tokens are now *the* tokens that
-autoregressive decoding with the same seed emits, token for token.
+autoregressive decoding with the same seed emits, token for token. A block of
+no drafts (K = 0) is decoding itself: its one token is decoding's draw.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from funcspec import sampling as sampling_lib
-from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
 
 
-def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
-           position_keys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard rejection sampling; reads only ``cfg.filters``. ``position_keys`` [B, K+1]: the keys
-    autoregressive decoding draws positions 0..K with (``step.row_keys``), for deterministic drafts."""
-    if proposal.probs is None and position_keys is not None:
-        return autoregressive_draws(cfg, position_keys, target_logits, proposal, sampling)
-    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
-    u = common.acceptance_uniforms(key, inp.drafts.shape[1])  # [B, K]
-    return common.first_rejection(key, inp, inp.supported & (inp.ratio >= u))
+def verify(cfg, block: common.Block) -> common.Verdict:
+    """Standard rejection sampling; reads only ``cfg.filters``. With ``block.keys`` (decoding's key at
+    each position), deterministic drafts and empty blocks take :func:`autoregressive_draws`."""
+    proposal = block.proposal
+    if block.keys is not None and (proposal.probs is None or proposal.tokens.shape[1] == 0):  # static
+        return autoregressive_draws(cfg, block)
+    inp = common.prepare(block.logits, proposal, block.sampling, block.key, cfg.filters)
+    u = common.acceptance_uniforms(block.key, inp.drafts.shape[1])  # [B, K]
+    return common.first_rejection(block.key, inp, inp.supported & (inp.ratio >= u))
 
 
-def autoregressive_draws(cfg, position_keys: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-                         sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def autoregressive_draws(cfg, block: common.Block) -> common.Verdict:
     """Deterministic drafts against the target's own draws y [B, K+1], each made as autoregressive
     decoding makes it (``sampling.sample`` with that position's key; greedy rows take argmax)."""
-    common.check_inputs(position_keys[:, 0], target_logits, proposal.tokens, proposal.probs)
+    s, keys = block.sampling, block.keys
+    common.check_inputs(keys[:, 0], block.logits, block.proposal.tokens, block.proposal.probs)
     mode = sampling_lib.Mode(greedy=False, filters=cfg.filters)
-    y = sampling_lib.sample(position_keys, target_logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                            mode)  # [B, K+1]
-    return common.match(proposal.tokens, y)
+    y = sampling_lib.sample(keys, block.logits, s.temperature, s.top_k, s.top_p, mode)  # [B, K+1]
+    return common.match(block.proposal.tokens, y)

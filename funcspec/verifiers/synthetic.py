@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import torch
 
-from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import common
 
 
@@ -97,14 +96,14 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(r / p if p > 0 else 0.0 for r, p in zip(rates, prev))
 
 
-def verify(cfg, key: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal,
-           sampling: Sampling, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(cfg, block: common.Block) -> common.Verdict:
     """Synthetic verification. Uses stream 0 (u) and 1 (final race).
 
-    ``cond`` [K] float32 conditional rates, a runtime tensor (the engine passes
-    its current rates, so one graph serves any rates); else ``cfg.synthetic_rates``.
+    The conditional rates are ``block.rates`` [K] float32, a runtime tensor (the
+    engine passes its current rates, so one graph serves any rates); else ``cfg.synthetic_rates``.
     """
-    inp = common.prepare(target_logits, proposal, sampling, key, cfg.filters)
+    key, cond = block.key, block.rates
+    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
     k = inp.drafts.shape[1]
     if cond is None:
         if cfg.synthetic_rates is None:

@@ -35,7 +35,7 @@ import torch
 
 from funcspec import sampling as sampling_lib
 from funcspec.token_tree import ancestors, depths, root_path, tree_parents
-from funcspec.types import PLACEHOLDER, Proposal, Sampling
+from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import common
 
 def target_choices(keys: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling, mode: sampling_lib.Mode,
@@ -60,22 +60,20 @@ def accepted_nodes(tok: torch.Tensor, tparents: torch.Tensor, y: torch.Tensor, d
     return acc
 
 
-def verify(keys: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, sampling: Sampling,
-           mode: sampling_lib.Mode, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verify a token tree.
+def verify(cfg, block: common.Block) -> common.Verdict:
+    """Verify a token tree of depth ``cfg.depth`` (static: no node is deeper).
 
-    Args:
-        keys: [B, D+1] the key of each depth's draw (autoregressive decoding's key at that position).
-        target_logits: [B, N+1, V] the target over [pending, nodes] with tree attention.
-        proposal: ``tokens [B, N]`` (``PLACEHOLDER`` is never accepted), ``parents [B, N]``, ``probs=None``.
-        mode: static sampling mode (greedy buckets take argmax only).
-        depth: static D, no node is deeper.
+    Reads ``block.keys`` [B, D+1] (the key of each depth's draw: autoregressive
+    decoding's key at that position), ``block.logits`` [B, N+1, V] (the target
+    over [pending, nodes] with tree attention) and the proposal's ``tokens [B, N]``
+    (``PLACEHOLDER`` is never accepted) and ``parents [B, N]``, with
+    ``probs=None``; greedy buckets (``cfg.greedy``) take argmax only.
 
-    Returns:
-        tokens [B, D+1] int64 (the accepted path's drafts, the final token, then
-        ``PLACEHOLDER``), num_emitted [B] int32, and path [B, D+1] the tree
-        indices of the accepted path (root first; repeated past its end).
+    Returns tokens [B, D+1] int64 (the accepted path's drafts, the final token,
+    then ``PLACEHOLDER``), num_emitted [B] int32, and path [B, D+1] the tree
+    indices of the accepted path (root first; repeated past its end).
     """
+    proposal, target_logits, keys, depth = block.proposal, block.logits, block.keys, cfg.depth
     if proposal.parents is None or proposal.probs is not None:
         raise ValueError("a tree proposal needs parents [B, N] and deterministic drafts (probs=None)")
     b, n1, _ = target_logits.shape
@@ -83,12 +81,14 @@ def verify(keys: torch.Tensor, target_logits: torch.Tensor, proposal: Proposal, 
         raise ValueError(f"proposal.tokens and proposal.parents must be [B, N] = [{b}, {n1 - 1}] for "
                          f"target_logits {tuple(target_logits.shape)}, got {tuple(proposal.tokens.shape)} "
                          f"and {tuple(proposal.parents.shape)}")
+    if keys is None or tuple(keys.shape) != (b, depth + 1):
+        got = None if keys is None else tuple(keys.shape)
+        raise ValueError(f"keys must be [B, D+1] = [{b}, {depth + 1}] (decoding's key per depth), got {got}")
     tparents = tree_parents(proposal.parents.long())  # [B, N+1]
     anc = ancestors(tparents, depth)  # [B, N+1, N+1]
     dep = depths(anc)  # [B, N+1]
-    if tuple(keys.shape) != (b, depth + 1):
-        raise ValueError(f"keys must be [B, D+1] = [{b}, {depth + 1}], got {tuple(keys.shape)}")
-    y = target_choices(keys, target_logits, sampling, mode, dep)  # [B, N+1]
+    mode = sampling_lib.Mode(greedy=cfg.greedy, filters=cfg.filters)
+    y = target_choices(keys, target_logits, block.sampling, mode, dep)  # [B, N+1]
     tok = torch.cat([torch.full_like(proposal.tokens[:, :1], PLACEHOLDER), proposal.tokens.long()], 1)  # [B, N+1]
     acc = accepted_nodes(tok, tparents, y, depth)  # [B, N+1]
     best = torch.where(acc, dep, -1).argmax(-1)  # [B]: the deepest accepted node (one per depth at most)

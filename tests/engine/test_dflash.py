@@ -16,6 +16,7 @@ from funcspec.nn.llama import apply_rope, mlp, rms_norm, rope_tables
 from funcspec.proposers import dflash as dflash_proposer
 from funcspec.proposers import dspark as dspark_proposer
 from funcspec.step import StepContext, VerifyResult
+from funcspec.token_tree import Chain
 from funcspec.tree import replace, tree_signature
 from funcspec.types import Sampling
 
@@ -362,7 +363,7 @@ def test_state_structure_is_preserved(target, heads, method):
         assert (proposal.probs is None) == (method == "dflash")
         hid = tuple(torch.randn(3, k + 1, 32) for _ in range(2))
         res = VerifyResult(ctx.slots, ctx.lens, torch.zeros(3, k + 1, dtype=torch.int64),
-                           torch.ones(3, dtype=torch.int32), hid)
+                           torch.ones(3, dtype=torch.int32), hid, torch.arange(k + 1).expand(3, -1), Chain(k))
         state = mod.commit(pcfg, state, res)
         assert tree_signature(state) == sig
 

@@ -7,6 +7,8 @@ import torch
 
 from funcspec import Engine, SamplingParams
 from funcspec.scheduler import Detokenizer, StopStrings
+from funcspec.token_tree import Chain
+from funcspec.verifiers import VerifyConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -46,6 +48,28 @@ def test_bucket_is_the_step_the_engine_runs(tiny_llama):
         got.append(int(out.tokens[0, 0]))
         eng.runner.state = new_state
     assert got == want[:len(got)]
+
+
+def test_one_step_serves_chains_and_trees_and_refuses_drafts_without_parents(tiny_llama, monkeypatch):
+    """Every bucket's proposal carries parents (a chain's are i - 1) and its rule returns the accepted path;
+    a proposer that hands the step drafts without parents is refused, by name, while the step is traced."""
+    from funcspec.proposers import echo
+    from funcspec.types import Proposal
+
+    eng = Engine(tiny_llama, {"method": "echo", "num_speculative_tokens": 2}, max_batch_size=2, max_model_len=64)
+    eng.add_request([5, 6, 7, 8], GREEDY)
+    eng.step()
+    bucket = eng.bucket(1, 2, live=1)
+    sc = bucket.fn.args[0]
+    assert sc.tree == Chain(2) and sc.verify == VerifyConfig("standard")  # the filtered mode: filters on
+    out, _ = bucket.fn(*bucket.args)
+    assert out.tokens.shape == (1, 3) and out.num_drafts.tolist() == [2]
+    monkeypatch.setattr(echo, "propose", lambda cfg, params, state, ctx, k: (Proposal(ctx.history[ctx.slots, :k]),
+                                                                              state))
+    bucket = eng.bucket(1, 2, live=1)
+    with pytest.raises(ValueError, match=r"^funcspec.proposers.echo.propose returned drafts without parents: every "
+                                         r"proposal carries them"):
+        bucket.fn(*bucket.args)
 
 
 def test_bucket_refuses_bad_arguments(tiny_llama):

@@ -17,6 +17,7 @@ from funcspec.checkpoints import eagle, medusa, mtp
 from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.step import StepContext, VerifyResult
+from funcspec.token_tree import Chain
 from funcspec.tree import clone_state, tree_signature
 from funcspec.types import Sampling
 
@@ -143,11 +144,12 @@ def test_bad_head_configs(zoo):
 # ----------------------------------------------------------------------------- state, padding
 
 
-def _ctx(state, slots):
+def _ctx(state, slots, k=K_MAX):
+    """A greedy step context of rows ``slots`` in a chain bucket of K = ``k``."""
     slots = torch.tensor(slots)
     b = slots.shape[0]
     return StepContext(slots, state.kv.lens[slots], state.history, torch.zeros(b, dtype=torch.int64),
-                       Sampling.full(b, 0.0))
+                       Sampling.full(b, 0.0), tree=Chain(k))
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
@@ -174,7 +176,8 @@ def test_state_structure_and_padding_invariance(zoo, method):
     assert torch.equal(padded[:1], alone) and torch.equal(both[1:], alone)
     hid = tuple(torch.ones(3, K_MAX + 1, eng.model.cfg.hidden_size) for _ in h.hidden_layers)  # [B, K+1, H] each
     result = VerifyResult(torch.tensor([1, s, s]), torch.tensor([9, 0, 0]), torch.zeros(3, K_MAX + 1, dtype=torch.int64),
-                          torch.tensor([2, 1, 4], dtype=torch.int32), hid)
+                          torch.tensor([2, 1, 4], dtype=torch.int32), hid, torch.arange(K_MAX + 1).expand(3, -1),
+                          Chain(K_MAX))
     assert tree_signature(h.module.commit(h.cfg, new, result)) == tree_signature(new)
 
 
@@ -205,7 +208,7 @@ def test_draft_window_does_not_depend_on_k(zoo):
     drafts = {}
     for k in (2, 3):
         state = clone_state(eng.state)
-        drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1]), k)[0].tokens
+        drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1], k), k)[0].tokens
     assert torch.equal(drafts[3][:, :2], drafts[2])
 
 
@@ -224,7 +227,7 @@ def test_propose_compiles_fullgraph(zoo):
     outs = []
     for fn in (step, compiled):
         state = clone_state(eng.state)
-        proposal, new = fn(params, state.proposer, _ctx(state, [0, 1]))
+        proposal, new = fn(params, state.proposer, _ctx(state, [0, 1], 2))
         outs.append((proposal.tokens, new.kv.k))
     assert torch.equal(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-5)

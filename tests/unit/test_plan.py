@@ -28,8 +28,9 @@ def test_a_chain_plan_holds_k_the_cache_length_the_buckets_and_the_rule_per_k():
     p = plan(SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}))
     assert (p.max_k, p.max_model_len, p.t_max, p.num_slots, p.backend) == (3, 100, 104, 4, "eager")
     assert not p.startup  # eager captures nothing
-    assert p.bucket_plan.ks == (0, 1, 2, 3) and p.tree is None and p.bucket_tree(3) is None
-    assert p.verify(3).method == "standard" and p.verify(0).method == "standard"
+    assert p.bucket_plan.ks == (0, 1, 2, 3) and p.tree is None
+    assert [p.bucket_tree(k) for k in (0, 3)] == [Chain(0), Chain(3)]  # a chain bucket's shape
+    assert p.verify(3) == VerifyConfig("standard") and p.verify(0) == VerifyConfig("standard")
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_k = 4
     assert hash(p) == hash(plan(SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3,
@@ -39,14 +40,22 @@ def test_a_chain_plan_holds_k_the_cache_length_the_buckets_and_the_rule_per_k():
 def test_autoregressive_plan_and_the_default_cache_length():
     p = plan(max_model_len=None)
     assert (p.max_k, p.max_model_len, p.t_max) == (0, 256, 257)  # max_position_embeddings below 2048
-    assert p.verify(0) is None and p.bucket_tree(0) is None and p.synthetic_rates is None
+    # decoding is the block of no drafts: its one token is the standard rule's keyed draw
+    assert p.verify(0) == VerifyConfig("standard") and p.bucket_tree(0) == Chain(0) and p.synthetic_rates is None
 
 
 def test_a_tree_is_cut_once_per_bucket_and_history_drafters_do_not_expand_frontiers():
     ngram = plan(SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 1,
                                        "speculative_token_tree": TREE}))
-    assert ngram.max_k == 7 and not ngram.tree_frontiers and ngram.bucket_tree(0) is None
+    assert ngram.max_k == 7 and not ngram.tree_frontiers and ngram.bucket_tree(0) == Chain(0)
     assert ngram.bucket_tree(4) == truncate(ngram.tree, 4, frontiers=False)
+    # a configured tree of chain shape stays a tree: drafted and verified as the user asked
+    as_chain = plan(SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                          "speculative_token_tree": "[(0,), (0, 0)]"}))
+    assert as_chain.bucket_tree(2) == chain(2) != Chain(2) and as_chain.verify(2) == VerifyConfig("tree", depth=2)
+    # a tree bucket is verified by the tree rule at its cut's depth; K = 0 by the standard rule
+    assert ngram.verify(4) == VerifyConfig("tree", depth=ngram.bucket_tree(4).depth)
+    assert ngram.verify(0) == VerifyConfig("standard")
 
 
 def test_bad_values_are_refused_before_anything_is_built():

@@ -14,6 +14,7 @@ from funcspec.config import SpecConfig
 from funcspec.nn.llama import window_start
 from funcspec.proposers import (PROPOSERS, BoundProposer, BuildContext, HostDrafter, Proposer, build_proposer,
                                 contract_errors)
+from funcspec.token_tree import Chain, TokenTree
 from funcspec.types import PLACEHOLDER
 
 CTX = BuildContext(max_model_len=20, device=torch.device("cpu"))
@@ -50,8 +51,9 @@ def test_proposers_are_built_from_the_context_only():
     assert isinstance(suffix.host, HostDrafter) and suffix.runs_on_host
     row = types.SimpleNamespace(request_id="r", seq_id="r", prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
                                 output_ids=[7, 5, 6, 7], total_len=18)
-    drafts = suffix.host_drafts([row], 2, 4)  # 2 positions left before max_model_len
+    drafts, parents = suffix.host_drafts([row], 2, 4, Chain(4))  # 2 positions left before max_model_len
     assert drafts.tolist() == [[5, 6, PLACEHOLDER, PLACEHOLDER], [PLACEHOLDER] * 4]
+    assert parents.tolist() == [[-1, 0, 1, 2]] * 2  # a chain's parents, i - 1
     suffix.on_finish(row)
 
 
@@ -63,6 +65,7 @@ def test_bound_proposer_is_static_and_calls_the_module():
                                 lens=torch.tensor([1]))
     proposal, state = bound.propose(None, "state", ctx, 3)
     assert proposal.tokens.tolist() == [[9, 9, 9]] and state == "state"
+    assert proposal.parents.tolist() == [[-1, 0, 1]]  # every proposal carries parents: a chain's are i - 1
     assert bound.commit("state", None) == "state" and bound.hidden_layers == ()
 
 
@@ -71,6 +74,11 @@ def test_verify_config_depends_on_the_spec_only():
     cfg = verifiers.verify_config(spec, 2)
     assert cfg.method == "synthetic" and cfg.synthetic_rates == (0.9, 0.5)
     assert verifiers.verify_config(SpecConfig("ngram", 3), 3) == verifiers.VerifyConfig("standard")
+    # K = 0 (and no speculation) is decoding: the standard rule; a token tree's bucket: the tree rule
+    assert verifiers.verify_config(spec, 0) == verifiers.verify_config(None, 0) == verifiers.VerifyConfig()
+    tree = TokenTree(((0,), (1,), (0, 0)))
+    assert verifiers.verify_config(spec, 3, tree) == verifiers.VerifyConfig("tree", depth=2)
+    assert verifiers.verify_config(spec, 3, Chain(3)) == verifiers.verify_config(spec, 3)
 
 
 def test_window_start_reads_the_last_w_committed_positions():

@@ -147,10 +147,17 @@ def one_hot_logits(argmax_rows, vocab=50):
     return out
 
 
+def verify_tree(keys, logits, proposal, samp, mode, depth):
+    """The tree rule through the one verifier interface, in a bucket of sampling ``mode``."""
+    from funcspec import verifiers
+
+    cfg = verifiers.VerifyConfig("tree", depth=depth, greedy=mode.greedy, filters=mode.filters)
+    return verifiers.verify(cfg, verifiers.Block(keys[:, 0], logits, proposal, samp, keys))
+
+
 def test_greedy_tree_accepts_the_deepest_agreeing_path():
     from funcspec import sampling
     from funcspec.types import PLACEHOLDER, Proposal, Sampling
-    from funcspec.verifiers import tree as tree_verifier
 
     tree = spec(speculative_token_tree=VLLM_TREE).tree  # nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0)
     drafts = torch.tensor([[10, 11, 12, 20, 21, 22, 30]])
@@ -158,14 +165,14 @@ def test_greedy_tree_accepts_the_deepest_agreeing_path():
     # root's argmax is node (1,)'s token; at (1,) (tree index 2) it is (1,0)'s token; then 42.
     logits = one_hot_logits([11, 20, 22, 0, 0, 0, 42, 0])
     for mode in (sampling.GREEDY, sampling.FILTERED):  # temperature 0 rows are greedy in every mode
-        out, n, path = tree_verifier.verify(torch.full((1, tree.depth + 1), 7), logits, Proposal(drafts, parents=parents),
-                                            Sampling.full(1, temperature=0.0), mode, tree.depth)
+        out, n, path = verify_tree(torch.full((1, tree.depth + 1), 7), logits, Proposal(drafts, parents=parents),
+                                   Sampling.full(1, temperature=0.0), mode, tree.depth)
         assert out.tolist() == [[11, 22, 42, PLACEHOLDER]] and n.tolist() == [3]
         assert path.tolist() == [[0, 2, 6, 6]]
     # nothing agrees: the root's argmax alone; a PLACEHOLDER draft is never accepted
-    out, n, _ = tree_verifier.verify(torch.full((1, tree.depth + 1), 7), one_hot_logits([13] * 8),
-                                     Proposal(torch.tensor([[PLACEHOLDER] * 7]), parents=parents),
-                                     Sampling.full(1, temperature=0.0), sampling.GREEDY, tree.depth)
+    out, n, _ = verify_tree(torch.full((1, tree.depth + 1), 7), one_hot_logits([13] * 8),
+                            Proposal(torch.tensor([[PLACEHOLDER] * 7]), parents=parents),
+                            Sampling.full(1, temperature=0.0), sampling.GREEDY, tree.depth)
     assert out.tolist() == [[13, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]] and n.tolist() == [1]
 
 
@@ -182,7 +189,6 @@ def tree_joint_pvalue():
 
     from funcspec import rng, sampling
     from funcspec.types import Proposal, Sampling
-    from funcspec.verifiers import tree as tree_verifier
 
     n, vocab, temp, top_k = 30000, 6, 0.9, 5
     gen = torch.Generator().manual_seed(5)
@@ -195,8 +201,8 @@ def tree_joint_pvalue():
     node_logits = torch.where((dep == 1).view(1, -1, 1), l1[drafts], l2[drafts])  # [n, N, V]
     logits = torch.cat([l0.expand(n, 1, vocab), node_logits], 1)  # [n, N+1, V]
     keys = rng.split(rng.key(11), n * (tree.depth + 1)).view(n, tree.depth + 1)  # [n, D+1]: a key per depth
-    out, num, _ = tree_verifier.verify(keys, logits, Proposal(drafts, parents=parents),
-                                       Sampling.full(n, temperature=temp, top_k=top_k), sampling.FILTERED, tree.depth)
+    out, num, _ = verify_tree(keys, logits, Proposal(drafts, parents=parents),
+                              Sampling.full(n, temperature=temp, top_k=top_k), sampling.FILTERED, tree.depth)
     first = out[:, 0]
     p0 = sampling.target_probs(l0.view(1, 1, -1), temp, top_k)[0, 0]  # [V]
     p1 = sampling.target_probs(l1.unsqueeze(0), temp, top_k)[0]  # [V, V]

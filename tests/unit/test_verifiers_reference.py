@@ -213,8 +213,8 @@ def test_compiled_equals_eager_for_every_rule():
         out = []
         for name, k, with_probs in COMPILED_CASES:
             key, logits, drafts, probs = inputs[k]
-            proposal = Proposal(drafts, probs if with_probs else None)
-            out.append(verifiers.verify(config(name, k), key, logits, proposal, sampling))
+            proposal = Proposal.chain(drafts, probs if with_probs else None)
+            out.append(verifiers.verify(config(name, k), verifiers.Block(key, logits, proposal, sampling)))
         return out
 
     compiled = torch.compile(all_rules, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
@@ -227,6 +227,6 @@ def test_compiled_equals_eager_for_every_rule():
         eager = all_rules(inputs, sampling)
         with torch.compiler.set_stance("fail_on_recompile" if seed > 1 else "default"):
             got = compiled(inputs, sampling)
-        for (name, _, _), (t_eager, n_eager), (t_comp, n_comp) in zip(COMPILED_CASES, eager, got):
-            assert torch.equal(t_eager, t_comp) and torch.equal(n_eager, n_comp), name
+        for (name, _, _), (t_eager, n_eager, p_eager), (t_comp, n_comp, p_comp) in zip(COMPILED_CASES, eager, got):
+            assert torch.equal(t_eager, t_comp) and torch.equal(n_eager, n_comp) and torch.equal(p_eager, p_comp), name
             assert t_comp.dtype == torch.int64 and n_comp.dtype == torch.int32

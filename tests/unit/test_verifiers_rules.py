@@ -306,7 +306,23 @@ def test_verify_config_is_hashable_and_normalises_rates():
     cfg = verifiers.VerifyConfig("synthetic", synthetic_rates=[1, 0.5])
     assert cfg.synthetic_rates == (1.0, 0.5)
     assert hash(cfg) == hash(verifiers.VerifyConfig("synthetic", synthetic_rates=(1.0, 0.5)))
-    assert set(verifiers.VERIFIERS) == {"greedy", "standard", "block", "magicmtp", "entropy", "synthetic"}
+    assert set(verifiers.VERIFIERS) == {"greedy", "standard", "block", "magicmtp", "entropy", "synthetic", "tree"}
+    assert verifiers.VerifyConfig("tree", depth=2).depth == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="tree"), "depth must be given exactly when method is 'tree'"),
+    (dict(method="standard", depth=2), "depth must be given exactly when method is 'tree'"),
+    (dict(method="tree", depth=0), "depth must be an int >= 1, got 0"),
+])
+def test_the_tree_rule_takes_a_depth_and_only_it(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        verifiers.VerifyConfig(**kwargs)
+
+
+def test_rejection_sample_refuses_the_tree_rule_by_name():
+    with pytest.raises(ValueError, match="method 'tree' verifies token trees"):
+        verifiers.rejection_sample(rng.key(0), **GOOD, method="tree")
 
 
 B, K, V = 2, 3, 8
@@ -348,11 +364,17 @@ def test_verify_checks_key_and_proposal_shapes():
     cfg = verifiers.VerifyConfig("standard")
     sampling = Sampling.full(B)
     logits = GOOD["target_logits"]
+    Block = verifiers.Block
     with pytest.raises(ValueError, match=r"key must be a \[B\] = \[2\] key tensor"):
-        verifiers.verify(cfg, rng.key(0), logits, Proposal(GOOD["draft_tokens"]), sampling)
+        verifiers.verify(cfg, Block(rng.key(0), logits, Proposal.chain(GOOD["draft_tokens"]), sampling))
     with pytest.raises(ValueError, match=r"draft_probs \(proposal.probs\)"):
-        verifiers.verify(cfg, rng.split(rng.key(0), B), logits,
-                         Proposal(GOOD["draft_tokens"], torch.zeros(B, K, V - 1)), sampling)
+        verifiers.verify(cfg, Block(rng.split(rng.key(0), B), logits,
+                                    Proposal.chain(GOOD["draft_tokens"], torch.zeros(B, K, V - 1)), sampling))
     synth = verifiers.VerifyConfig("synthetic", synthetic_rates=(1.0, 1.0))
     with pytest.raises(ValueError, match="synthetic_rates must have length K=3"):
-        verifiers.verify(synth, rng.split(rng.key(0), B), logits, Proposal(GOOD["draft_tokens"]), sampling)
+        verifiers.verify(synth, Block(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
+                                      sampling))
+    tree = verifiers.VerifyConfig("tree", depth=3)
+    with pytest.raises(ValueError, match=r"keys must be \[B, D\+1\] = \[2, 4\] \(decoding's key per depth\), got None"):
+        verifiers.verify(tree, Block(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
+                                     sampling))
