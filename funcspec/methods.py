@@ -126,25 +126,11 @@ class Method:
             raise ValueError(f"Method.options of {self.name!r} must hold {list(DRAFT)} exactly when Method.model is "
                              f"not {NONE!r} (model={self.model!r})")
 
-    @property
-    def aux_layers(self) -> bool:
-        return _FLAGS["aux_layers"] in self.options
-
-    @property
-    def draft_window(self) -> bool:
-        return _FLAGS["draft_window"] in self.options
-
-    @property
-    def batch_table(self) -> bool:
-        return _FLAGS["batch_table"] in self.options
-
-    @property
-    def dynamic_spec(self) -> bool:
-        return _FLAGS["dynamic_spec"] in self.options
-
-    @property
-    def tree(self) -> bool:
-        return _FLAGS["tree"] in self.options
+    aux_layers = property(lambda self: _FLAGS["aux_layers"] in self.options)
+    draft_window = property(lambda self: _FLAGS["draft_window"] in self.options)
+    batch_table = property(lambda self: _FLAGS["batch_table"] in self.options)
+    dynamic_spec = property(lambda self: _FLAGS["dynamic_spec"] in self.options)
+    tree = property(lambda self: _FLAGS["tree"] in self.options)
 
 
 def _proposer(name: str) -> str:
