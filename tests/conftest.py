@@ -107,6 +107,19 @@ def traced_codegen(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def rows_free_ops():
+    """This CPU's kernels with every fp32 product on a path that never compares the row count (the streaming
+    kernel where it runs, else ``F.linear``): an inductor engine then plans one symbolic-batch graph on any
+    CPU, AVX2 ones included, whose own kernels keep a graph per batch bucket (``Ops.rows_free``)."""
+    import dataclasses
+
+    from funcspec import kernels
+
+    ops = kernels.resolve("cpu")
+    return ops if ops.rows_free(torch.float32) else dataclasses.replace(ops, blas_skinny=True)
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The default zoo model (built on first use, as `make run` does)."""
     from funcspec import zoo

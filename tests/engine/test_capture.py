@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from funcspec import Engine, SamplingParams
+from funcspec import Engine, SamplingParams, kernels
 from funcspec.capture import BucketPlan, capture, fresh_code_copy
 from funcspec.capture.backends import TrustedAfterChecks
 from funcspec.tree import tree_signature
@@ -31,11 +31,13 @@ def _ids(outs):
 
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_inductor_equals_eager_on_padded_buckets(inductor_engine, eager_engine, n):
-    """1, 3 and 5 prompts (buckets 1, 3 and 5 of the inductor engine, 1, 4 and 8 of the eager one): greedy and
-    seeded sampling are identical."""
+    """1, 3 and 5 prompts (buckets 1, 3 and 5 of the inductor engine where its batch is symbolic, else 1, 4
+    and 8, as the eager one's): greedy and seeded sampling are identical."""
     params = [GREEDY if i % 2 == 0 else SAMPLED for i in range(n)]
     assert _ids(inductor_engine.generate(PROMPTS[:n], params)) == _ids(eager_engine.generate(PROMPTS[:n], params))
-    assert f"B{n}_K0" in inductor_engine.stats["buckets_used"]  # a symbolic batch: every size is a bucket
+    plan = inductor_engine.plan.bucket_plan
+    b = n if plan.symbolic_batch else plan.batch_bucket(n)  # a symbolic batch: every size is a bucket
+    assert f"B{b}_K0" in inductor_engine.stats["buckets_used"]
 
 
 def test_second_generate_never_recompiles(inductor_engine):
@@ -73,14 +75,14 @@ def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
     assert torch.equal(new.kv.lens, lens) and int(new.kv.lens[4]) == 0
 
 
-def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced_codegen):
+def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced_codegen, rows_free_ops):
     """Batches 1..10 run in buckets 1..10 (no padding) on two graphs per mode: B = 1, and one with a symbolic
     batch for the rest; both are captured while the engine starts, and nothing compiles afterwards.
 
     Inductor's code generation is swapped for the traced graph itself to keep this test fast (Dynamo still
     traces, guards and counts compiles); the tests above and test_runtime.py run real inductor code.
     """
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24)
+    eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24, ops=rows_free_ops)
     assert eng.plan.bucket_plan.batch_buckets == tuple(range(1, 11)) and eng.plan.bucket_plan.symbolic_batch
     assert sorted(eng.runner.compiled) == [(0, 0, 25, "filtered"), (0, 0, 25, "greedy"),
                                            (1, 0, 25, "filtered"), (1, 0, 25, "greedy")]
@@ -90,6 +92,20 @@ def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced
             eng.generate([[1, 2, 3]] * n, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert eng.stats["recompiles"] == 0 and set(eng.stats["buckets_used"]) == {f"B{b}_K0" for b in range(1, 11)}
     assert len(eng.runner.compiled) == 4 and eng.graphs[(7, 0, 25, "greedy")] is eng.graphs[(2, 0, 25, "greedy")]
+
+
+def test_where_products_count_rows_each_batch_bucket_has_its_graph(tiny_llama, traced_codegen):
+    """The plain products (AVX2 CPUs; ``kernels.REFERENCE`` here on any CPU) pick their path by the row count, so
+    the plan keeps a static graph per batch bucket (1, 2, 4, 8, 10), every one captured while the engine starts;
+    batches 1..10 pad into them and nothing compiles afterwards."""
+    eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24, ops=kernels.REFERENCE)
+    assert not eng.plan.bucket_plan.symbolic_batch and eng.plan.bucket_plan.batch_buckets == (1, 2, 4, 8, 10)
+    assert sorted(eng.runner.compiled) == [(b, 0, 25, m) for b in (1, 2, 4, 8, 10) for m in ("filtered", "greedy")]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in range(1, 11):
+            eng.generate([[1, 2, 3]] * n, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert eng.stats["recompiles"] == 0 and set(eng.stats["buckets_used"]) == {f"B{b}_K0" for b in (1, 2, 4, 8, 10)}
+    assert len(eng.runner.compiled) == 10
 
 
 def test_shared_code_object_would_hit_the_recompile_limit():

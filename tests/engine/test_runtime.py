@@ -27,11 +27,11 @@ def _mixed(eng):
             + _ids(eng.generate([LONG] * 3, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))))
 
 
-def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_llama):
+def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_llama, rows_free_ops):
     """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length; then the mixed
     workload (batches 1-4, greedy / top-p / plain temperature, 5-90 tokens of context) compiles nothing, its
     plain-temperature requests run in the filtered graph, and every token equals the eager engine's."""
-    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_batch_size=4, max_model_len=96)
+    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_batch_size=4, max_model_len=96, ops=rows_free_ops)
     t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
     assert eng.plan.bucket_plan.context_buckets == (t,) and eng.startup_seconds > 0
     assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
@@ -41,7 +41,8 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     assert len(eng.runner.compiled) == 4 and eng.stats["recompiles"] == 0
     assert {key[3] for key in eng.graphs} == {"greedy", "filtered"}
     assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats["buckets_used"])
-    assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96))
+    assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96,
+                                ops=rows_free_ops))
 
 
 def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
@@ -96,11 +97,12 @@ def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny
         Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"))
 
 
-def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch):
+def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch,
+                                                                        rows_free_ops):
     """The step store: an identical engine started again loads its graphs (nothing traced), decoding the same
     tokens; another K is another key, compiled anew; ``FUNCSPEC_GRAPH_STORE=0`` compiles without the store."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    args = dict(backend="inductor", max_batch_size=3, max_model_len=32)
+    args = dict(backend="inductor", max_batch_size=3, max_model_len=32, ops=rows_free_ops)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = Engine(tiny_llama, NGRAM, **args)
     again = Engine(tiny_llama, NGRAM, **args)  # B = 1 and the symbolic batch, greedy and filtered

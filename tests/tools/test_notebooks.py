@@ -109,7 +109,8 @@ EXPECTED = {
     "01_quickstart.ipynb": (["Generated text:", "acceptance_length", "greedy == AR: True",
                              "suffix greedy == AR: True", "verifier              block (block)",
                              "eagle3: acceptance length", "dspark: acceptance length",
-                             "logprobs under speculation == AR, bit for bit: True", "sample 7: sum of logprobs"], 2),
+                             "greedy tokens under speculation == AR: True; logprobs: max |difference|",
+                             "sample 7: sum of logprobs"], 2),
     "02_verifiers.ipynb": (["all == argmax: True", "standard: joint (token 0, token 1) chi-square p",
                             "lossless at alpha=0.0001: True", "γ=2: standard"], 4),
     "03_graph_capture.ipynb": (["B1 K2", "recompiles after warm-up: 0", "captured spec == eager AR (greedy): True",
@@ -162,6 +163,14 @@ def test_committed_without_outputs_and_ci_params_cover_every_knob(name):
     assert assigned_names(parameters_cell(nb).source) == assigned_names(CI_PARAMS[name])
 
 
+def exact_logprobs() -> bool:
+    """Whether this CPU's products and attention never depend on the row count (``kernels.resolve``)."""
+    from funcspec import kernels
+
+    ops = kernels.resolve("cpu")
+    return ops.stream and ops.decode_attention
+
+
 @pytest.mark.parametrize("name", sorted(CI_PARAMS))
 def test_notebook_runs(name):
     nb = read(name)
@@ -174,6 +183,8 @@ def test_notebook_runs(name):
     # jupyter_client launches the "python3" kernelspec's bare `python` as this interpreter (the venv's).
     assert f"kernel python: {sys.executable}" in text, "the python3 kernel is not this interpreter"
     lines, images = EXPECTED[name]
+    if name == "01_quickstart.ipynb" and exact_logprobs():
+        lines = lines + ["bit for bit: True"]  # where a verify block and a decode step share every bit
     for line in lines:
         assert line in text, f"{name} did not print {line!r}"
     assert num_images(nb) >= images
