@@ -1,5 +1,6 @@
 """The trained zoo under models/: it loads (in transformers too), its heads use their published
-layouts, and every method is greedy-lossless on the trained heads, on eager and inductor."""
+layouts, and every method is greedy-lossless on the trained heads (on eager here; on inductor in
+tests/engine/test_logprobs.py's matrix)."""
 
 from __future__ import annotations
 
