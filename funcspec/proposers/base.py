@@ -64,7 +64,9 @@ class Proposer(Protocol):
         """Fold a new request's padded prompt tokens [1, T] (n real) and target ``hiddens`` into slot ``slot``."""
 
     def propose(self, cfg, params, state, ctx, k: int) -> tuple[Proposal, Any]:
-        """K drafts per row (``ctx``: a ``step.StepContext``) and the new state; in the graph."""
+        """K drafts per row with their parents (``Proposal.chain`` for a chain; a token tree where ``ctx.tree``,
+        the bucket's shape, is not a ``token_tree.Chain``) and the new state; in the graph (``ctx``: a
+        ``step.StepContext``)."""
 
     def commit(self, cfg, state, result) -> Any:
         """The new state after verification (``result``: a ``step.VerifyResult``); in the graph."""
