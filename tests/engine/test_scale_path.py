@@ -63,9 +63,9 @@ def test_every_cpu_product_path_is_x_wt_plus_b(dtype, path):
     streaming) is x @ W.T + b, eager and compiled."""
     ops = PATHS[path]
     if ops.onednn_bf16 and dtype == torch.bfloat16 and not cpu.onednn_bf16():
-        pytest.skip("oneDNN has no bf16 kernels on this CPU, so nothing packs for it here (CI's Zen 4 has them)")
+        pytest.skip("oneDNN has no bf16 kernels on this CPU, so nothing packs for it here (Zen 4 and other AVX512-BF16 CPUs have them)")
     if ops.stream and not build.available():
-        pytest.skip("no AVX512-BF16 here: the streaming kernel is never built (CI's Zen 4 has it)")
+        pytest.skip("no AVX512-BF16 here: the streaming kernel is never built (Zen 4 and other AVX512-BF16 CPUs have it)")
     torch.manual_seed(0)
     w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
     p = prepared(ops, w, b)
@@ -255,7 +255,7 @@ def test_linear_keeps_autograd_and_a_missing_kernel_off_the_stream(monkeypatch):
 def test_stream_build_is_cached_and_names_a_missing_compiler(tmp_path, monkeypatch):
     """The library is built once per source and flags (a second build is a cache hit); no compiler is a clear error."""
     if not build.supported():
-        pytest.skip("no AVX512-BF16 here: the kernel is never built (CI's Zen 4 has it, so this runs there)")
+        pytest.skip("no AVX512-BF16 here: the kernel is never built (it runs on Zen 4 and other AVX512-BF16 CPUs)")
     lib = build.build(tmp_path)
     stamp = lib.stat().st_mtime_ns
     assert build.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp
@@ -341,7 +341,7 @@ def attention_path(monkeypatch, path: str) -> Ops:
     """The Ops (and read threshold) that send :func:`attend` down one path: the CPU decode kernel, SDPA, or the
     GEMM attention."""
     if path == "kernel" and not build.available():
-        pytest.skip("no AVX512-BF16 here: the decode attention kernel is never built (CI's Zen 4 has it)")
+        pytest.skip("no AVX512-BF16 here: the decode attention kernel is never built (Zen 4 and other AVX512-BF16 CPUs have it)")
     monkeypatch.setattr(llama, "MATH_READ_MIN", 10**9 if path == "sdpa" else 1)
     return Ops(decode_attention=path == "kernel")
 
