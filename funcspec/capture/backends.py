@@ -44,8 +44,8 @@ class CaptureStats:
 
     @property
     def recompiles(self) -> int:
-        """Compiles beyond the first (0 for a static bucket)."""
-        return max(0, self.compiles - 1)
+        """Compiles beyond the first graph, loaded or compiled (0 for a static bucket)."""
+        return max(0, self.compiles + int(self.loaded) - 1)
 
     def summary(self) -> dict:
         """JSON-friendly stats: capture seconds, median replay, recompiles, graph breaks, memory."""
@@ -304,36 +304,115 @@ def compile_inductor(fn: Callable, name: str, stats: CaptureStats, example_args:
                      symbolic: Sequence[tuple[torch.Tensor, int]] = ()) -> Callable:
     """``fn`` compiled by inductor for ``example_args`` (fullgraph), static but for the ``symbolic`` sizes:
     loaded from :mod:`funcspec.capture.store` when a start before compiled the same graph, else traced and
-    compiled ahead of time (``aot_compile``) and filed there.
+    compiled ahead of time (``aot_compile``) and filed there. Either way an :class:`AheadOfTime` step, which
+    compiles again where a call fails its guards; a graph that cannot be compiled ahead of time (or named by a
+    store key) compiles as a plain ``torch.compile`` does, with one warning saying why.
 
     NOTE: ``dynamic=False`` keeps Dynamo's automatic dynamic shapes off, which would otherwise make symbolic
     any int that differed between calls of a shared code object: the compile regions' static configs
-    (a quantized format's group size came out as a symbol and failed the region's lookup). An ahead-of-time
-    function never recompiles: a call that fails its guards (other shapes or dtypes) raises.
+    (a quantized format's group size came out as a symbol and failed the region's lookup).
     """
     wrap_int64_overflow()
-    key = store.key(fn, example_args, tuple(symbolic), INDUCTOR_OPTIONS) if store.enabled() else None
-    path = store.path_for(name, key) if key else None
+    at = _leaf_positions(example_args, symbolic)
+    compiled = _ahead_of_time(fn, name, stats, example_args, at)
+    return _compile_plain(fn, name, stats) if compiled is None else AheadOfTime(compiled, fn, name, stats, at)
+
+
+def _leaf_positions(args: tuple, symbolic: Sequence[tuple[torch.Tensor, int]]) -> tuple[tuple[int, int], ...]:
+    """``symbolic``'s (tensor, dim) as (position among ``args``' leaves, dim): the same sizes of other arguments."""
+    ids = {id(x): i for i, x in enumerate(pytree.tree_leaves(args))}
+    return tuple((ids[id(t)], d) for t, d in symbolic)
+
+
+def _with_symbolic(args: tuple, at: tuple[tuple[int, int], ...]) -> tuple[tuple, list]:
+    """``args`` with the leaves at ``at`` copied (marking a size symbolic tags the tensor, and the caller's must
+    stay unmarked), and those copies' (tensor, dim)."""
+    leaves, spec = pytree.tree_flatten(args)
+    for i in {i for i, _ in at}:
+        leaves[i] = leaves[i].clone()
+    return pytree.tree_unflatten(leaves, spec), [(leaves[i], d) for i, d in at]
+
+
+def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at: tuple) -> Optional[Callable]:
+    """The ahead-of-time function of ``fn`` for ``args``: loaded from the store, else compiled and filed;
+    ``None`` (with one warning) where it cannot be compiled ahead of time."""
+    args, symbolic = _with_symbolic(args, at) if at else (args, [])
+    where = store.open_store() if store.enabled() else None
+    key = store.key(fn, args, tuple(symbolic), INDUCTOR_OPTIONS, where) if where is not None else None
+    path = store.path_for(where, name, key) if key else None
     loaded = store.load(path) if path else None
     if loaded is not None:
-        stats.loaded, stats.stored = True, str(path)
-        return loaded
+        reason = guard_failure(loaded, args)
+        if reason is None:
+            stats.loaded, stats.stored = True, str(path)
+            return loaded
+        store.discard(path, f"its guards fail in this process: {reason}")
+    if where is not None and key is None:
+        store.warn(f"{name}'s static config holds an object no key can name; it compiles without the store")
     # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
     # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
     for tensor, dim in symbolic:
         torch._dynamo.mark_dynamic(tensor, dim)
-    if key is None:
-        return _compile_plain(fn, name, stats)
     compiled = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False,
                              options={**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
     try:
-        aot = compiled.aot_compile((example_args, {}))
-    except Exception:  # NOTE: a graph that cannot be compiled ahead of time (say, a backend whose output does
-        return _compile_plain(fn, name, stats)  # not serialize) compiles as usual; a real error raises there
+        aot = compiled.aot_compile((args, {}))
+    except Exception as e:  # NOTE: a real error in the function raises again from the plain compile
+        store.warn(f"{name} cannot be compiled ahead of time, so it is compiled at its first call and not "
+                   f"filed ({type(e).__name__}: {str(e)[:200]})")
+        return None
     stats.compiles += 1
-    if store.save(aot, path):
+    if path is not None and store.save(aot, path):
         stats.stored = str(path)
     return aot
+
+
+def guard_failure(compiled, args: tuple) -> Optional[str]:
+    """Why ahead-of-time function ``compiled`` may not run on ``args`` (its failing guards), or ``None``."""
+    if compiled.guard_check(*args):
+        return None
+    try:
+        f_locals = compiled.prepare_f_locals(*args)
+        return " ".join(str(compiled._artifacts.guard_manager.check_verbose(f_locals)).split())[:300]
+    except Exception:  # NOTE: the reason is for a warning; its absence must not stop the fallback
+        return "its guards fail"
+
+
+class AheadOfTime:
+    """An ahead-of-time compiled step that compiles again, with one warning naming the failed guard, where a call
+    fails its guards (another thread count, grad mode or default dtype than the graph was compiled under): the
+    function itself would raise where a compile works. Under the ``fail_on_recompile`` stance it raises, as a
+    recompile would."""
+
+    def __init__(self, compiled, fn: Callable, name: str, stats: CaptureStats, at: tuple):
+        self.compiled, self._fn, self._name, self._stats, self._at = compiled, fn, name, stats, at
+        self.checking = True
+        compiled.disable_guard_check()  # NOTE: checked here instead, once a call
+
+    def __call__(self, *args):
+        if self.checking:
+            reason = guard_failure(self.compiled, args)
+            if reason is not None:
+                self.compiled = self._recompile(args, reason)
+        return self.compiled(*args)
+
+    def _recompile(self, args: tuple, reason: str):
+        from torch._dynamo.eval_frame import _stance
+
+        if _stance.stance == "fail_on_recompile":
+            raise RuntimeError(f"{self._name}: a call failed the compiled graph's guards ({reason}) under the "
+                               f"fail_on_recompile stance")
+        store.warn(f"{self._name}: a call failed the compiled graph's guards ({reason}); compiling it again")
+        compiled = _ahead_of_time(self._fn, self._name, self._stats, args, self._at)
+        if compiled is None:  # a plain compile, which checks its own guards (and recompiles) at every call
+            self.checking = False
+            return _compile_plain(self._fn, self._name, self._stats)
+        compiled.disable_guard_check()
+        return compiled
+
+    def disable_guard_check(self) -> None:
+        """Stop evaluating the guards (:class:`TrustedAfterChecks`, once the bucket is known to be static)."""
+        self.checking = False
 
 
 def _compile_plain(fn: Callable, name: str, stats: CaptureStats) -> Callable:
