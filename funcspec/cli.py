@@ -1,5 +1,5 @@
 """Command line: ``funcspec generate``, ``funcspec serve``, ``funcspec bench capture``, ``funcspec bench spec``,
-``funcspec tune-k``, ``funcspec inspect``.
+``funcspec tune-k``, ``funcspec inspect``, ``funcspec precompile``, ``funcspec cache``.
 
 ``funcspec run-default`` is what ``make run`` calls: generate with the zoo
 target and a zoo drafter, and print tokens/s and acceptance stats.
@@ -59,24 +59,67 @@ def _run_default(args) -> None:
 
 def _precompile(args) -> None:
     """`funcspec precompile`: capture every graph an engine can need, then save torch's compile cache and the
-    compiled steps in one file."""
+    compiled steps in one file (built in a private, empty inductor cache, removed afterwards)."""
     import os
+    import shutil
     import tempfile
 
     from funcspec import LLM
     from funcspec.capture import cache
 
     # NOTE: an empty inductor cache, so that every entry is created (and recorded) in this process.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="funcspec-precompile-")
-    spec = json.loads(args.speculative_config) if args.speculative_config else None
-    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              dtype=args.dtype, quantization=args.quantization)
-    steps = [g.stats.stored for g in llm.engine.runner.compiled.values() if g.stats.stored]
-    held = cache.save(args.out, steps)
-    graphs = llm.engine.stats["graphs"]
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch = tempfile.mkdtemp(prefix="funcspec-precompile-")
+    try:
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
+        llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, dtype=args.dtype, quantization=args.quantization)
+        graphs = llm.engine.stats["graphs"]
+        steps = [g.stats.stored for g in llm.engine.runner.compiled.values() if g.stats.stored]
+        held = cache.save(args.out, steps)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
     print(f"captured {len(graphs)} graph(s) in {llm.engine.startup_seconds:.1f}s: {', '.join(graphs)}")
-    print(f"wrote {args.out} ({held}); start from it with "
-          f"LLM(..., compilation_config={{'compile_cache': {str(args.out)!r}}}) and the same engine arguments")
+    print(f"wrote {args.out} ({held})")
+    missing = len(graphs) - len(steps)
+    if missing:
+        print(f"{missing} of {len(graphs)} graph(s) could not be stored as compiled steps (the warning above says "
+              f"why): a start from this file still traces {'them' if missing > 1 else 'it'}, and only inductor's "
+              f"own cache entries save compiling")
+    if steps:
+        print(f"start from it with LLM(..., compilation_config={{'compile_cache': {str(args.out)!r}}}) and the "
+              f"same engine arguments; it is executable code: load it only where you trust its source")
+
+
+def _cache(args) -> None:
+    """`funcspec cache info|prune`: what the compiled-step store holds; remove what is unused."""
+    import time
+
+    from funcspec.capture import store
+
+    where = store.directory()
+    if not where.is_dir():
+        print(f"{where}: empty (no compiled step filed yet)")
+        return
+    if args.action == "prune":
+        older = None if args.older_than is None else args.older_than * 86400
+        removed = store.prune(where, older)
+        print(f"removed {len(removed)} file(s) from {where}")
+        return
+    entries = store.entries(where)
+    try:
+        store.check_private(where)
+        trust = "private to this user"
+    except (store.Untrusted, OSError) as e:
+        trust = f"NOT trusted, so never read: {e}"
+    print(f"{where}: {len(entries)} compiled step(s), {sum(e.bytes for e in entries) / 2**20:.1f} MiB ({trust})")
+    if entries:
+        age = lambda t: f"{(time.time() - t) / 86400:.1f} days ago"  # noqa: E731
+        print(f"last used: oldest {age(entries[0].last_used)}, newest {age(entries[-1].last_used)}")
 
 
 def _tune_k(args) -> None:
@@ -177,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None)
     p.add_argument("--out", default="funcspec-compile-cache.zip", help="the file to write (default %(default)s)")
+    p = sub.add_parser("cache", help="the compiled-step store: where it is, what it holds; prune unused steps")
+    p.add_argument("action", choices=("info", "prune"))
+    p.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                   help="prune: only steps unused for this many days (default: every stored step)")
     sub.add_parser("train", help="train the model zoo's roles (funcspec train --help)", add_help=False)
     sub.add_parser("serve", help="an OpenAI-compatible server, as `vllm serve` (funcspec serve --help)",
                    add_help=False)
@@ -209,6 +256,8 @@ def main(argv=None) -> None:
         _inspect(args)
     elif args.command == "precompile":
         _precompile(args)
+    elif args.command == "cache":
+        _cache(args)
     else:
         args.func(args)
 
