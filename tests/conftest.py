@@ -12,6 +12,15 @@ import torch
 # made a 4-row eager step take 300 ms instead of 3 ms.
 torch.set_num_threads(1)
 
+# NOTE: one inductor cache (and so one compiled-step store) for the whole run, shared by the xdist workers
+# (they inherit the environment) and removed at its end: the suite never reads or writes a user's own cache.
+_OWN_INDUCTOR_DIR = "FUNCSPEC_TEST_INDUCTOR_DIR" not in os.environ  # this process made it (not a worker)
+if _OWN_INDUCTOR_DIR:
+    import tempfile
+
+    os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"] = tempfile.mkdtemp(prefix="funcspec-tests-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"]
+
 
 def pytest_sessionstart(session):
     """Tests that call torch.compile directly get the same -fwrapv kernels as capture()."""
@@ -129,3 +138,11 @@ def default_model():
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_unconfigure(config):
+    """The run's inductor cache goes with the run (in the process that made it, once every worker finished)."""
+    if _OWN_INDUCTOR_DIR:
+        import shutil
+
+        shutil.rmtree(os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"], ignore_errors=True)
