@@ -604,7 +604,7 @@ def test_sampling_params_normalisation():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"temperature": -0.1}, "SamplingParams.temperature must be >= 0"),
+        ({"temperature": -0.1}, r"SamplingParams.temperature must be in \[0, 3.40282e\+38\], got -0.1"),
         ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number"),
         ({"top_p": 0.0}, r"SamplingParams.top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, "SamplingParams.top_p"),
