@@ -6,9 +6,6 @@ surrogates, stop lists of thousands, token ids past the vocabulary. Each row ass
 message naming the field. The engine rows run beside two long requests, one greedy and one seeded top-p, that
 were already decoding: both must finish with exactly the tokens they produce alone.
 
-Then what validation cannot catch: a request whose own host work fails (its prefill hook, its stop rule) is
-finished alone with ``finish_reason="error"``, and the requests beside it finish as if it had never been there.
-
 Everything runs on the zoo target (``models/target``) with the eager backend: no graph is compiled.
 """
 
@@ -43,14 +40,15 @@ def llm():
 
 
 def run_beside(engine, poison, steps: int = 3) -> dict:
-    """Start the BESIDE requests, step ``steps`` times, call ``poison(engine)``, then step until every request is
-    done; returns the outputs by request id (``poison``'s own requests included)."""
+    """Start the BESIDE requests, step ``steps`` times, call ``poison(engine)`` (which returns the outputs of any
+    steps it runs), then step until every request is done; returns the outputs by request id (``poison``'s own
+    requests included) and ``"beside"``: the BESIDE requests' outputs."""
     ids = [engine.add_request(p, sp) for p, sp in BESIDE]
     done = {}
     for _ in range(steps):
         done.update((o.request_id, o) for o in engine.step())
     assert all(engine.scheduler.running[i].output_ids for i in range(2)), "the long requests run before the poison"
-    poison(engine)
+    done.update((o.request_id, o) for o in poison(engine) or ())
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step())
     done["beside"] = [done[i] for i in ids]
@@ -189,3 +187,132 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0.0).greedy
+
+
+# ----------------------------------------------------------------------------- the engine, beside two requests
+
+HUGE_TEXT = "x" * 3_900_000  # the 3.9 MB prompt that took 7-9 s to tokenize before it was refused
+CONTEXT = rf"^This model's maximum context length \(max_model_len\) is {MAX_MODEL_LEN} tokens\. However, you requested"
+ADMISSION = [
+    # (prompt, params, message): refused by Engine.add_request while the BESIDE requests run
+    ("def f(x):", SamplingParams(max_tokens=100_000),
+     CONTEXT + r" 100005 tokens \(5 in the prompt, 100000 in the completion: SamplingParams\.max_tokens\)"),
+    ("def f(x):", SamplingParams(max_tokens=10**5000),
+     CONTEXT + r" an integer of about 5001 digits tokens \(5 in the prompt, an integer of about 5001 digits in"),
+    ([5] * (MAX_MODEL_LEN - 16) + [6], SamplingParams(),  # the default max_tokens (16) passes the context by one
+     CONTEXT + r" 129 tokens \(113 in the prompt, 16 in the completion"),
+    (HUGE_TEXT, SamplingParams(max_tokens=1),  # "at least": refused before it was tokenized
+     rf"^prompt of at least \d+ tokens does not fit max_model_len={MAX_MODEL_LEN}"),
+    ({"prompt": HUGE_TEXT}, None, rf"^prompt of at least \d+ tokens does not fit max_model_len={MAX_MODEL_LEN}"),
+    ([7] * 5000, SamplingParams(max_tokens=1), rf"^prompt of 5000 tokens does not fit max_model_len={MAX_MODEL_LEN}"),
+    ([5, VOCAB], None, rf"^prompt_token_ids must be in \[0, {VOCAB}\), got {VOCAB} at position 1$"),
+    ([5, -1], None, rf"^prompt_token_ids must be in \[0, {VOCAB}\), got -1 at position 1$"),
+    ([2**63], None, rf"^prompt_token_ids must be in \[0, {VOCAB}\), got {2**63} at position 0$"),
+    ([10**5000], None, rf"^prompt_token_ids must be in \[0, {VOCAB}\), got an integer of about 5001 digits"),
+    ({"prompt_token_ids": [3, 2**64]}, None, rf"^prompt_token_ids must be in \[0, {VOCAB}\), got {2**64}"),
+    ([True, 5], None, r"^prompt\[0\] must be a token id \(an integer\), got True$"),
+    ([5, 6.0], None, r"^prompt\[1\] must be a token id \(an integer\), got 6.0$"),
+    ([5, None], None, r"^prompt\[1\] must be a token id \(an integer\), got None$"),
+    ("", None, r"^prompt must not be empty$"),
+    ([], None, r"^prompt must not be empty$"),
+    ("def f\ud800(x):", None, r"^prompt must be valid Unicode text: '\\ud800' at position 5 is a lone surrogate$"),
+    ({"prompt": "\udc80"}, None, r"^prompt\['prompt'\] must be valid Unicode text: '\\udc80' at position 0"),
+    (b"def f(x):", None, r"^prompt must be .*, got bytes$"),
+    (None, None, r"^prompt must be .*, got None$"),
+    ("def f(x):", SamplingParams(n=5), r"^SamplingParams\.n=5 must be <= max_num_seqs=4"),
+    ("def f(x):", SamplingParams(n=2**70), rf"^SamplingParams\.n={2**70} must be <= max_num_seqs=4"),
+    ("def f(x):", {"temperature": 0.0}, r"^sampling_params must be a SamplingParams, got dict$"),
+    # values past SamplingParams' checks (a frozen dataclass changed by object.__setattr__): the engine checks
+    # the params it runs again, so nothing unchecked reaches the prefill that writes them to tensors
+    ("def f(x):", escaped(top_k=2**63), rf"^SamplingParams\.top_k must be <= {INT64_MAX}, got {2**63}$"),
+    ("def f(x):", escaped(temperature=1e39), r"^SamplingParams\.temperature must be in \[0, 3.40282e\+38\]"),
+    ("def f(x):", escaped(temperature=float("nan")), r"^SamplingParams\.temperature must be a finite number"),
+    ("def f(x):", escaped(top_p=0.0), r"^SamplingParams\.top_p must be in \(0, 1\], got 0.0$"),
+    ("def f(x):", escaped(seed=2**64), rf"^SamplingParams\.seed must be <= {INT64_MAX} or None, got {2**64}$"),
+    ("def f(x):", escaped(stop_token_ids=(-5,)), r"^SamplingParams\.stop_token_ids\[0\] must be a token id"),
+    ("def f(x):", escaped(logprobs=10**6), r"^SamplingParams\.logprobs must be <= 20 or None, got 1000000$"),
+    ("def f(x):", escaped(max_tokens=0), r"^SamplingParams\.max_tokens must be >= 1, got 0$"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "params", "match"), ADMISSION, ids=[f"row{i}" for i in range(len(ADMISSION))])
+def test_refused_requests_leave_the_running_ones_unchanged(llm, prompt, params, match):
+    """Every row is refused by ``add_request`` with a ValueError naming the field; the two requests that were
+    decoding beside it finish with their solo tokens, and the refused call took no request id."""
+    def poison(engine):
+        counter = engine.scheduler.counter
+        with pytest.raises(ValueError) as err:
+            engine.add_request(prompt, params)
+        assert type(err.value) is ValueError
+        assert re.search(match, str(err.value)), str(err.value)
+        assert len(str(err.value)) < 400 and engine.scheduler.counter == counter
+
+    assert_unchanged(llm, run_beside(llm.engine, poison))
+
+
+def test_a_generate_call_with_a_poisoned_request_is_refused_whole(llm):
+    """``LLM.generate`` checks every request before any runs (vLLM's contract): a poisoned one refuses the call,
+    nothing is queued, and the same call without it gives each request its solo tokens."""
+    prompts = [p for p, _ in BESIDE]
+    params = [sp for _, sp in BESIDE]
+    for bad in (escaped(top_k=2**63), SamplingParams(max_tokens=MAX_MODEL_LEN)):
+        with pytest.raises(ValueError, match=r"top_k|maximum context length"):
+            llm.generate(prompts + ["def f(x):"], params + [bad])
+        assert not llm.engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == llm.solo
+
+
+def test_a_long_text_prompt_is_refused_without_being_tokenized(llm):
+    """The zoo's byte-level BPE maps a token to at most ``token_span`` characters, so a text of more than
+    ``max_model_len`` times that many cannot fit: the 3.9 MB prompt is refused from its length alone."""
+    sched = llm.engine.scheduler
+    span = token_span(sched.tokenizer)
+    assert span == max(len(t) for t in sched.tokenizer.get_vocab())
+    assert sched.token_floor(HUGE_TEXT) == -(-len(HUGE_TEXT) // span) >= MAX_MODEL_LEN
+    assert sched.token_floor("x" * (MAX_MODEL_LEN * span)) == MAX_MODEL_LEN  # the floor is tight at the limit
+    # the floor never exceeds the real count, on the prompts of this file and on the worst case, one long token
+    for text in [p for p, _ in BESIDE] + ["def f(x):", " " * 39 * 3, "-" * 32 * 3]:
+        assert sched.token_floor(text) <= len(sched.tokenizer(text)["input_ids"]), text
+
+
+def test_the_context_is_a_hard_limit_and_max_tokens_none_fills_it(llm):
+    """A prompt plus ``max_tokens`` exactly at ``max_model_len`` runs to its end; one token more is refused,
+    naming both numbers; ``max_tokens=None`` decodes up to the context, as vLLM."""
+    prompt = [5, 6, 7, 8]
+    fits = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(prompt), ignore_eos=True)
+    out = llm.generate([prompt], fits)[0].outputs[0]
+    assert len(out.token_ids) == MAX_MODEL_LEN - len(prompt) and out.finish_reason == "length"
+    with pytest.raises(ValueError, match=CONTEXT + rf" {MAX_MODEL_LEN + 1} tokens \(4 in the prompt, 125 in"):
+        llm.generate([prompt], SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompt) + 1))
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert full.token_ids == out.token_ids and full.finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------- extreme values that run
+
+def _tokens(llm, params, prompt="def parse(line):\n") -> list[int]:
+    return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_extreme_sampling_values_decode_what_their_limits_decode(llm):
+    """Values at the edges decode as the limit they stand for, never garbage: a temperature below 0.01 as 0.01
+    (it decoded every token as id 0), a top_k of int64's largest as top-k off, a top_p that is 0 in float32 as
+    the most likely token alone (greedy), the largest float32 temperature without NaN, and seeds at int64's
+    edges."""
+    sampled = dict(max_tokens=24, ignore_eos=True, seed=3)
+    with pytest.warns(UserWarning, match="raised to 0.01"):
+        tiny = SamplingParams(temperature=1e-40, **sampled)
+    at_floor = _tokens(llm, tiny)
+    assert at_floor == _tokens(llm, SamplingParams(temperature=0.01, **sampled)) and set(at_floor) != {0}
+    assert _tokens(llm, SamplingParams(temperature=1.0, top_k=INT64_MAX, **sampled)) == \
+        _tokens(llm, SamplingParams(temperature=1.0, top_k=0, **sampled))
+    assert _tokens(llm, SamplingParams(temperature=1.0, top_k=VOCAB, **sampled)) == \
+        _tokens(llm, SamplingParams(temperature=1.0, **sampled))
+    greedy = _tokens(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert _tokens(llm, SamplingParams(temperature=1.0, top_p=1e-300, **sampled)) == greedy
+    hot = _tokens(llm, SamplingParams(temperature=3.4028234663852886e38, **sampled))
+    assert len(hot) == 24 and all(0 <= t < VOCAB for t in hot)
+    for seed in (INT64_MAX, -(2**63)):
+        params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=seed)
+        assert _tokens(llm, params) == _tokens(llm, params)
+
