@@ -112,6 +112,7 @@ class Request:
     slot: int = -1
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    error: Optional[str] = None  # why it failed alone (finish_reason "error")
     text: Optional[str] = None
     steps: int = 0
     num_draft_tokens: int = 0

@@ -6,6 +6,9 @@ surrogates, stop lists of thousands, token ids past the vocabulary. Each row ass
 message naming the field. The engine rows run beside two long requests, one greedy and one seeded top-p, that
 were already decoding: both must finish with exactly the tokens they produce alone.
 
+Then what validation cannot catch: a request whose own host work fails (its prefill hook, its stop rule) is
+finished alone with ``finish_reason="error"``, and the requests beside it finish as if it had never been there.
+
 Everything runs on the zoo target (``models/target``) with the eager backend: no graph is compiled.
 """
 
@@ -316,3 +319,83 @@ def test_extreme_sampling_values_decode_what_their_limits_decode(llm):
         params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=seed)
         assert _tokens(llm, params) == _tokens(llm, params)
 
+
+# ----------------------------------------------------------------------------- failures no check can catch
+
+class FailingHook:
+    """A prefill hook (as ``extract_hidden_states``' writer) that fails for the prompt ``"poison"``: a disk full
+    while one request's hidden states are written."""
+
+    layers = ()
+
+    def __call__(self, reqs, tokens, lens, hiddens):
+        if any(r.prompt == "poison" for r in reqs):
+            raise OSError("No space left on device")
+
+
+class FailingStops:
+    """A request's stop-string state whose ``feed`` raises on its ``at``-th token: the request's own host work
+    failing in the middle of a decode step."""
+
+    def __init__(self, at: int):
+        self.left = at
+
+    def feed(self, chunk: str):
+        self.left -= 1
+        if self.left == 0:
+            raise RuntimeError("stop rule failed")
+        return None
+
+
+@pytest.fixture
+def hooked(llm):
+    """The module's engine with :class:`FailingHook` installed (removed afterwards)."""
+    hooks = llm.engine.runner.prefill_hooks
+    llm.engine.runner.prefill_hooks = hooks + (FailingHook(),)
+    yield llm
+    llm.engine.runner.prefill_hooks = hooks
+
+
+def _assert_failed_alone(out, message: str) -> None:
+    (seq,) = out.outputs
+    assert seq.finish_reason == "error" and seq.error == message and seq.stop_reason is None
+
+
+def test_a_request_whose_prefill_fails_is_finished_alone(hooked):
+    """Through ``add_request``/``step`` and through ``LLM.generate``: the failing request ends with
+    ``finish_reason="error"`` and the error, the others finish with their solo tokens, and its slot serves the
+    next request."""
+    llm = hooked
+    added = {}
+
+    def poison(engine):
+        with pytest.warns(UserWarning, match="failed and was finished alone: OSError: No space left on device"):
+            added["id"] = engine.add_request("poison", SamplingParams(max_tokens=5, n=2))
+            return engine.step()  # admitted and failed in this step
+
+    done = run_beside(llm.engine, poison)
+    assert_unchanged(llm, done)
+    out = done[added["id"]]
+    assert [s.finish_reason for s in out.outputs] == ["error", "error"] and out.outputs[0].token_ids == []
+    with pytest.warns(UserWarning, match="OSError"):
+        outs = llm.generate([BESIDE[0][0], "poison", BESIDE[1][0]], [BESIDE[0][1], SamplingParams(), BESIDE[1][1]])
+    _assert_failed_alone(outs[1], "OSError: No space left on device")
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == llm.solo
+
+
+def test_a_request_whose_step_work_fails_is_finished_alone(llm):
+    """A request whose own host work raises in the middle of a decode step (its stop rule, here) is finished
+    alone with the tokens it had; the step's other rows keep theirs, and every later step runs without it."""
+    added = {}
+
+    def poison(engine):
+        added["id"] = engine.add_request("def f(x):", SamplingParams(temperature=0.0, max_tokens=30, stop=["\x00"]))
+        engine.scheduler.waiting[-1].stops = FailingStops(at=6)
+        with pytest.warns(UserWarning, match="RuntimeError: stop rule failed"):
+            return [out for _ in range(6) for out in engine.step()]  # the prefill emits one token, each step one
+
+    done = run_beside(llm.engine, poison)
+    assert_unchanged(llm, done)
+    out = done[added["id"]]
+    _assert_failed_alone(out, "RuntimeError: stop rule failed")
+    assert out.outputs[0].token_ids == _tokens(llm, SamplingParams(temperature=0.0, max_tokens=6), "def f(x):")
