@@ -72,10 +72,10 @@ def host_split(engine, prompt_ids: list[int], batch: int, steps: int) -> dict:
     walls, graphs, replays = [], [], engine.runner.replay_ms
     while engine.has_unfinished_requests():
         admitting = bool(engine.scheduler.waiting)
-        before, t0 = {key: len(v) for key, v in replays.items()}, time.perf_counter()
+        before, t0 = {key: v.total for key, v in replays.items()}, time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
-        ran = [v[-1] for key, v in replays.items() if len(v) > before.get(key, 0)]  # the bucket this step ran
+        ran = [v[-1] for key, v in replays.items() if v.total > before.get(key, 0)]  # the bucket this step ran
         if not admitting and len(ran) == 1:  # a pure decode step (no prefill in it)
             walls.append(wall)
             graphs.append(ran[0])
