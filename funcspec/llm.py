@@ -149,7 +149,8 @@ class LLM:
 
         # An empty dict or string is no speculation, as None; additional_config is validated either way.
         off = speculative_config is None or (isinstance(speculative_config, (Mapping, str)) and not speculative_config)
-        spec = SpecConfig.from_vllm(None if off else speculative_config, additional_config)
+        spec = SpecConfig.from_vllm(None if off else speculative_config, additional_config,
+                                    target=None if isinstance(model, Model) else model)
         if spec is not None and spec.ignored_keys:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
