@@ -193,17 +193,21 @@ async def _generate(request: Request, loop: EngineLoop, req: P.GenRequest, promp
     lps = [None if e.logprobs is None else (P.chat_logprobs if chat else P.completion_logprobs)(
         e.logprobs, e.token_ids, k) for e in ends]
     if chat:
-        choices = [P.chat_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None, lps[i])
+        choices = [P.chat_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None, lps[i],
+                                 e.kv_transfer_params)
                    for i, e in enumerate(ends)]
     else:
         choices = [P.completion_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None,
                                        e.prompt_token_ids if ids else None, lps[i],
-                                       None if e.prompt_logprobs is None else P.prompt_logprobs_json(e.prompt_logprobs))
+                                       None if e.prompt_logprobs is None else P.prompt_logprobs_json(e.prompt_logprobs),
+                                       e.kv_transfer_params)
                    for i, e in enumerate(ends)]
+    # NOTE: vLLM's response carries the first request's kv_transfer_params; each choice carries its own here too
     body = P.envelope("chat.completion" if chat else "text_completion", rid, model, choices,
                       usage=P.usage(sum(len(e.prompt_token_ids) for e in ends[::req.params.n]),  # each prompt once
                                     sum(len(e.token_ids) for e in ends)),
-                      prompt_token_ids=list(ends[0].prompt_token_ids) if chat and ids else None)
+                      prompt_token_ids=list(ends[0].prompt_token_ids) if chat and ids else None,
+                      kv_transfer_params=ends[0].kv_transfer_params)
     return JSONResponse(body)
 
 

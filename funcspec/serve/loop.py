@@ -48,6 +48,7 @@ class Finish:
     prompt_token_ids: tuple
     logprobs: Optional[tuple] = None  # CompletionOutput.logprobs, when the request asked
     prompt_logprobs: Optional[tuple] = None  # RequestOutput.prompt_logprobs, when the request asked
+    kv_transfer_params: Optional[dict] = None  # RequestOutput.kv_transfer_params: extract_hidden_states' file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,7 +451,7 @@ class EngineLoop:
                                             done.metrics["num_accepted_tokens"]))
                 finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
                                 tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs),
-                                _maybe_tuple(out.prompt_logprobs))
+                                _maybe_tuple(out.prompt_logprobs), out.kv_transfer_params)
                 lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
                 updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
         return updates, spec, engine_tpot

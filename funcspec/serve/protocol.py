@@ -277,21 +277,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
-                      prompt_token_ids=None, logprobs=None, prompt_logprobs=None) -> dict:
+                      prompt_token_ids=None, logprobs=None, prompt_logprobs=None, kv_transfer_params=None) -> dict:
     """One choice of a completion (or of a streamed chunk: ``text`` is then the delta); ``logprobs`` and
-    ``prompt_logprobs`` are :func:`completion_logprobs`' and :func:`prompt_logprobs_json`'s."""
+    ``prompt_logprobs`` are :func:`completion_logprobs`' and :func:`prompt_logprobs_json`'s;
+    ``kv_transfer_params``: where ``extract_hidden_states`` saved this choice's prompt (None leaves it out)."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
+    if kv_transfer_params is not None:
+        choice["kv_transfer_params"] = kv_transfer_params
     return _with_ids(choice, token_ids, prompt_token_ids)
 
 
 def chat_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
-                logprobs=None) -> dict:
-    """One choice of a chat completion (``logprobs``: :func:`chat_logprobs`')."""
+                logprobs=None, kv_transfer_params=None) -> dict:
+    """One choice of a chat completion (``logprobs``: :func:`chat_logprobs`'; ``kv_transfer_params`` as in
+    :func:`completion_choice`)."""
     choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
+    if kv_transfer_params is not None:
+        choice["kv_transfer_params"] = kv_transfer_params
     return _with_ids(choice, token_ids, None)
 
 
