@@ -227,10 +227,11 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
         depth = spec.get("suffix_decoding_max_tree_depth", 24)
         max_k = check_int(SPEC + "suffix_decoding_max_tree_depth", depth, lo=1)
         origin = " (its default: suffix_decoding_max_tree_depth)"
-    if max_k is None and check_paths and model:
+    read = max_k is None and check_paths and model
+    if read:
         max_k, origin = _n_predict(model, method), f" (from {os.path.join(model, 'config.json')})"
     if max_k is None:
-        where = " (its checkpoint's config.json gives no num_nextn_predict_layers)" if method == "mtp" else ""
+        where = " (its checkpoint's config.json gives no num_nextn_predict_layers)" if read and method == "mtp" else ""
         raise ValueError(f"{SPEC}num_speculative_tokens is required for method {method!r}{where}")
     # Checked here (and again by SpecConfig) because the synthetic rates depend on it.
     rules.check_max_k(method, max_k, origin)
