@@ -15,6 +15,7 @@ else vLLM's ``VLLM_API_KEY`` (an environment variable keeps it out of ``ps``).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -135,8 +136,9 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise SystemExit(f"funcspec serve: cannot listen on {host}:{port}: {err.strerror or err} "
-                         "(is another server using it? choose another --port or --host)") from None
+        hint = " (another process holds it: stop that, or choose another --port)" if err.errno == errno.EADDRINUSE \
+            else ""
+        raise SystemExit(f"funcspec serve: cannot listen on {host}:{port}: {err.strerror or err}{hint}") from None
     return sock
 
 

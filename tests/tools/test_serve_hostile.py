@@ -464,8 +464,8 @@ def test_a_port_in_use_fails_before_the_model_is_read(tmp_path):
                                "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        f"funcspec serve: cannot listen on 127.0.0.1:{port}: Address already in use (is another server using it? "
-        "choose another --port or --host)")
+        f"funcspec serve: cannot listen on 127.0.0.1:{port}: Address already in use (another process holds it: "
+        "stop that, or choose another --port)")
 
 
 @pytest.mark.parametrize(("argv", "env", "source"), [
