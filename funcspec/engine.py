@@ -162,7 +162,7 @@ class Engine:
                              f"quantized linears are not sharded (run them on one rank)")
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
-            spec = SpecConfig.from_vllm(spec, additional_config)
+            spec = SpecConfig.from_vllm(spec, additional_config, target=None if isinstance(model, Model) else model)
         hooks = []
         if spec is not None and spec.method == "extract_hidden_states":
             from funcspec import extract

@@ -18,7 +18,8 @@ the last step's chunks, overlaps the next step instead of delaying it).
 
 A step that raises fails the requests it was running (each gets an error
 update: a 500 whose message is generic; the traceback goes to the log) and the
-loop goes on with the rest; only when the engine cannot even drop those
+loop goes on with the rest (a request the engine finished alone, with
+``finish_reason="error"``, is answered the same way); only when the engine cannot even drop those
 requests is it dead, and every request then fails. :meth:`EngineLoop.cut_off`
 ends every request at once with a 503 (the server is shutting down).
 
@@ -38,6 +39,7 @@ from typing import Any, Optional
 log = logging.getLogger("funcspec.serve")
 
 STEP_FAILED = "the engine failed on a step this request was in (an internal error: the server's log has the details)"
+FAILED_ALONE = "the engine failed on this request's own work (an internal error: the server's log has the details)"
 DEAD = "the engine failed and cannot serve (an internal error: the server's log has the details)"
 
 
@@ -502,7 +504,11 @@ class EngineLoop:
                                 tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs),
                                 _maybe_tuple(out.prompt_logprobs), out.kv_transfer_params)
                 lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
-                updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
+                if done.finish_reason == "error":  # it failed alone: its client gets a 500, the log the reason
+                    log.error("request %s failed alone: %s", out.request_id, done.error)
+                    updates[key] = Update(error=FAILED_ALONE)
+                else:
+                    updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
         return updates, spec, engine_tpot
 
     @staticmethod

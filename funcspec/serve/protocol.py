@@ -224,9 +224,10 @@ def _check_int64(name: str, value: Any) -> None:
 
 def bad_value(err: ValueError) -> APIError:
     """A funcspec ValueError as a 400: its message names the field (``SamplingParams.top_p must be ...``,
-    ``prompt must not be empty``); the request field is that name without the class prefix."""
+    ``prompt must not be empty``, vLLM's context-length sentence naming ``SamplingParams.max_tokens``); the
+    request field is the ``SamplingParams`` field it names, else its first word."""
     message = re.sub(r"^SamplingParams\.", "", str(err))
-    field = re.match(r"(\w+)", message)
+    field = re.search(r"SamplingParams\.(\w+)", str(err)) or re.match(r"(\w+)", message)
     return APIError(400, message, field.group(1) if field else None)
 
 

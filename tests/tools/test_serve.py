@@ -30,7 +30,7 @@ pytest.importorskip("fastapi")
 from funcspec import LLM, SamplingParams, zoo  # noqa: E402
 from funcspec.serve import protocol as P  # noqa: E402
 from funcspec.serve.args import build_parser, engine_kwargs, extra_engine_args  # noqa: E402
-from funcspec.serve.loop import STEP_FAILED, EngineLoop  # noqa: E402
+from funcspec.serve.loop import FAILED_ALONE, STEP_FAILED, EngineLoop  # noqa: E402
 from funcspec.serve.metrics import samples  # noqa: E402
 
 KEY = "test-key"
@@ -344,6 +344,44 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(llm, monkeypatc
     assert "RuntimeError: injected" in caplog.text and loop.dead is None and not engine.has_unfinished_requests()
     assert list(served[-1].finish.token_ids) == _solo(llm, PROMPTS[0], **GREEDY).outputs[0].token_ids
     assert [t for u in served for t in u.token_ids] == list(served[-1].finish.token_ids)
+
+
+def test_a_request_that_fails_alone_gets_a_500_and_the_others_run_on(llm, monkeypatch, caplog):
+    """A request the engine finished with ``finish_reason="error"`` (its own stop rule raised) is answered as an
+    error with a generic message, its reason in the log; the request beside it streams its solo tokens."""
+    engine, real_add = llm.engine, llm.engine.add_request
+
+    class Failing:
+        def feed(self, chunk):
+            raise RuntimeError("stop rule failed")
+
+    def add_request(prompt, params, *args, **kwargs):
+        rid = real_add(prompt, params, *args, **kwargs)
+        if params.stop:  # the poisoned one
+            engine.scheduler.waiting[-1].stops = Failing()
+        return rid
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    ids = [{"prompt_token_ids": llm.get_tokenizer()(p)["input_ids"]} for p in PROMPTS[:2]]
+
+    async def run(prompt, params):
+        batch = await loop.submit([prompt], params)
+        return [u async for _, u in batch]
+
+    async def main():
+        loop.start()
+        try:
+            return await asyncio.gather(run(ids[0], SamplingParams(**GREEDY, stop=["never"])),
+                                        run(ids[1], SamplingParams(**GREEDY)))
+        finally:
+            await loop.stop()
+
+    loop = EngineLoop(engine)
+    with pytest.warns(UserWarning, match="stop rule failed"):
+        failed, served = asyncio.run(main())
+    assert (failed[-1].error, failed[-1].status) == (FAILED_ALONE, 500) and "stop rule" not in failed[-1].error
+    assert "RuntimeError: stop rule failed" in caplog.text and loop.dead is None
+    assert list(served[-1].finish.token_ids) == _solo(llm, PROMPTS[1], **GREEDY).outputs[0].token_ids
 
 
 # ------------------------------------------------------------- pure parts
