@@ -15,8 +15,6 @@ import time
 
 
 DEFAULT_METHOD = "eagle3"
-DEFAULT_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    def __init__(self):\n",
-                   "def parse_args(args):\n    \"\"\"Parse the command line.\"\"\"\n"]
 
 
 def _generate(args) -> None:
@@ -165,6 +163,8 @@ def _inspect(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from funcspec.zoo import RUN_PROMPTS
+
     ap = argparse.ArgumentParser(prog="funcspec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen_args(p, model_required=False)
     p.add_argument("--method", default=DEFAULT_METHOD, help="zoo method when --speculative-config is not given")
     p.add_argument("--k", type=int, default=4)
-    p.set_defaults(max_tokens=128, prompt=DEFAULT_PROMPTS)
+    p.set_defaults(max_tokens=128, prompt=RUN_PROMPTS)
     p = sub.add_parser("tune-k", help="choose K per batch size from bench capture + bench spec results")
     p.add_argument("--capture", required=True, help="a `funcspec bench capture` result JSON")
     p.add_argument("--spec", required=True, help="a `funcspec bench spec` result JSON")

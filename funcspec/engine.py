@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -161,7 +162,7 @@ class Engine:
                              f"quantized linears are not sharded (run them on one rank)")
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
-            spec = SpecConfig.from_vllm(spec, additional_config)
+            spec = SpecConfig.from_vllm(spec, additional_config, target=None if isinstance(model, Model) else model)
         hooks = []
         if spec is not None and spec.method == "extract_hidden_states":
             from funcspec import extract
@@ -400,31 +401,50 @@ class Engine:
         """Prefill newly admitted ``reqs``, one request (with its ``n`` completions) at a time, and emit each
         one's first token; returns those done.
 
+        A request whose prefill raises is finished alone (:meth:`_fail`): a prefill writes only its own slots,
+        so the others' state is untouched, and its slots are rewritten by the next request admitted there.
+
         NOTE: one prompt per prefill, because a batched prefill pads every prompt to the longest one's length
         and runs more rows through the products: its logits differed from a solo prefill's in the last bits, and
         a seeded top-p request (EAGLE-3, zoo) then drew another token at position 121 than when run alone.
         """
-        if not reqs:
-            return []
-        seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
-                                     else (self.seed << 32) + int(r.request_id), r.index) for r in reqs]
-        firsts, first_lps, prompt_lps, at = [], [], [], 0
         for group in _prompt_groups(reqs):
-            got = self.runner.prefill(group, seeds[at: at + len(group)])
-            at += len(group)
-            for acc, part in zip((firsts, first_lps, prompt_lps), got):
-                acc.extend(part)
-        for req, first, lp, plp in zip(reqs, firsts, first_lps, prompt_lps):
-            req.t_first = time.perf_counter()
-            if plp is not None:
-                req.prompt_logprobs = [None] + self._logprob_dicts(req.prompt_ids[1:], plp, req.params.prompt_logprobs)
-            self.scheduler.append(req, [first])
-            if lp is not None:
-                req.logprobs += self._logprob_dicts([first], tuple([x] for x in lp), req.params.logprobs)
+            seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
+                                         else (self.seed << 32) + int(r.request_id), r.index) for r in group]
+            try:
+                firsts, first_lps, prompt_lps = self.runner.prefill(group, seeds)
+                for req, first, lp, plp in zip(group, firsts, first_lps, prompt_lps):
+                    req.t_first = time.perf_counter()
+                    if plp is not None:
+                        req.prompt_logprobs = [None] + self._logprob_dicts(req.prompt_ids[1:], plp,
+                                                                           req.params.prompt_logprobs)
+                    self._append(req, [first], None if lp is None else tuple([x] for x in lp))
+            except Exception as err:  # noqa: BLE001 (one request's failure is its own)
+                self._fail(group, err)
         done = [r for r in reqs if r.finish_reason]
         for req in done:
             self._retire(req)
         return done
+
+    def _append(self, req: Request, new: list[int], lps: Optional[tuple] = None) -> int:
+        """Append ``new`` tokens under the stop rules, with their logprobs ``lps`` (per-position lists) where the
+        request asked for them; returns how many the stop rules kept."""
+        before = len(req.output_ids)
+        self.scheduler.append(req, new)
+        if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
+            req.logprobs += self._logprob_dicts(req.output_ids[before:], lps, req.params.logprobs)
+        return len(req.output_ids) - before
+
+    @staticmethod
+    def _fail(seqs: list[Request], err: Exception) -> None:
+        """Finish ``seqs`` with ``finish_reason="error"`` and ``err`` as their ``error``, alone: the host work of one
+        request (its prefill, stop rules, text, logprobs) that raises fails that request, and the engine goes on
+        with the others. A step's graph cannot fail on a request's values (:meth:`Scheduler.make_request` checks
+        every value it writes), so what fails there is the engine's own, and :meth:`step` raises it."""
+        message = f"{type(err).__name__}: {err}"
+        for seq in seqs:
+            seq.finish_reason, seq.error = "error", message
+        warnings.warn(f"request {seqs[0].request_id} failed and was finished alone: {message}", stacklevel=3)
 
     def _retire(self, req: Request) -> None:
         """Free ``req``'s slot; the runner applies the scheduler's compaction move."""
@@ -484,13 +504,11 @@ class Engine:
                 for j in range(n[i] - 1):
                     self._accepted_per_pos[j] += 1
                     req.accepted_per_pos[j] += 1
-            before = len(req.output_ids)
-            self.scheduler.append(req, tokens[i][:n[i]])
-            added = len(req.output_ids) - before
-            self._stats["tokens_generated"] += added
-            if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
-                row = tuple(x[i] for x in lps)
-                req.logprobs += self._logprob_dicts(req.output_ids[before:], row, req.params.logprobs)
+            try:
+                self._stats["tokens_generated"] += self._append(req, tokens[i][:n[i]],
+                                                                lps and tuple(x[i] for x in lps))
+            except Exception as err:  # noqa: BLE001 (one request's failure is its own)
+                self._fail([req], err)
             if req.finish_reason:
                 done.append(req)
         # NOTE: retire after the loop: a retirement moves a request between
@@ -521,7 +539,7 @@ class Engine:
                 else None
             outs.append(CompletionOutput(seq.index, self.scheduler.final_text(seq), list(seq.output_ids),
                                          seq.finish_reason, seq.stop_reason, seq.logprobs, cum,
-                                         self._seq_metrics(seq)))
+                                         self._seq_metrics(seq), seq.error))
         each = [o.metrics for o in outs]
         metrics = {key: sum(m[key] for m in each) for key in ("num_draft_tokens", "num_accepted_tokens", "steps")}
         metrics["num_accepted_tokens_per_pos"] = [sum(x) for x in zip(*(m["num_accepted_tokens_per_pos"]

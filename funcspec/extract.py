@@ -2,7 +2,9 @@
 
 This is vLLM's method for collecting EAGLE training data: no speculation, one
 output token per request, and the prompt's hidden states written to
-``<shared_storage_path>/<request_id>.safetensors`` with
+``<shared_storage_path>/<request_id>-<run>.safetensors`` (``run``: a random
+part drawn once per engine, so a restarted process never overwrites the files
+of an earlier one, whose request ids start over) with
 
     token_ids      [num_tokens] int64
     hidden_states  [num_tokens, num_layers, H]
@@ -14,6 +16,7 @@ layer ``i`` (HF ``hidden_states[i]``), as vLLM's aux hidden states are.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -26,14 +29,16 @@ CONNECTOR = "ExampleHiddenStatesConnector"
 @dataclasses.dataclass(frozen=True)
 class HiddenStateDump:
     """Where and which layers to save; ``write=False`` (a tensor-parallel rank other than 0) only says where.
+    ``run`` is the part of every file name that is unique to this engine.
 
     NOTE: every tensor-parallel rank holds the same (all-reduced) hidden states, so rank 0 alone
-    writes the files that all ranks name.
+    writes the files, and its outputs name them.
     """
 
     layers: tuple[int, ...]
     directory: Path
     write: bool = True
+    run: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __call__(self, reqs, tokens: torch.Tensor, lens: list[int], hiddens: tuple) -> None:
         """Prefill hook: save each request's prompt hidden states [n, H] per layer, and say where.
@@ -55,7 +60,7 @@ class HiddenStateDump:
 
     def path(self, request_id: str) -> str:
         """The file of request ``request_id``."""
-        return str(self.directory / f"{request_id}.safetensors")
+        return str(self.directory / f"{request_id}-{self.run}.safetensors")
 
 
 def parse_kv_transfer_config(kv: Optional[dict]) -> Optional[Path]:

@@ -6,13 +6,13 @@ import difflib
 import inspect
 import os
 import warnings
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
-from funcspec.capture import CAPTURE_MODES
 from funcspec.capture.backends import BACKENDS
 from funcspec.checkpoints import Model
 from funcspec.checkpoints.files import FLOAT_DTYPES, TOKENIZER_FILES, has_tokenizer
+from funcspec.config import CompilationConfig
 from funcspec.config.checks import check_bool, check_int, is_int
 from funcspec.engine import Engine
 
@@ -56,26 +56,6 @@ def check_device(device: Any):
     return dev
 
 
-def check_compilation(compilation_config: Any) -> None:
-    """vLLM's ``compilation_config`` (a dict, a ``CompilationConfig``-like object, or vLLM's integer level) and
-    the keys funcspec reads from it, before anything is built."""
-    cc = compilation_config
-    if isinstance(cc, (str, bytes, bool, float, Sequence, Set)):
-        raise ValueError(f"compilation_config must be a dict (or vLLM's CompilationConfig or level), "
-                         f"got {type(cc).__name__}")
-    capture = compilation_option(cc, "capture", "startup")
-    if capture not in CAPTURE_MODES:
-        raise ValueError(f"compilation_config.capture must be one of {CAPTURE_MODES}, got {capture!r}")
-    check_bool("compilation_config.capture_logprobs", compilation_option(cc, "capture_logprobs", False))
-    cache = compilation_option(cc, "compile_cache", None)
-    if cache is not None and not isinstance(cache, (str, os.PathLike)):
-        raise ValueError(f"compilation_config.compile_cache must be a file path, got {cache!r}")
-    sizes = compilation_option(cc, "cudagraph_capture_sizes", None)
-    if sizes is not None and (isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence)
-                              or not all(is_int(s) and s >= 1 for s in sizes)):
-        raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a list of integers >= 1, got {sizes!r}")
-
-
 def check_engine_args(model: Any, tensor_parallel_size: Any, max_num_seqs: Any, max_model_len: Any,
                       enforce_eager: Any, seed: Any, tokenizer: Any, backend: Any, kwargs: Mapping) -> None:
     """``LLM``'s scalar arguments, checked before the checkpoint is read: ``ValueError`` naming the argument
@@ -105,7 +85,7 @@ def check_engine_args(model: Any, tensor_parallel_size: Any, max_num_seqs: Any, 
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Callable[[int], int],
+def batch_buckets_from_compilation(sizes: Optional[Sequence[int]], k_for_batch_size: Callable[[int], int],
                                    max_batch: int) -> Optional[list[int]]:
     """Batch buckets from vLLM ``cudagraph_capture_sizes`` (token counts n·(K_n+1)).
 
@@ -115,7 +95,6 @@ def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Ca
     matching several n names all of them (e.g. 4 = 1·(3+1) = 4·(0+1)): an
     extra bucket costs a capture, a missing one would pad batches further.
     """
-    sizes = compilation_option(compilation_config, "cudagraph_capture_sizes")
     if not sizes:
         return None
     buckets = set()
@@ -128,24 +107,17 @@ def batch_buckets_from_compilation(compilation_config: Any, k_for_batch_size: Ca
     return sorted(buckets)
 
 
-def compilation_option(compilation_config: Any, key: str, default=None):
-    """One key of a ``compilation_config`` dict or object (``default`` when absent)."""
-    if compilation_config is None:
-        return default
-    if isinstance(compilation_config, dict):
-        return compilation_config.get(key, default)
-    return getattr(compilation_config, key, default)
-
-
 class LLM:
     """vLLM-compatible entry point: ``LLM(model=PATH, **engine_args).generate(prompts, params)``.
 
     Mapped: ``max_model_len``, ``max_num_seqs`` (slots), ``enforce_eager`` (eager
-    backend), ``speculative_config``, ``compilation_config`` (capture sizes ->
-    batch buckets; funcspec's ``"capture": "lazy"`` captures each graph on first
+    backend), ``speculative_config``, ``compilation_config`` (a dict or
+    :class:`funcspec.config.CompilationConfig`: capture sizes -> batch buckets;
+    funcspec's ``"capture": "lazy"`` captures each graph on first
     use instead of while ``LLM(...)`` starts, ``"compile_cache": FILE`` loads
     ``funcspec precompile``'s file first, ``"capture_logprobs": True`` also compiles the logprobs graphs at
-    start-up), ``additional_config``, ``seed``, ``dtype``, ``quantization``
+    start-up; vLLM's other keys are named in the warning below), ``additional_config``, ``seed``, ``dtype``,
+    ``quantization``
     (funcspec quantizes on load: ``"int8"``, ``"int4"``, ...; ``"gguf"`` for a
     ``.gguf`` model, whose weights come quantized), ``tokenizer`` (a directory). funcspec's own
     ``backend``, ``device`` and ``cpu_kernels`` (``False``: none of funcspec's CPU kernels, as
@@ -168,15 +140,17 @@ class LLM:
                           backend, kwargs)
         dt = torch_dtype(dtype)
         check_device(device)
-        check_compilation(compilation_config)
-        if kwargs:
-            warnings.warn(f"LLM: arguments with no effect in funcspec were ignored: {sorted(kwargs)}", stacklevel=2)
+        cc = CompilationConfig.from_vllm(compilation_config)
+        ignored = sorted(kwargs) + list(cc.ignored)
+        if ignored:
+            warnings.warn(f"LLM: arguments with no effect in funcspec were ignored: {ignored}", stacklevel=2)
         from funcspec import methods
         from funcspec.config import SpecConfig
 
         # An empty dict or string is no speculation, as None; additional_config is validated either way.
         off = speculative_config is None or (isinstance(speculative_config, (Mapping, str)) and not speculative_config)
-        spec = SpecConfig.from_vllm(None if off else speculative_config, additional_config)
+        spec = SpecConfig.from_vllm(None if off else speculative_config, additional_config,
+                                    target=None if isinstance(model, Model) else model)
         if spec is not None and spec.ignored_keys:
             warnings.warn(f"speculative_config: keys with no effect in funcspec: {list(spec.ignored_keys)}",
                           stacklevel=2)
@@ -186,12 +160,10 @@ class LLM:
         self.engine = Engine(
             model, speculative_config=spec, backend=backend or ("eager" if enforce_eager else "auto"),
             max_batch_size=max_num_seqs, max_model_len=max_model_len, additional_config=additional_config,
-            batch_buckets=batch_buckets_from_compilation(compilation_config, k_of, max_num_seqs), seed=seed,
+            batch_buckets=batch_buckets_from_compilation(cc.cudagraph_capture_sizes, k_of, max_num_seqs), seed=seed,
             device=device, dtype=dt, kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
-            capture=compilation_option(compilation_config, "capture", "startup"),  # funcspec's key: or "lazy"
-            compile_cache=compilation_option(compilation_config, "compile_cache", None),
-            capture_logprobs=compilation_option(compilation_config, "capture_logprobs", False),
+            capture=cc.capture, compile_cache=cc.compile_cache, capture_logprobs=cc.capture_logprobs,
             cpu_kernels=cpu_kernels,
         )
 

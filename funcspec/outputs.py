@@ -27,13 +27,17 @@ PromptLogprobs = list  # list[Optional[dict[int, Logprob]]]: None for the first 
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One generated sequence: ``text``, ``token_ids`` and why it stopped (``stop`` | ``length``).
+    """One generated sequence: ``text``, ``token_ids`` and why it stopped (``stop`` | ``length`` | ``abort`` |
+    ``error``).
 
     ``logprobs`` (when the request asked for them): one dict per token of
     ``token_ids``, token id -> :class:`Logprob`, holding the generated token and
     the request's top ``logprobs`` tokens; ``cumulative_logprob`` is the sum of
     the generated tokens' logprobs. ``metrics`` holds this completion's own
-    speculation counters (``num_accepted_tokens_per_pos``, τ, ...).
+    speculation counters (``num_accepted_tokens_per_pos``, τ, ...). ``error``
+    (funcspec's; vLLM's ``finish_reason="error"`` carries no text) says why a
+    request that failed alone (``finish_reason="error"``) did, as
+    ``"ExceptionType: message"``; ``None`` otherwise.
     """
 
     index: int
@@ -44,6 +48,7 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: Optional[float] = None
     metrics: dict = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None
 
 
 @dataclasses.dataclass

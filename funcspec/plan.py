@@ -11,6 +11,8 @@ that verifies it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
@@ -138,6 +140,31 @@ def _spec(d: Any) -> SpecConfig:
     return SpecConfig(**d)
 
 
+ALLOW_LONG_MAX_MODEL_LEN = "FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN"
+"""Set to 1 to allow a ``max_model_len`` above the model's maximum (vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+
+
+def model_max_len(cfg: ModelConfig) -> int:
+    """The longest context the model was built for, as vLLM derives it: ``max_position_embeddings``, times the
+    factor of a linear RoPE scaling (which stretches positions)."""
+    rope = dict(cfg.rope_scaling)
+    factor = rope.get("factor", 1) if rope.get("rope_type", rope.get("type")) == "linear" else 1
+    return int(cfg.max_position_embeddings * factor)
+
+
+def check_model_len(max_model_len: int, derived: int) -> None:
+    """Refuse a ``max_model_len`` above the model's maximum, naming both, as vLLM does; with
+    :data:`ALLOW_LONG_MAX_MODEL_LEN` set to 1, warn instead."""
+    if max_model_len <= derived:
+        return
+    message = (f"max_model_len={max_model_len} is above this model's maximum context of {derived} tokens "
+               "(max_position_embeddings in its config.json): positions past it were never trained, and RoPE models "
+               "decode garbage there")
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+        raise ValueError(f"{message}. Lower max_model_len, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 to run it anyway")
+    warnings.warn(f"{message}; allowed by {ALLOW_LONG_MAX_MODEL_LEN}=1", stacklevel=3)
+
+
 def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backend: str, device, dtype: torch.dtype,
                 max_batch_size: int, max_model_len: Optional[int], batch_buckets: Optional[Sequence[int]],
                 context_buckets: Optional[Sequence[int]], capture: str) -> EnginePlan:
@@ -150,6 +177,7 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
         max_model_len = min(cfg.max_position_embeddings, 2048)
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    check_model_len(max_model_len, model_max_len(cfg))
     t_max = max_model_len + max_k + 1
     tree = spec is not None and spec.tree is not None
     # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)

@@ -19,6 +19,7 @@ import torch
 
 from funcspec import rng, sampling
 from funcspec.capture import capture
+from funcspec.capture.window import Window
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
 from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
@@ -144,7 +145,7 @@ class Runner:
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
         self.compiled: dict[BucketKey, Any] = {}  # (plan.graph_batch(B), K, T, mode name) -> captured step
-        self.replay_ms: dict[BucketKey, list[float]] = collections.defaultdict(list)  # per bucket: step wall ms
+        self.replay_ms: dict[BucketKey, Window] = collections.defaultdict(Window)  # per bucket: recent step wall ms
 
     def _init_state(self, dtype) -> EngineState:
         s, dev = self.num_slots, self.device

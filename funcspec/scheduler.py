@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from typing import Any, Optional
 
 from funcspec.config import SamplingParams
+from funcspec.config.checks import FLOAT32_TINY, short
 from funcspec.outputs import Logprob
+
+_NORMALIZE_SLACK = 8
+"""Characters a normalizer may merge across the cut of a prompt's prefix (a base and its combining marks)."""
 
 
 class Detokenizer:
@@ -107,6 +112,7 @@ class Request:
     slot: int = -1
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    error: Optional[str] = None  # why it failed alone (finish_reason "error")
     text: Optional[str] = None
     steps: int = 0
     num_draft_tokens: int = 0
@@ -172,24 +178,28 @@ class Scheduler:
 
     # ------------------------------------------------------------ admission
     def make_request(self, prompt, params: SamplingParams) -> Request:
-        """A validated request for ``prompt`` (text, token ids or a vLLM prompt dict); nothing is queued."""
+        """A validated request for ``prompt`` (text, token ids or a vLLM prompt dict); nothing is queued.
+
+        Everything the request will write to the device is checked here, so that no step can fail on it: the
+        prompt's ids are in the vocabulary and leave room in the context, and ``params`` are checked again as the
+        engine runs them (:meth:`engine_params`).
+        """
         text, ids = _prompt_parts(prompt)
+        params = self.engine_params(params)
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; this checkpoint has none")
+            self.check_context(self.token_floor(text), at_least=True)  # NOTE: before tokenizing it
             ids = self.tokenizer(text)["input_ids"]
         if not ids:
             raise ValueError("prompt must not be empty")
+        self.check_context(len(ids), params)
         vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
-                "(it needs room for at least one output token)"
-            )
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {short(ids[bad])} at position {bad}")
         if params.n > self.num_slots:
-            raise ValueError(f"SamplingParams.n={params.n} must be <= max_num_seqs={self.num_slots}: "
+            raise ValueError(f"SamplingParams.n={short(params.n)} must be <= max_num_seqs={self.num_slots}: "
                              "each completion holds a KV slot, and a request's completions run together")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this checkpoint has none")
@@ -202,6 +212,53 @@ class Scheduler:
             if params.logprobs is not None:
                 req.logprobs = []
         return group[0]
+
+    def engine_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` as this engine runs them, every field checked again (a frozen dataclass can still be
+        changed with ``object.__setattr__``), so the row prefill writes holds only checked values.
+
+        A ``top_k`` at or above the vocabulary size is off (0), as vLLM's sampler treats it, so the row needs no
+        sort; a ``top_p`` below float32's smallest normal runs as it (``FLOAT32_TINY``): both keep the same tokens.
+        """
+        params = dataclasses.replace(params)  # re-runs SamplingParams' checks
+        top_k = 0 if params.top_k >= self.model.cfg.vocab_size else params.top_k
+        return dataclasses.replace(params, top_k=top_k, top_p=max(params.top_p, FLOAT32_TINY))
+
+    def check_context(self, prompt_len: int, params: Optional[SamplingParams] = None, at_least: bool = False) -> None:
+        """Refuse a prompt of ``prompt_len`` tokens (``at_least``: a lower bound) that leaves no room for an
+        output token, or whose ``params.max_tokens`` reach past ``max_model_len`` (vLLM's 400, in its words)."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"prompt of {'at least ' if at_least else ''}{prompt_len} tokens does not fit "
+                             f"max_model_len={limit} (it needs room for at least one output token)")
+        cap = self.output_cap(params) if params is not None else None
+        if cap is not None and prompt_len + cap > limit:
+            raise ValueError(f"This model's maximum context length (max_model_len) is {limit} tokens. However, you "
+                             f"requested {short(prompt_len + cap)} tokens ({prompt_len} in the prompt, {short(cap)} "
+                             f"in the completion: SamplingParams.max_tokens). Please reduce the length of the prompt "
+                             f"or of the completion.")
+
+    def output_cap(self, params: SamplingParams) -> Optional[int]:
+        """The most tokens a request may emit: its ``max_tokens`` and the engine's own cap (``None``: the context)."""
+        return min((c for c in (params.max_tokens, self.max_new_tokens) if c is not None), default=None)
+
+    def token_floor(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, found without tokenizing it (0 where the tokenizer gives none).
+
+        A token stands for at most :func:`token_span` characters of the normalized text, so a long prompt is
+        refused in microseconds; only a bounded prefix is normalized (NFC may merge characters).
+        """
+        if "_span" not in self.__dict__:
+            self._span = token_span(self.tokenizer)
+        if self._span is None:
+            return 0
+        normalizer = self.tokenizer.backend_tokenizer.normalizer
+        if normalizer is None:
+            chars = len(text)
+        else:
+            cut = text[: (self.max_model_len + 1) * self._span + _NORMALIZE_SLACK]
+            chars = max(len(normalizer.normalize_str(cut)) - _NORMALIZE_SLACK, 0)
+        return -(-chars // self._span)
 
     def add(self, reqs: list[Request]) -> None:
         """Queue validated requests (each with all its completions), first come first served."""
@@ -239,7 +296,7 @@ class Scheduler:
         """Append emitted tokens one by one, stopping at the first stop rule that fires."""
         p = req.params
         eos = () if p.ignore_eos else self.model.eos_token_ids
-        cap = min((c for c in (p.max_tokens, self.max_new_tokens) if c is not None), default=None)
+        cap = self.output_cap(p)
         for t in new:
             req.output_ids.append(t)
             n_out = len(req.output_ids)
@@ -275,6 +332,29 @@ class Scheduler:
         if req.text is not None:
             return req.text
         return self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def token_span(tokenizer) -> Optional[int]:
+    """The most characters of normalized text that one token of ``tokenizer`` stands for, where that bounds
+    the token count from below: a BPE model (byte-level or SentencePiece; unknown characters never fused into
+    one token) behind a pre-tokenizer that only splits. ``None`` otherwise (a slow tokenizer; WordPiece makes
+    a whole long word one unknown token). A byte-level token of n bytes is n characters of its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk and not model.byte_fallback):
+        return None
+    pre = backend.pre_tokenizer
+    if pre is not None and not _keeps_text(json.loads(pre.__getstate__())):
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)))
+
+
+def _keeps_text(pre: dict) -> bool:
+    """Whether a pre-tokenizer (its JSON) hands on every character, only splitting (Whitespace drops them)."""
+    if pre["type"] == "Sequence":
+        return all(_keeps_text(p) for p in pre["pretokenizers"])
+    splits = ("ByteLevel", "Metaspace", "Split", "Punctuation", "Digits", "UnicodeScripts")
+    return pre["type"] in splits and pre.get("behavior") != "Removed"
 
 
 def _prompt_parts(prompt) -> tuple[Optional[str], Optional[list[int]]]:

@@ -27,6 +27,10 @@ MODELS = REPO / "models"
 MANIFEST = MODELS / "zoo.json"
 RANDOM_DEFAULT = MODELS / "_default_random"
 
+RUN_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    def __init__(self):\n",
+               "def parse_args(args):\n    \"\"\"Parse the command line.\"\"\"\n"]
+"""The prompts ``make run`` (``funcspec run-default``) decodes, and ``bench runtime --contention`` with it."""
+
 HEAD_METHODS = methods.select(zoo=True)
 """Methods whose draft comes from a zoo checkpoint (the role of the same name): the registry's ``zoo`` rows."""
 

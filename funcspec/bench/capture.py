@@ -91,7 +91,7 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, 
     vocab = eng.model.cfg.vocab_size
     for _ in range(max(batches)):
         eng.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=1000))
+                        SamplingParams(temperature=0.0, max_tokens=None))  # up to the context: never done here
     eng.step()  # admits (prefills) every request, then decodes one token
     return eng
 

@@ -19,12 +19,23 @@ second a warm one. Each child
    (weight bytes over measured copy bandwidth) and HF ``generate`` on the same
    prompt (same tokens required).
 
+``--contention`` then measures ``make run``'s decode (the zoo target with its
+EAGLE-3 head, K = 4, its three prompts, greedy) on a quiet machine and beside
+``--busy`` processes that spin on the cores, for each OpenMP setting of
+:data:`CONTENTION_SETTINGS` (``--contention all``) or funcspec's default
+against libgomp's (``--contention defaults``): ``--rounds`` child processes per
+setting (OpenMP reads its settings when torch loads it), the settings
+alternated, each timing ``--rate-pairs`` quiet and busy runs in turn, with the
+share of the CPUs that other work used during each run, since a shared
+machine adds noise.
+
 Results go to ``graphs/results/<device>/runtime-<time>.json`` and ``.md``,
 with the CPU and its ISA flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -72,10 +83,10 @@ def host_split(engine, prompt_ids: list[int], batch: int, steps: int) -> dict:
     walls, graphs, replays = [], [], engine.runner.replay_ms
     while engine.has_unfinished_requests():
         admitting = bool(engine.scheduler.waiting)
-        before, t0 = {key: len(v) for key, v in replays.items()}, time.perf_counter()
+        before, t0 = {key: v.total for key, v in replays.items()}, time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
-        ran = [v[-1] for key, v in replays.items() if len(v) > before.get(key, 0)]  # the bucket this step ran
+        ran = [v[-1] for key, v in replays.items() if v.total > before.get(key, 0)]  # the bucket this step ran
         if not admitting and len(ran) == 1:  # a pure decode step (no prefill in it)
             walls.append(wall)
             graphs.append(ran[0])
@@ -132,8 +143,115 @@ def ar_vs_bounds(eng, model: str, dtype: str, ids: list[int], batch1: dict, n: i
             "same_tokens_as_hf": hf["tokens"] == list(ours.outputs[0].token_ids)}
 
 
-def _spawn(args: list[str], cache: str, threads: int) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(threads))
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+"""The OpenMP settings a contention child runs with (each measured setting names its own, the rest unset)."""
+
+CONTENTION_SETTINGS = {
+    "funcspec": {},  # nothing set: funcspec's own default, GOMP_SPINCOUNT=30000 (funcspec/__init__.py)
+    "libgomp": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default: spin ~3 ms at a barrier, then sleep
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin-100k": {"GOMP_SPINCOUNT": "100000"},
+    "spin-10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin-1k": {"GOMP_SPINCOUNT": "1000"},
+    "1-thread": {"OMP_NUM_THREADS": "1"},
+}
+"""The OpenMP settings ``--contention all`` compares: name -> the variables a child starts with."""
+
+
+def decode_rate(max_tokens: int, pairs: int, busy: int) -> dict:
+    """``make run``'s decode in this process, timed ``pairs`` times quiet and beside ``busy`` spinning processes
+    (after one warm-up run; the order alternates pair by pair): tokens/s of each run and the load average."""
+    import torch
+
+    from funcspec import Engine, SamplingParams, zoo
+
+    eng = Engine(str(zoo.model_path("target")), speculative_config=zoo.speculative_config("eagle3", 4),
+                 backend="auto", max_batch_size=len(zoo.RUN_PROMPTS))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    eng.generate(zoo.RUN_PROMPTS, sp)
+    runs = {"quiet": [], "busy": [], "others": []}
+
+    def rate(spinning: int) -> None:
+        before = _cpu_seconds()
+        with busy_processes(spinning):
+            t0 = time.perf_counter()
+            outs = eng.generate(zoo.RUN_PROMPTS, sp)
+            wall = time.perf_counter() - t0
+        runs["busy" if spinning else "quiet"].append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+        runs["others"].append(_others_share(before, _cpu_seconds()))
+
+    for i in range(pairs):
+        for spinning in ((0, busy) if i % 2 == 0 else (busy, 0)):
+            rate(spinning)
+    return {**runs, "threads": torch.get_num_threads(), "omp": {k: os.environ.get(k) for k in OMP_VARS}}
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, the machine's busy CPU seconds, this process's and its reaped children's CPU seconds)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    t = os.times()
+    return time.perf_counter(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def _others_share(before: tuple, after: tuple) -> float:
+    """The share of the machine's CPUs that other work (not this process nor its spinners) used in between: the
+    noise a shared machine adds to a measurement."""
+    wall, busy, ours = (a - b for a, b in zip(after, before))
+    return max(busy - ours, 0.0) / (wall * os.cpu_count())
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes that spin on the CPU (other work sharing the cores) while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.2 if n else 0)  # NOTE: started, not still importing
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def contention(settings: dict, busy: int, rounds: int, max_tokens: int, pairs: int) -> list[dict]:
+    """Each setting's decode rate quiet and beside ``busy`` spinning processes: ``rounds`` child processes per
+    setting, the settings alternated, each timing ``pairs`` quiet/busy pairs."""
+    runs: dict = {name: [] for name in settings}
+    for r in range(rounds):
+        for name, env in settings.items():
+            # NOTE: a graph compiled for 2 threads is filed under the same key as one for 1 thread, and a loaded
+            # one refuses the other count: a thread setting keeps its own compile cache
+            cache = str(Path(tempfile.gettempdir()) / f"funcspec-bench-{name}") if "OMP_NUM_THREADS" in env else None
+            child = _spawn(["--rate", str(max_tokens), "--pairs", str(pairs), "--busy", str(busy)], cache, None, env)
+            runs[name].append(child)
+            print(f"round {r + 1}/{rounds} {name}: quiet {statistics.median(child['quiet']):.0f} tokens/s, busy "
+                  f"{statistics.median(child['busy']):.0f}", flush=True)
+    return [_contention_row(name, settings[name], runs[name]) for name in settings]
+
+
+def _contention_row(name: str, env: dict, children: list[dict]) -> dict:
+    """Medians over every run of a setting: quiet and busy tokens/s, and the slowdown of each quiet/busy pair."""
+    quiet = [q for c in children for q in c["quiet"]]
+    busy = [b for c in children for b in c["busy"]]
+    slow = [q / b for q, b in zip(quiet, busy)]
+    return {"setting": name, "env": env, "quiet_tokens_per_s": statistics.median(quiet),
+            "busy_tokens_per_s": statistics.median(busy), "slowdown": statistics.median(slow),
+            "slowdown_range": [min(slow), max(slow)], "quiet_range": [min(quiet), max(quiet)],
+            "busy_range": [min(busy), max(busy)],
+            "others_median": statistics.median(o for c in children for o in c["others"]), "children": children}
+
+
+def _spawn(args: list[str], cache: str | None, threads: int | None, omp: dict | None = None) -> dict:
+    """Run this module's child with ``args``; ``omp``: the OpenMP variables it starts with (others unset)."""
+    env = dict(os.environ)
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if omp is not None:
+        env = {k: v for k, v in env.items() if k not in OMP_VARS} | omp
     proc = subprocess.run([sys.executable, "-m", "funcspec.bench.runtime", *args], env=env, capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
@@ -164,7 +282,7 @@ def run(args) -> Path:
     from funcspec.bench.scale import machine_info
 
     rows = []
-    for name, path, spec, dtype in models(args.models.split(","), args.cache_dir):
+    for name, path, spec, dtype in models([m for m in args.models.split(",") if m], args.cache_dir):
         cache = tempfile.mkdtemp(prefix="funcspec-inductor-")
         child_args = ["--child", path, "--dtype", dtype, "--max-tokens", str(args.max_tokens),
                       "--threads", str(args.threads)] + (["--spec", spec] if spec else [])
@@ -176,6 +294,13 @@ def run(args) -> Path:
               f"{warm['first_over_second']:.2f}x", flush=True)
     result = {"bench": "runtime", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine_info(),
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
+    if args.contention != "none":
+        names = list(CONTENTION_SETTINGS) if args.contention == "all" else ["funcspec", "libgomp"]
+        busy = args.busy if args.busy is not None else os.cpu_count()
+        result["contention"] = {"busy": busy, "rounds": args.rounds, "max_tokens": args.rate_tokens,
+                                "pairs": args.rate_pairs,
+                                "rows": contention({n: CONTENTION_SETTINGS[n] for n in names}, busy, args.rounds,
+                                                   args.rate_tokens, args.rate_pairs)}
     path = write_result(result, args.out, markdown)
     print(f"wrote {path} and .md")
     return path
@@ -183,13 +308,14 @@ def run(args) -> Path:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = ["# funcspec bench runtime", "",
-             f"Threads {result['threads']}; workload: 4 greedy prompts x {result['max_tokens']} tokens, one top-p "
-             f"request, two plain-temperature ones, 3 prompts of {len(LONG_PROMPT)} characters. Cold: an empty "
-             f"inductor cache; warm: the same cache again, in a new process.", "",
-             "| model | start-up cold s (graphs) | start-up warm s | workload 1st / 2nd run s (cold) | "
-             "compiles after start-up | host ms/step b1 (of step) | host ms/step b8 (of step) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["# funcspec bench runtime"]
+    if result["rows"]:
+        lines += ["", f"Threads {result['threads']}; workload: 4 greedy prompts x {result['max_tokens']} tokens, one "
+                  f"top-p request, two plain-temperature ones, 3 prompts of {len(LONG_PROMPT)} characters. Cold: an "
+                  f"empty inductor cache; warm: the same cache again, in a new process.", "",
+                  "| model | start-up cold s (graphs) | start-up warm s | workload 1st / 2nd run s (cold) | "
+                  "compiles after start-up | host ms/step b1 (of step) | host ms/step b8 (of step) |",
+                  "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         c, w = r["cold"], r["warm"]
         h1, h8 = w["host"][0], w["host"][-1]
@@ -207,6 +333,22 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['model']} | {h['graph_ms']:.2f} | {a['bound_ms']:.2f} ({a['copy_gb_per_s']:.1f}) | "
                          f"{a['graph_over_bound']:.2f}x | {a['ms_per_token']:.2f} | {a['hf_ms_per_token']:.2f} | "
                          f"{a['vs_hf']:.2f}x | {a['same_tokens_as_hf']} |")
+    if "contention" in result:
+        c = result["contention"]
+        lines += ["", f"## Contention: `make run`'s decode (zoo target, EAGLE-3 K=4, 3 prompts x {c['max_tokens']} "
+                      f"tokens, greedy), quiet and beside {c['busy']} spinning processes", "",
+                  f"Medians over {c['rounds']} processes per setting (settings alternated), each timing "
+                  f"{c['pairs']} quiet/busy pairs of one generate, after a warm-up; the slowdown is each pair's "
+                  f"quiet over busy. The machine is shared: the share of its CPUs that other work used during each "
+                  f"run is in the JSON (`others`), its median in the last column.", "",
+                  "| setting | environment | quiet tokens/s (range) | busy tokens/s (range) | slowdown (range) | "
+                  "others' CPU share |", "|---|---|---|---|---|---|"]
+        for r in c["rows"]:
+            env = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(funcspec's defaults)"
+            lines.append(f"| {r['setting']} | {env} | {r['quiet_tokens_per_s']:.0f} ({r['quiet_range'][0]:.0f}-"
+                         f"{r['quiet_range'][1]:.0f}) | {r['busy_tokens_per_s']:.0f} ({r['busy_range'][0]:.0f}-"
+                         f"{r['busy_range'][1]:.0f}) | {r['slowdown']:.1f}x "
+                         f"({r['slowdown_range'][0]:.1f}-{r['slowdown_range'][1]:.1f}) | {r['others_median']:.0%} |")
     lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items()), f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
     return "\n".join(lines)
 
@@ -217,6 +359,13 @@ def add_parser(kinds) -> None:
     p.add_argument("--max-tokens", type=int, default=300, help="tokens per greedy request of the workload")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", default=None, help="where bench scale's random checkpoints are built")
+    p.add_argument("--contention", choices=("none", "defaults", "all"), default="defaults",
+                   help="make run's decode quiet and beside --busy spinning processes: funcspec's OpenMP defaults "
+                        "against libgomp's, every setting of CONTENTION_SETTINGS, or none")
+    p.add_argument("--busy", type=int, default=None, help="spinning processes (default: one per core)")
+    p.add_argument("--rounds", type=int, default=3, help="contention processes per setting (settings alternated)")
+    p.add_argument("--rate-tokens", type=int, default=128, help="tokens per prompt of a contention run")
+    p.add_argument("--rate-pairs", type=int, default=3, help="quiet/busy pairs each contention process times")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 
@@ -225,10 +374,15 @@ if __name__ == "__main__":  # the child process of run()
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", required=True)
+    ap.add_argument("--child")
+    ap.add_argument("--rate", type=int, default=None, help="decode_rate's max_tokens")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=2)
     ap.add_argument("--spec", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    print(json.dumps(child(a.child, a.spec, a.dtype, a.max_tokens, a.threads)))
+    out = decode_rate(a.rate, a.pairs, a.busy) if a.rate is not None else child(a.child, a.spec, a.dtype,
+                                                                                a.max_tokens, a.threads)
+    print(json.dumps(out))

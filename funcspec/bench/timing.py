@@ -41,7 +41,7 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
         eng.generate(prompts, sp)
     eng.reset_stats()
     replays = eng.runner.replay_ms  # per bucket (buckets of a symbolic batch share one graph)
-    marks = {key: len(v) for key, v in replays.items()}  # replays before the timed runs
+    marks = {key: v.total for key, v in replays.items()}  # replays before the timed runs
     ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
     while len(ms) < reps:
         before = set(eng.runner.compiled)
@@ -57,7 +57,7 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
         prefill.append(statistics.median(o.metrics["time_to_first_token_s"] for o in outs))
     replay, capture = collections.defaultdict(list), collections.defaultdict(float)
     for key, times in replays.items():
-        replay[bucket_name(key)] += times[marks.get(key, 0):]
+        replay[bucket_name(key)] += times.since(marks.get(key, 0))
     for key, g in eng.runner.compiled.items():
         capture[bucket_name(key)] += g.stats.capture_seconds
     st = eng.stats

@@ -23,6 +23,7 @@ import torch._dynamo
 import torch.utils._pytree as pytree
 
 from funcspec.capture import store
+from funcspec.capture.window import Window
 from funcspec.tree import slot_leaves
 
 BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
@@ -31,7 +32,7 @@ BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
 
 @dataclasses.dataclass
 class CaptureStats:
-    """What one bucket cost. ``replay_ms`` collects the caller's wall times."""
+    """What one bucket cost. ``replay_ms`` keeps the caller's recent wall times (a bounded :class:`Window`)."""
 
     backend: str
     capture_seconds: float = 0.0
@@ -40,7 +41,7 @@ class CaptureStats:
     stored: Optional[str] = None  # inductor: its file in the store (what a compile cache bundles), if filed
     graph_breaks: int = 0
     graph_memory_bytes: int | None = None
-    replay_ms: list[float] = dataclasses.field(default_factory=list)
+    replay_ms: Window = dataclasses.field(default_factory=Window)
 
     @property
     def recompiles(self) -> int:
@@ -48,12 +49,13 @@ class CaptureStats:
         return max(0, self.compiles + int(self.loaded) - 1)
 
     def summary(self) -> dict:
-        """JSON-friendly stats: capture seconds, median replay, recompiles, graph breaks, memory."""
+        """JSON-friendly stats: capture seconds, median replay (of the recent calls), calls (all of them),
+        recompiles, graph breaks, memory."""
         return {
             "backend": self.backend,
             "capture_seconds": round(self.capture_seconds, 4),
             "replay_ms_median": round(statistics.median(self.replay_ms), 4) if self.replay_ms else None,
-            "calls": len(self.replay_ms),
+            "calls": self.replay_ms.total,
             "recompiles": self.recompiles,
             "loaded": self.loaded,
             "graph_breaks": self.graph_breaks,

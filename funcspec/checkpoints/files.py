@@ -1,8 +1,10 @@
 """Checkpoint files, whatever the model: ``config.json``, the weight files and params nested on names.
 
-Weights are read from safetensors (one file or shards with an index) and from
-PyTorch pickles (``pytorch_model.bin``, its shards, or a named file such as
-Medusa's ``medusa_lm_head.pt``) through ``torch.load(weights_only=True)``:
+Weights are found as vLLM finds them (every ``*.safetensors`` file, narrowed to
+those a ``*.safetensors.index.json`` lists, else the ``*.bin`` files likewise)
+and read from safetensors and from PyTorch pickles (``pytorch_model.bin``, its
+shards, or a named file such as Medusa's ``medusa_lm_head.pt``) through
+``torch.load(weights_only=True)``:
 tensors and containers only, never arbitrary Python objects. Every problem
 is reported with the file and key it concerns.
 """
@@ -24,9 +26,14 @@ from safetensors.torch import save_file
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers some exporters include that are not parameters."""
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-"""Where an HF checkpoint keeps its tensors, in the order transformers looks (the first that exists wins)."""
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+"""Where a checkpoint keeps its tensors, as vLLM's loader looks: every file of the first pattern that matches
+any, narrowed to the files its ``<pattern>.index.json`` indexes list where it has any (a directory may hold
+another copy beside its shards, such as ``consolidated.safetensors``). So msmodelslim's
+``quant_model_weights-00001-of-00002.safetensors`` and ``quant_model_weight_w8a8.safetensors`` are found."""
+
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+"""Files a weight pattern matches that hold no weights (vLLM's ``filter_files_not_needed_for_inference``)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """Weight dtypes funcspec reads (cast to the model's dtype at load). float8 and integer weights are
@@ -102,27 +109,47 @@ class Weights:
         return drop_ignored(out)
 
 
-def find_weights(path: str | os.PathLike, names: Iterable[str] = WEIGHT_FILES) -> Weights:
-    """The first of ``names`` in checkpoint directory ``path`` (an ``.index.json`` brings its shards).
+def find_weights(path: str | os.PathLike, patterns: Iterable[str] = WEIGHT_FILES) -> Weights:
+    """The weight files of checkpoint directory ``path``: those of the first of ``patterns`` (globs, or plain
+    file names) that matches a file or an index, narrowed by its indexes (:data:`WEIGHT_FILES`).
 
-    Raises ``FileNotFoundError`` naming what was looked for, or a shard its index lists that is missing;
+    Raises ``FileNotFoundError`` naming what was looked for, or a shard an index lists that is missing;
     ``ValueError`` for an index that is not valid JSON with a ``weight_map``.
     """
-    path, names = Path(path), tuple(names)
-    entry = next((path / n for n in names if (path / n).is_file()), None)
-    if entry is None:
-        raise FileNotFoundError(f"{path}: no weight file; looked for {', '.join(names)}")
-    if not entry.name.endswith(".index.json"):
-        return Weights(path, entry, (entry,))
-    try:
-        weight_map = json.loads(entry.read_text())["weight_map"]
-        shards = tuple(sorted({path / f for f in weight_map.values()}))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{entry}: not a shard index (JSON with a 'weight_map' of key -> file): {e!r}") from e
-    for f in shards:
+    path, patterns = Path(path), tuple(patterns)
+    for pattern in patterns:
+        files = sorted(f for f in path.glob(pattern) if f.is_file() and f.name not in NOT_WEIGHTS)
+        indexes = sorted(f for f in path.glob(pattern + ".index.json") if f.is_file())
+        if files or indexes:
+            return _narrow(path, pattern, files, indexes)
+    raise FileNotFoundError(f"{path}: no weight file; looked for {looked_for(patterns)}")
+
+
+def looked_for(patterns: Iterable[str]) -> str:
+    """What :func:`find_weights` looked for, as a message says it: each pattern, and the indexes that narrow it."""
+    return ", ".join(f"{p} (narrowed by {p}.index.json)" if "*" in p else p for p in patterns)
+
+
+def has_weights(path: Path, patterns: Iterable[str]) -> bool:
+    """Whether directory ``path`` holds a file matching one of ``patterns`` (or its index)."""
+    return any(any(path.glob(p)) or any(path.glob(p + ".index.json")) for p in patterns)
+
+
+def _narrow(path: Path, pattern: str, files: list[Path], indexes: list[Path]) -> Weights:
+    """``files`` narrowed to those ``indexes`` list (every listed shard must exist), or all of them."""
+    if not indexes:
+        return Weights(path, files[0] if len(files) == 1 else path / pattern, tuple(files))
+    listed: dict[Path, Path] = {}  # shard -> the index that lists it
+    for index in indexes:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            listed.update({path / f: index for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a shard index (JSON with a 'weight_map' of key -> file): {e!r}") from e
+    for f, index in listed.items():
         if not f.is_file():
-            raise FileNotFoundError(f"{f}: shard listed in {entry.name} is missing")
-    return Weights(path, entry, shards)
+            raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
+    return Weights(path, indexes[0], tuple(sorted(listed)))
 
 
 def _read_file(f: Path, names: Optional[set], data: bool) -> dict:
@@ -158,7 +185,7 @@ def _load_pickle(f: Path) -> dict[str, torch.Tensor]:
 
 
 def read_weights(path: str | os.PathLike, names=None) -> dict[str, torch.Tensor]:
-    """All tensors (or those in ``names``) of the standard weight files of ``path`` (:data:`WEIGHT_FILES`)."""
+    """All tensors (or those in ``names``) of the weight files of ``path`` (:data:`WEIGHT_FILES`)."""
     return find_weights(path).read(names)
 
 

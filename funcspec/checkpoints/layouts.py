@@ -49,7 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
-from funcspec.checkpoints.files import WEIGHT_FILES, Weights, find_weights, read_config
+from funcspec.checkpoints.files import WEIGHT_FILES, Weights, find_weights, has_weights, looked_for, read_config
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 """FasterDecoding's Medusa-1 head files, safetensors first (the same tensors; no pickle when both exist)."""
@@ -66,7 +66,7 @@ class Layout:
         source: where it is published and whose loader was read.
         matches: ``(config, keys) -> bool``: whether a checkpoint is in this layout.
         keys: ``(published pattern, funcspec name or None)`` pairs, the first match wins.
-        files: the weight files it is read from, the first that exists.
+        files: the weight files it is read from (patterns; the first that matches, :func:`find_weights`).
         constants: ``(config, keys) -> {name: value}`` for the patterns' fixed parts.
     """
 
@@ -268,7 +268,7 @@ class Head:
 
 def _probe(path: Path, layout: Layout, hf: dict) -> Optional[tuple[Weights, frozenset]]:
     """The layout's weight files and their keys, or ``None`` when it has none of its files."""
-    if not any((path / f).is_file() for f in layout.files):
+    if not has_weights(path, layout.files):
         return None
     weights = find_weights(path, layout.files)
     return weights, frozenset(weights.keys())
@@ -290,8 +290,8 @@ def detect(path, family: Optional[str] = None) -> tuple[Layout, Weights, dict, f
             return layout, probe[0], hf, probe[1]
     found = next((p for p in seen.values() if p is not None), None)
     if found is None:
-        files = sorted({f for l in tried for f in l.files})
-        raise FileNotFoundError(f"{path}: no weight file; looked for {', '.join(files)}")
+        files = dict.fromkeys(f for l in tried for f in l.files)
+        raise FileNotFoundError(f"{path}: no weight file; looked for {looked_for(files)}")
     what = FAMILIES.get(family, "draft head")
     raise ValueError(f"{path}: no {what} in a layout funcspec reads ({', '.join(l.name for l in tried)}); "
                      f"config architectures={_archs(hf)}, {len(found[1])} keys in {found[0]}, e.g. "

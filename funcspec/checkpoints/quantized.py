@@ -59,7 +59,9 @@ from funcspec.checkpoints.files import read_json_object
 from funcspec.quant import formats
 
 DESCRIPTION = "quant_model_description.json"
-"""vLLM-Ascend's (ModelSlim's) per-tensor description file, beside ``config.json``."""
+"""vLLM-Ascend's (ModelSlim's) per-tensor description file, beside ``config.json``: the name funcspec writes."""
+DESCRIPTIONS = "quant_model_description*.json"
+"""The description files read (older msmodelslim writes ``quant_model_description_w8a8.json``)."""
 
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "gptq_bitblas": "gptq", "compressed_tensors": "compressed-tensors"}
 """vLLM ``quantization`` names that read the same stored format (a kernel choice, not a layout)."""
@@ -94,9 +96,12 @@ class Scheme:
 def detect(path: Path, hf: dict) -> Optional[Scheme]:
     """The quantization a checkpoint directory declares, or ``None``; ``ValueError`` for one funcspec does not
     read (naming it and what it reads)."""
-    description = Path(path) / DESCRIPTION
-    if description.is_file():
-        return _ascend_scheme(description)
+    descriptions = sorted(Path(path).glob(DESCRIPTIONS))
+    if len(descriptions) > 1:
+        raise ValueError(f"{path}: several vLLM-Ascend descriptions ({[d.name for d in descriptions]}); "
+                         f"keep the one that describes the weight files")
+    if descriptions:
+        return _ascend_scheme(descriptions[0])
     qc = hf.get("quantization_config")
     if qc is None:
         return None
@@ -106,7 +111,7 @@ def detect(path: Path, hf: dict) -> Optional[Scheme]:
     method = ALIASES.get(qc.get("quant_method"), qc.get("quant_method"))
     if method not in _SCHEMES:
         raise ValueError(f"{where}.quant_method {qc.get('quant_method')!r} is not a format funcspec reads "
-                         f"(it reads {sorted(_SCHEMES)} and vLLM-Ascend's {DESCRIPTION})")
+                         f"(it reads {sorted(_SCHEMES)} and vLLM-Ascend's {DESCRIPTIONS})")
     return _SCHEMES[method](qc, where)
 
 

@@ -19,11 +19,13 @@ Modules, lowest first:
 - ``spec``: ``SpecConfig`` itself.
 - ``prompts``: ``generate``'s and ``add_request``'s prompts and sampling
   parameters, checked before any request exists.
+- ``compilation``: vLLM's ``compilation_config`` as ``CompilationConfig``.
 
 This package re-exports the public names, so ``from funcspec.config import X`` is the import to use.
 """
 
 from funcspec.config.additional import DYNAMIC_SPEC_METHODS, DynamicSpecConfig, RejectionSamplerConfig
+from funcspec.config.compilation import CompilationConfig
 from funcspec.config.rules import REJECTION_SAMPLE_METHODS, VLLM_METHODS
 from funcspec.config.sampling_params import SamplingParams
 from funcspec.config.spec import BACKENDS, NPU_MAX_QUERY_TOKENS, SpecConfig
@@ -31,6 +33,7 @@ from funcspec.config.vllm import METHOD_ALIASES
 
 __all__ = [
     "BACKENDS",
+    "CompilationConfig",
     "DYNAMIC_SPEC_METHODS",
     "DynamicSpecConfig",
     "METHOD_ALIASES",

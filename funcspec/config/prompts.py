@@ -14,7 +14,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from funcspec.config.checks import no_unknown_keys
+from funcspec.config.checks import check_text, no_unknown_keys
 from funcspec.config.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -62,14 +62,18 @@ def request_args(prompt: Any, sampling_params: Any) -> tuple[Any, SamplingParams
 
 
 def check_prompt(prompt: Any, name: str = "prompt") -> None:
-    """Refuse anything but a string, a sequence of token ids or a vLLM prompt dict; ``ValueError`` naming ``name``."""
+    """Refuse anything but a string (valid Unicode), a sequence of token ids or a vLLM prompt dict; ``ValueError``
+    naming ``name``."""
     if isinstance(prompt, str):
+        check_text(name, prompt)
         return
     if isinstance(prompt, Mapping):
         no_unknown_keys(f"{name}: key ", prompt, PROMPT_KEYS)
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{name}['prompt'] must be a string, got {_kind(text)}")
+        if text is not None:
+            check_text(f"{name}['prompt']", text)
         if "prompt_token_ids" in prompt:
             check_token_ids(prompt["prompt_token_ids"], f"{name}['prompt_token_ids']")
         elif text is None:

@@ -115,17 +115,20 @@ class SpecConfig:
         additional_config: Optional[Mapping | str] = None,
         *,
         check_paths: bool = True,
+        target: Optional[str] = None,
     ) -> Optional["SpecConfig"]:
         """Parse vLLM's ``speculative_config`` (and vLLM-Ascend's ``additional_config``).
 
         Each argument may be a dict or the JSON string given to ``--speculative-config``
         or ``--additional-config``. Returns ``None`` when ``speculative_config`` is
-        ``None``; ``additional_config`` is still validated then. With ``check_paths``
-        (the default) ``model`` must be an existing local path. A draft
-        ``config.json`` with ``n_predict`` fills in a missing ``num_speculative_tokens``,
-        as in vLLM.
+        ``None``; ``additional_config`` is still validated then (its verifier and
+        drafting keys are named in a warning: without speculation they do nothing).
+        With ``check_paths`` (the default) ``model`` must be an existing local path. A
+        missing ``num_speculative_tokens`` is filled in as vLLM does: from a draft
+        ``config.json``'s ``n_predict``, or for ``mtp`` from ``num_nextn_predict_layers`` of
+        the MTP checkpoint (``model``, else the ``target`` checkpoint directory).
         """
-        fields = vllm.spec_fields(speculative_config, additional_config, check_paths)
+        fields = vllm.spec_fields(speculative_config, additional_config, check_paths, target)
         return None if fields is None else cls(**fields)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -75,17 +76,20 @@ _USED_ADDITIONAL_KEYS = ("rejection_sampler_config", "dynamic_spec_config", "dra
 
 
 def spec_fields(speculative_config: Optional[Mapping | str], additional_config: Optional[Mapping | str],
-                check_paths: bool) -> Optional[dict[str, Any]]:
+                check_paths: bool, target: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The ``SpecConfig`` fields for vLLM's dicts (or JSON strings), or ``None`` without a speculative_config.
 
-    ``additional_config`` is validated even then. vLLM's aliases and fallbacks
-    are resolved here; ``SpecConfig`` then checks the fields (``rules.resolve``).
+    ``additional_config`` is validated even then, and its keys that need
+    speculation are named in a warning. vLLM's aliases and fallbacks are
+    resolved here (``target``: the target checkpoint, where ``mtp`` finds its
+    K); ``SpecConfig`` then checks the fields (``rules.resolve``).
     """
     spec = _parse_json(SPEC[:-1], speculative_config)
     extra = _parse_json(EXTRA[:-1], additional_config) or {}
     rejection = RejectionSamplerConfig.from_dict(extra.get("rejection_sampler_config"))
     dynamic = DynamicSpecConfig.from_dict(extra.get("dynamic_spec_config"))
     if spec is None:
+        _warn_without_speculation(extra)
         return None
     no_unknown_keys(SPEC, spec, _KNOWN_SPEC_KEYS)
     method = _resolve_method(spec, check_paths)
@@ -96,7 +100,8 @@ def spec_fields(speculative_config: Optional[Mapping | str], additional_config: 
     if tree is not None:
         max_k = tree_max_k(tree, spec.get("num_speculative_tokens"))
     else:
-        max_k = _resolve_max_k(spec, method, model, check_paths)
+        max_k = _resolve_max_k(spec, method, model or (target if method == "mtp" else None), check_paths)
+        _warn_capped(spec.get("num_speculative_tokens_per_batch_size"), max_k)
     return dict(
         method=method,
         num_speculative_tokens=max_k,
@@ -213,17 +218,21 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
     """``num_speculative_tokens``, or vLLM's fallbacks for it.
 
     Suffix falls back to ``suffix_decoding_max_tree_depth``. A draft's
-    ``config.json`` falls back to ``n_predict``. Otherwise the key is required.
+    ``config.json`` falls back to ``n_predict`` (an MTP checkpoint's: to
+    ``num_nextn_predict_layers``; for mtp ``model`` is the target when no draft
+    is given). Otherwise the key is required.
     """
     max_k, origin = spec.get("num_speculative_tokens"), ""
     if max_k is None and method == "suffix":
         depth = spec.get("suffix_decoding_max_tree_depth", 24)
         max_k = check_int(SPEC + "suffix_decoding_max_tree_depth", depth, lo=1)
         origin = " (its default: suffix_decoding_max_tree_depth)"
-    if max_k is None and check_paths and model:
-        max_k, origin = _n_predict(model), f" (from {os.path.join(model, 'config.json')})"
+    read = max_k is None and check_paths and model
+    if read:
+        max_k, origin = _n_predict(model, method), f" (from {os.path.join(model, 'config.json')})"
     if max_k is None:
-        raise ValueError(f"{SPEC}num_speculative_tokens is required for method {method!r}")
+        where = " (its checkpoint's config.json gives no num_nextn_predict_layers)" if read and method == "mtp" else ""
+        raise ValueError(f"{SPEC}num_speculative_tokens is required for method {method!r}{where}")
     # Checked here (and again by SpecConfig) because the synthetic rates depend on it.
     rules.check_max_k(method, max_k, origin)
     return max_k
@@ -236,18 +245,44 @@ def _draft_config(model: str) -> Optional[dict]:
     return read_json_object(path) if os.path.isfile(path) else None
 
 
-def _n_predict(model: str) -> Optional[int]:
+def _n_predict(model: str, method: str) -> Optional[int]:
     """The draft's own K, as vLLM reads it: speculators' first proposal method's ``speculative_tokens``,
-    else ``n_predict`` from its ``config.json`` (``None`` without either, or without the file)."""
+    else ``n_predict`` from its ``config.json`` (``None`` without either, or without the file); an MTP
+    checkpoint's is its ``num_nextn_predict_layers`` (vLLM's ``n_predict`` for every MTP model)."""
     hf = _draft_config(model) if os.path.isdir(model) else None
     if hf is None:
         return None
+    if method == "mtp":
+        n = hf.get("num_nextn_predict_layers")
+        return n if is_int(n) else None
     try:
         methods_ = (hf.get("speculators_config") or {}).get("proposal_methods") or [{}]
         n = methods_[0].get("speculative_tokens", hf.get("n_predict"))
     except (AttributeError, TypeError, IndexError, KeyError):  # an unexpected speculators_config shape
         return None
     return n if is_int(n) else None
+
+
+def _warn_capped(table: Any, max_k: int) -> None:
+    """Warn about each batch-size table entry whose K is above ``num_speculative_tokens``: vLLM (and funcspec's
+    lookup) caps it there without a word. A malformed table is left to ``SpecConfig``'s checks."""
+    if isinstance(table, (str, bytes, Mapping)) or not hasattr(table, "__iter__"):
+        return
+    capped = [list(e) for e in table if isinstance(e, (list, tuple)) and len(e) == 3 and is_int(e[2]) and e[2] > max_k]
+    if capped:
+        warnings.warn(f"{SPEC}num_speculative_tokens_per_batch_size entries {capped} ask for more drafts than "
+                      f"{SPEC}num_speculative_tokens={max_k}: they run with K={max_k}", stacklevel=4)
+
+
+_NEEDS_SPECULATION = ("rejection_sampler_config", "dynamic_spec_config", "draft_window_size")
+
+
+def _warn_without_speculation(extra: Mapping) -> None:
+    """Warn about the ``additional_config`` keys that act on speculation when there is none."""
+    given = [EXTRA + k for k in _NEEDS_SPECULATION if extra.get(k) is not None]
+    if given:
+        warnings.warn(f"{given} have no effect without a speculative_config: nothing is drafted or verified",
+                      stacklevel=4)
 
 
 def _ngram_window(spec: Mapping, method: str) -> dict[str, Any]:

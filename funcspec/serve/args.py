@@ -6,12 +6,19 @@ effect here (``--gpu-memory-utilization 0.9``, ``--no-enable-prefix-caching``,
 ``--trust-remote-code``, ...) are accepted with ``LLM``'s one warning, and a
 flag that is no engine argument at all is refused by the same check as
 ``LLM(unknown=...)``. Nothing here imports FastAPI.
+
+The listening socket is bound before the model loads (a port in use fails at
+once), and the API key comes from ``--api-key``, else ``FUNCSPEC_API_KEY``,
+else vLLM's ``VLLM_API_KEY`` (an environment variable keeps it out of ``ps``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import socket
 import time
 from typing import Any, Optional
 
@@ -19,6 +26,10 @@ from funcspec.serve.protocol import MAX_BODY_BYTES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+"""Seconds a first SIGINT / SIGTERM lets the requests in flight finish. NOTE: vLLM's default is 0 (abort them at
+once); funcspec drains, as it always did, but no longer without limit."""
+API_KEY_SOURCES = ("--api-key", "FUNCSPEC_API_KEY", "VLLM_API_KEY")
 
 # Flags that become LLM(...) keywords when given (absent ones keep LLM's defaults).
 ENGINE_FLAGS = ("speculative_config", "max_num_seqs", "max_model_len", "dtype", "enforce_eager",
@@ -68,16 +79,67 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default=DEFAULT_HOST, help="default %(default)s (loopback only)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT)
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                             "$FUNCSPEC_API_KEY, else $VLLM_API_KEY; unset: no key)")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="the model name(s) requests may give (default: the model argument)")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one (default: the tokenizer's own)")
     server.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help="larger request bodies get 413 (default %(default)s)")
+    server.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                        help="seconds a first SIGINT/SIGTERM lets the requests in flight finish before they are ended "
+                             "with 503 (0: at once; a second signal ends them at once; default %(default)s)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     return p
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def api_key(flag: Optional[str], environ=os.environ) -> Optional[str]:
+    """The API key: ``--api-key``, else ``FUNCSPEC_API_KEY``, else ``VLLM_API_KEY``; ``None`` when none is set.
+
+    An empty key is refused (``--api-key "$KEY"`` with ``KEY`` unset would turn
+    authentication off without a word), and so is one no client can send in a
+    header: with spaces around it, or not printable ASCII.
+    """
+    for source, value in zip(API_KEY_SOURCES, (flag, *(environ.get(name) for name in API_KEY_SOURCES[1:]))):
+        if value is None:
+            continue
+        if not value:
+            raise ValueError(f"{source} is empty: give a key, or leave {source} unset to serve without one")
+        if value != value.strip() or not (value.isascii() and value.isprintable()):
+            raise ValueError(f"{source} must be printable ASCII without spaces around it (a header carries it)")
+        return value
+    return None
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to ``host:port`` (listening starts with uvicorn).
+
+    NOTE: bound before the model loads, so a port in use fails at once rather
+    than after minutes of loading; until uvicorn listens, connections are refused.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse a port in TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        hint = " (another process holds it: stop that, or choose another --port)" if err.errno == errno.EADDRINUSE \
+            else ""
+        raise SystemExit(f"funcspec serve: cannot listen on {host}:{port}: {err.strerror or err}{hint}") from None
+    return sock
 
 
 def extra_engine_args(tokens: list[str]) -> dict[str, Any]:
@@ -136,17 +198,20 @@ def chat_template(value: Optional[str]) -> Optional[str]:
 
 
 def main(argv: list[str]) -> None:
-    """``funcspec serve ...``: parse, build the engine as ``LLM(...)`` does, and serve it until interrupted."""
+    """``funcspec serve ...``: parse, bind the port, build the engine as ``LLM(...)`` does, and serve it until a
+    signal; exits 1 when the shutdown cut requests short (:class:`funcspec.serve.app.Shutdown`)."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         kwargs = engine_kwargs(args, extra_engine_args(rest))
+        key = api_key(args.api_key)
     except ValueError as err:
         parser.error(str(err))
     try:
         from funcspec.serve import app
     except ImportError as err:  # FastAPI, uvicorn or prometheus_client missing
         raise SystemExit(f"funcspec serve needs the serve extra (pip install 'funcspec[serve]'): {err}") from err
+    sock = listen(args.host, args.port)
     from funcspec import LLM
 
     # NOTE: a server must not stall a request on a compile, so its start-up also captures the logprobs graphs
@@ -157,10 +222,16 @@ def main(argv: list[str]) -> None:
     except ValueError as err:  # a bad flag value or an unknown flag: the message names it
         raise SystemExit(f"funcspec serve: {err}") from err
     names = tuple(args.served_model_name or [args.model])
-    settings = app.Settings(names, args.model, args.api_key, chat_template(args.chat_template),
-                            args.max_request_body_bytes)
+    settings = app.Settings(names, args.model, key, chat_template(args.chat_template), args.max_request_body_bytes)
     engine = llm.engine
+    host, port = sock.getsockname()[:2]
     print(f"funcspec serve: engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}, "
           f"max_num_seqs={engine.num_slots}, max_model_len={engine.max_model_len}); serving {list(names)} "
-          f"on http://{args.host}:{args.port}", flush=True)
-    app.run(app.build_app(engine, settings, on_shutdown=llm.close), args.host, args.port, args.uvicorn_log_level)
+          f"on http://{host}:{port}", flush=True)
+
+    def close() -> None:
+        llm.close()
+        print("funcspec serve: engine closed", flush=True)
+
+    raise SystemExit(app.run(app.build_app(engine, settings, on_shutdown=close), sock, args.uvicorn_log_level,
+                             args.shutdown_timeout))

@@ -17,8 +17,11 @@ event loop and back cost ~0.1 ms a step, and the loop's own work, streaming
 the last step's chunks, overlaps the next step instead of delaying it).
 
 A step that raises fails the requests it was running (each gets an error
-update: a 500) and the loop goes on with the rest; only when the engine cannot
-even drop those requests is it dead, and every request then fails.
+update: a 500 whose message is generic; the traceback goes to the log) and the
+loop goes on with the rest (a request the engine finished alone, with
+``finish_reason="error"``, is answered the same way); only when the engine cannot even drop those
+requests is it dead, and every request then fails. :meth:`EngineLoop.cut_off`
+ends every request at once with a 503 (the server is shutting down).
 
 Nothing here imports FastAPI: the loop is plain asyncio over the public
 engine API (``running``, ``step``'s outputs, each request's counters).
@@ -28,13 +31,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Optional
 
+log = logging.getLogger("funcspec.serve")
 
-class EngineDead(RuntimeError):
-    """The engine failed in a way that a request cannot be served any more (the server answers 503)."""
+STEP_FAILED = "the engine failed on a step this request was in (an internal error: the server's log has the details)"
+FAILED_ALONE = "the engine failed on this request's own work (an internal error: the server's log has the details)"
+DEAD = "the engine failed and cannot serve (an internal error: the server's log has the details)"
+
+
+class Unavailable(RuntimeError):
+    """The server takes no request now (it answers 503)."""
+
+
+class EngineDead(Unavailable):
+    """The engine failed in a way that a request cannot be served any more."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is shutting down: :meth:`EngineLoop.cut_off` ended the request, or refused it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +66,19 @@ class Finish:
     prompt_token_ids: tuple
     logprobs: Optional[tuple] = None  # CompletionOutput.logprobs, when the request asked
     prompt_logprobs: Optional[tuple] = None  # RequestOutput.prompt_logprobs, when the request asked
+    kv_transfer_params: Optional[dict] = None  # RequestOutput.kv_transfer_params: extract_hidden_states' file
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
-    """One step's news for one request: its new tokens, and its :class:`Finish` or error when it ended."""
+    """One step's news for one request: its new tokens, and its :class:`Finish` or error (a message for the client
+    and the HTTP ``status`` it is answered with) when it ended."""
 
     token_ids: tuple = ()
     finish: Optional[Finish] = None
     error: Optional[str] = None
     logprobs: Optional[tuple] = None  # CompletionOutput.logprobs of token_ids, when the request asked
+    status: int = 500
 
     @property
     def final(self) -> bool:
@@ -111,7 +132,7 @@ class Batch:
         while not update.final and len(self.request_ids) == 1 and not self.queue.empty():
             _, later = self.queue.get_nowait()
             lps = None if update.logprobs is None else update.logprobs + (later.logprobs or ())
-            update = Update(update.token_ids + later.token_ids, later.finish, later.error, lps)
+            update = Update(update.token_ids + later.token_ids, later.finish, later.error, lps, later.status)
         if update.final:
             self.open.discard(index)
         return index, update
@@ -181,6 +202,8 @@ class EngineLoop:
         self._aborts: set[str] = set()
         self._calls: list[tuple] = []  # (function, future): run in the engine thread between two steps
         self._stopping = False
+        self.closed: Optional[str] = None  # why cut_off ended every request (event loop only)
+        self.cut = 0  # requests cut_off ended or refused
         self._tracks: dict[str, _Track] = {}  # event loop only
         self._seen: dict[str, _Seen] = {}  # engine thread only
         # NOTE: one thread, always the same: the engine is driven by one caller, and torch's per-thread state
@@ -196,6 +219,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._engine_main, name="funcspec-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def event_loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        """The event loop :meth:`start` ran in (``None`` before)."""
+        return self._aloop
+
     async def stop(self) -> None:
         """Stop the engine thread; a step under way finishes first."""
         with self._lock:
@@ -208,10 +236,12 @@ class EngineLoop:
         """Queue ``prompts`` with ``params``; their :class:`Batch` once the engine took them all.
 
         Raises the engine's ``ValueError`` when it refuses one (then none of
-        them runs), :class:`EngineDead` when the engine is gone.
+        them runs), :class:`EngineDead` when the engine is gone, :class:`ShuttingDown` after :meth:`cut_off`.
         """
         if self.dead is not None:
-            raise EngineDead(f"the engine failed: {self.dead}")
+            raise EngineDead(DEAD)
+        if self.closed is not None:
+            raise ShuttingDown(self.closed)
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._jobs.append(_Job(list(prompts), params, arrival or time.perf_counter(), future))
@@ -248,6 +278,27 @@ class EngineLoop:
                 self._count_finish(track, "abort")
         self._queue_aborts(ids)
 
+    def cut_off(self, reason: str) -> None:
+        """End every request now, each with a 503 carrying ``reason`` (the server is shutting down), and refuse
+        later ones; the engine thread aborts them before its next step."""
+        self.closed = reason
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            self._refuse(job)
+        tracks, self._tracks = self._tracks, {}
+        for track in tracks.values():
+            track.batch.queue.put_nowait((track.index, Update(error=reason, status=503)))
+            self._count_finish(track, "abort")
+        self.cut += len(tracks)
+        self._queue_aborts(list(tracks))
+
+    def _refuse(self, job: _Job) -> None:
+        """Answer a job that :meth:`cut_off` stopped with :class:`ShuttingDown`."""
+        if not job.future.done():
+            job.future.set_exception(ShuttingDown(self.closed))
+            self.cut += 1
+
     def _queue_aborts(self, ids) -> None:
         """Have the engine thread abort ``ids`` before its next step."""
         if ids:
@@ -262,7 +313,8 @@ class EngineLoop:
             if err is not None:
                 if not job.future.done():
                     job.future.set_exception(err)
-            elif job.future.done():  # the handler went away while the engine took its requests
+            elif job.future.done() or self.closed is not None:  # the handler went away, or cut_off ran, meanwhile
+                self._refuse(job)
                 self._queue_aborts(ids)
             else:
                 n = job.params.n  # choice i is completion i % n of prompt i // n
@@ -307,8 +359,8 @@ class EngineLoop:
 
     def _die(self, err: BaseException, jobs: list[_Job]) -> None:
         """The engine is unusable: fail every live request and every queued job."""
-        self.dead = err
-        message = f"the engine failed and cannot serve: {err}"
+        log.error("the engine failed and cannot serve", exc_info=err)
+        self.dead, message = err, DEAD
         with self._lock:
             queued, self._jobs = self._jobs, []
             calls, self._calls = self._calls, []
@@ -379,8 +431,9 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 finished = engine.step()
-            except Exception as err:  # noqa: BLE001 (a failed step fails its requests, not the server)
-                result.updates = self._fail_step(err)
+            except Exception:  # noqa: BLE001 (a failed step fails its requests, not the server)
+                log.exception("an engine step failed: its requests get a 500")
+                result.updates = self._fail_step()
             else:
                 result.step_seconds = time.perf_counter() - t0
                 result.updates, result.spec, result.engine_tpot = self._collect(finished, result.step_seconds)
@@ -408,7 +461,7 @@ class EngineLoop:
         for rid in ids:
             self._seen.pop(rid, None)
 
-    def _fail_step(self, err: Exception) -> dict:
+    def _fail_step(self) -> dict:
         """A step raised: abort every request it may have touched (all but the waiting ones) and fail them.
 
         NOTE: the step may have finished some requests before it raised; their
@@ -417,8 +470,7 @@ class EngineLoop:
         waiting = {r.seq_id for r in self.engine.scheduler.waiting}
         failed = [rid for rid in self._seen if rid not in waiting]
         self._drop(failed)  # if this raises too, the engine is dead (_run)
-        message = f"the engine step failed: {type(err).__name__}: {err}"
-        return {rid: Update(error=message) for rid in failed}
+        return {rid: Update(error=STEP_FAILED) for rid in failed}
 
     def _collect(self, finished, seconds: float) -> tuple[dict, SpecDelta, list]:
         """Every request's new tokens since the last step, the finished ones' ends, the step's spec counts, and
@@ -450,9 +502,13 @@ class EngineLoop:
                                             done.metrics["num_accepted_tokens"]))
                 finish = Finish(done.finish_reason, done.stop_reason, done.text, tuple(done.token_ids),
                                 tuple(out.prompt_token_ids), _maybe_tuple(done.logprobs),
-                                _maybe_tuple(out.prompt_logprobs))
+                                _maybe_tuple(out.prompt_logprobs), out.kv_transfer_params)
                 lps = None if done.logprobs is None else tuple(done.logprobs[seen.tokens:])
-                updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
+                if done.finish_reason == "error":  # it failed alone: its client gets a 500, the log the reason
+                    log.error("request %s failed alone: %s", out.request_id, done.error)
+                    updates[key] = Update(error=FAILED_ALONE)
+                else:
+                    updates[key] = Update(tuple(done.token_ids[seen.tokens:]), finish, logprobs=lps)
         return updates, spec, engine_tpot
 
     @staticmethod

@@ -4,11 +4,13 @@ Pure functions over dicts (nothing here imports FastAPI): a route reads the
 body, calls :func:`completion_request` or :func:`chat_request`, and answers
 with the ``*_response`` / ``*_chunk`` shapes, which are vLLM's.
 
-Statuses: a body that is not JSON, or a field with a bad value, is 400
+Statuses: a body that is not JSON (or not Unicode text, or nested deeper
+than :data:`MAX_JSON_DEPTH`), or a field with a bad value, is 400
 (``BadRequestError``); a JSON body that is not a request at all (not an
 object, a required field missing, a field of the wrong kind) is 422; an unknown
 model 404; a body over the size limit 413. Sampling values are checked by
-:class:`~funcspec.SamplingParams` itself, whose messages name the field.
+:class:`~funcspec.SamplingParams` itself, whose messages name the field; an
+integer outside int64 is refused here first, as vLLM's API layer does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from funcspec.config.checks import is_int
 from funcspec.scheduler import Detokenizer
 
 MAX_BODY_BYTES = 4 << 20  # default limit on a request body: a larger one is refused (413) before it is parsed
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a request body may have (a real request has about 5 levels)."""
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""The range of every integer request field: the engine keeps them in int64 tensors (vLLM refuses a seed outside it)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate code point can get into a JSON string
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
@@ -60,6 +67,10 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
+INTERNAL_ERROR = "the server failed on this request (an internal error: the server's log has the details)"
+"""A 500's message: a server fault is answered without its internal text, which the server logs."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenRequest:
     """A validated ``/v1/completions`` or ``/v1/chat/completions`` request.
@@ -79,14 +90,46 @@ class GenRequest:
 
 # ------------------------------------------------------------------ parsing
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object: 400 if it is not JSON, 422 if it is JSON but not an object."""
+    """The request body as a JSON object: 400 if it is not JSON, nests deeper than :data:`MAX_JSON_DEPTH` or holds
+    text that is not Unicode (a lone surrogate such as ``"\\ud800"``); 422 if it is JSON but not an object."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except ValueError:  # NOTE: Python refuses to parse an integer of more than 4300 digits
+        raise APIError(400, "the request body is not valid JSON: a number has too many digits") from None
     if not isinstance(body, dict):
         raise APIError(422, f"the request body must be a JSON object, got {type(body).__name__}")
+    # NOTE: the walk costs a Python step per JSON value, so it runs only where the raw bytes say it can find something
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(raw):
+        for key, value in body.items():
+            _check_values(key, None, 1)
+            _check_values(value, key, 1)
     return body
+
+
+def _check_values(value: Any, field: Optional[str], depth: int) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings that are not Unicode text, naming the
+    top-level ``field`` that holds them (``None``: a top-level field's own name, never echoed). Such text would
+    fail later, in the tokenizer, a stop-string match or the response's JSON."""
+    where = field if field is not None else "a field name"
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"{where} nests arrays or objects deeper than {MAX_JSON_DEPTH} levels", field)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise APIError(400, f"{where} is not valid Unicode text: a lone surrogate \\u{ord(value[err.start]):04x} "
+                                f"at character {err.start}", field) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_values(key, field, depth + 1)
+            _check_values(item, field, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_values(item, field, depth + 1)
 
 
 def completion_request(body: dict) -> GenRequest:
@@ -164,17 +207,27 @@ def sampling_params(body: dict, default_max_tokens: Optional[int], logprobs: Any
                 raise APIError(400, "prompt_logprobs with stream: true is not served yet: leave one unset", name)
             kwargs[name] = value
     kwargs["max_tokens"] = body["max_tokens"] if body.get("max_tokens") is not None else default_max_tokens
+    for name, value in kwargs.items():
+        _check_int64(name, value)
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:
         raise bad_value(err) from err
 
 
+def _check_int64(name: str, value: Any) -> None:
+    """400 naming ``name`` for an integer (or an integer of a list) outside :data:`INT64`."""
+    for v in value if isinstance(value, list) else (value,):
+        if is_int(v) and not INT64[0] <= v <= INT64[1]:
+            raise APIError(400, f"{name} must be an integer in [-2**63, 2**63 - 1] (int64), got {v}", name)
+
+
 def bad_value(err: ValueError) -> APIError:
     """A funcspec ValueError as a 400: its message names the field (``SamplingParams.top_p must be ...``,
-    ``prompt must not be empty``); the request field is that name without the class prefix."""
+    ``prompt must not be empty``, vLLM's context-length sentence naming ``SamplingParams.max_tokens``); the
+    request field is the ``SamplingParams`` field it names, else its first word."""
     message = re.sub(r"^SamplingParams\.", "", str(err))
-    field = re.match(r"(\w+)", message)
+    field = re.search(r"SamplingParams\.(\w+)", str(err)) or re.match(r"(\w+)", message)
     return APIError(400, message, field.group(1) if field else None)
 
 
@@ -277,21 +330,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
-                      prompt_token_ids=None, logprobs=None, prompt_logprobs=None) -> dict:
+                      prompt_token_ids=None, logprobs=None, prompt_logprobs=None, kv_transfer_params=None) -> dict:
     """One choice of a completion (or of a streamed chunk: ``text`` is then the delta); ``logprobs`` and
-    ``prompt_logprobs`` are :func:`completion_logprobs`' and :func:`prompt_logprobs_json`'s."""
+    ``prompt_logprobs`` are :func:`completion_logprobs`' and :func:`prompt_logprobs_json`'s;
+    ``kv_transfer_params``: where ``extract_hidden_states`` saved this choice's prompt (None leaves it out)."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
+    if kv_transfer_params is not None:
+        choice["kv_transfer_params"] = kv_transfer_params
     return _with_ids(choice, token_ids, prompt_token_ids)
 
 
 def chat_choice(index: int, text: str, finish_reason=None, stop_reason=None, token_ids=None,
-                logprobs=None) -> dict:
-    """One choice of a chat completion (``logprobs``: :func:`chat_logprobs`')."""
+                logprobs=None, kv_transfer_params=None) -> dict:
+    """One choice of a chat completion (``logprobs``: :func:`chat_logprobs`'; ``kv_transfer_params`` as in
+    :func:`completion_choice`)."""
     choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason, "stop_reason": stop_reason}
+    if kv_transfer_params is not None:
+        choice["kv_transfer_params"] = kv_transfer_params
     return _with_ids(choice, token_ids, None)
 
 

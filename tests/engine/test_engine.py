@@ -66,12 +66,12 @@ def test_engine_keeps_state_between_calls(tiny_llama):
 
 def test_stop_token_ids_and_max_model_len(tiny_llama):
     eng = Engine(tiny_llama, max_batch_size=2, max_model_len=24)
-    free = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    free = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
     ids = free.outputs[0].token_ids
-    assert len(ids) == 24 - 3 and free.outputs[0].finish_reason == "length"  # max_model_len
+    assert len(ids) == 24 - 3 and free.outputs[0].finish_reason == "length"  # max_tokens=None: up to max_model_len
     stop_at = ids[5]
     first = ids.index(stop_at)
-    out = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_at],
+    out = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[stop_at],
                                                    ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ids[:first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at

@@ -138,3 +138,22 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["x"]))
     assert not eng.has_unfinished_requests()
+
+
+def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
+    """Per-step replay times are kept for the last ``WINDOW`` steps only (a server steps forever), per graph and
+    per bucket, while ``calls`` still counts every step; ``since`` gives what came after a mark."""
+    from funcspec.capture.window import WINDOW, Window
+
+    window = Window(4)
+    for x in range(10):
+        window.append(x)
+    assert list(window) == [6, 7, 8, 9] and window.total == 10
+    assert window.since(7) == [7, 8, 9] and window.since(2) == [6, 7, 8, 9] and window.since(10) == []
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64)
+    eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    (graph,) = eng.runner.compiled.values()
+    (bucket,) = eng.runner.replay_ms.values()
+    for kept in (graph.stats.replay_ms, bucket):
+        assert isinstance(kept, Window) and kept.maxlen == WINDOW and kept.total == len(kept) == 9
+    assert [g["calls"] for g in eng.stats["graphs"].values()] == [9]

@@ -48,3 +48,18 @@ def test_extract_needs_its_connector(tiny_llama, tmp_path):
             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids: \[9\]"):
         funcspec.LLM(model=tiny_llama, speculative_config=far, kv_transfer_config=good)
+
+
+def test_a_restarted_engine_never_overwrites_earlier_files(tiny_llama, tmp_path):
+    """Request ids start over in every process; a part drawn once per engine keeps the file names apart."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1]}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    paths = []
+    for _ in range(2):  # a server and its restart
+        llm = funcspec.LLM(model=tiny_llama, speculative_config=spec, kv_transfer_config=kv, enforce_eager=True)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0]
+        paths.append(out.kv_transfer_params["hidden_states_path"])
+        assert paths[-1].startswith(str(tmp_path / f"{out.request_id}-"))
+    assert paths[0] != paths[1] and sorted(str(p) for p in tmp_path.iterdir()) == sorted(paths)

@@ -520,7 +520,7 @@ def test_a_directory_in_no_known_layout_says_what_was_found(cases, tmp_path):
         _load("eagle3", tmp_path / "peagle", cases["eagle3_bin"].target)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"empty: no weight file; looked for .*pytorch_model.bin"):
+    with pytest.raises(FileNotFoundError, match=r"empty: no weight file; looked for \*\.safetensors .*\*\.bin"):
         _load("eagle3", tmp_path / "empty", cases["eagle3_bin"].target)
 
 

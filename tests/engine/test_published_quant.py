@@ -313,6 +313,29 @@ def test_bad_files_name_what_is_wrong(written, tmp_path, case, edit, message):
         load_model(path)
 
 
+def test_msmodelslim_file_names_are_found(written, tmp_path):
+    """msmodelslim's older output names its files ``quant_model_weight_w8a8.safetensors`` and
+    ``quant_model_description_w8a8.json``: read as the same model as under funcspec's names; two descriptions are
+    refused, naming both."""
+    import shutil
+
+    src, dst = written("ascend-w8a8"), tmp_path / "modelslim"
+    dst.mkdir()
+    for f in src.iterdir():
+        renamed = {"model.safetensors": "quant_model_weight_w8a8.safetensors",
+                   "quant_model_description.json": "quant_model_description_w8a8.json"}.get(f.name, f.name)
+        shutil.copy(f, dst / renamed)
+    want, got = load_model(src), load_model(dst)
+    assert got.quantization.where.endswith("quant_model_description_w8a8.json")
+    for module in LINEARS:
+        a, b = _linear(want.params, module), _linear(got.params, module)
+        assert torch.equal(formats.dequantize(a, torch.float64), formats.dequantize(b, torch.float64)), module
+    shutil.copy(dst / "quant_model_description_w8a8.json", dst / "quant_model_description.json")
+    with pytest.raises(ValueError, match=r"modelslim: several vLLM-Ascend descriptions \(\['quant_model_description"
+                                         r"\.json', 'quant_model_description_w8a8\.json'\]\)"):
+        load_model(dst)
+
+
 def test_a_group_size_the_kernel_does_not_run_is_named(sources, tmp_path):
     path = qw.write_gptq(sources / "llama", tmp_path / "g16", group=16)
     with pytest.raises(ValueError, match=rf"{Q}: quantized weight \[128, 128\]: .*group size a multiple of 32 "

@@ -130,3 +130,27 @@ def test_bench_runtime_splits_a_step_into_graph_and_host(tiny_llama):
     assert [m[0] for m in runtime.models(["zoo"])] == ["zoo-eagle3", "zoo-ar"]
     with pytest.raises(ValueError, match="--models: 'gpt5' is neither 'zoo' nor a bench scale shape"):
         runtime.models(["gpt5"])
+
+
+def test_bench_runtime_contention_pairs_quiet_and_busy_runs():
+    """A contention row's slowdown is the median of each quiet/busy pair's ratio; the report names every setting's
+    environment; other work's share is the machine's busy time less this process's and its children's."""
+    import os
+    import statistics
+
+    from funcspec.bench import runtime
+    from funcspec.bench.scale import machine_info
+
+    children = [{"quiet": [1000.0, 900.0], "busy": [500.0, 100.0], "others": [0.0] * 4},
+                {"quiet": [800.0, 1200.0], "busy": [400.0, 300.0], "others": [0.1, 0.0, 0.2, 0.0]}]
+    row = runtime._contention_row("spin", {"GOMP_SPINCOUNT": "1000"}, children)
+    assert row["slowdown"] == statistics.median([2.0, 9.0, 2.0, 4.0]) and row["slowdown_range"] == [2.0, 9.0]
+    assert (row["quiet_tokens_per_s"], row["busy_tokens_per_s"], row["others_median"]) == (950.0, 350.0, 0.0)
+    result = {"machine": machine_info(), "rows": [], "threads": 2, "max_tokens": 8,
+              "contention": {"busy": 2, "rounds": 2, "max_tokens": 8, "pairs": 2, "rows": [row]}}
+    text = runtime.markdown(result)
+    assert "| spin | GOMP_SPINCOUNT=1000 | 950 (800-1200) | 350 (100-500) | 3.0x (2.0-9.0) | 0% |" in text
+    assert "| model |" not in text  # no model rows: no table for them
+    # (wall s, machine busy CPU s, ours): 2 s of wall, 3 CPU s busy of which 1 ours -> 2 CPU s of others
+    assert runtime._others_share((10.0, 100.0, 5.0), (12.0, 103.0, 6.0)) == pytest.approx(2 / (2 * os.cpu_count()))
+    assert runtime._others_share((0.0, 0.0, 0.0), (1.0, 1.0, 2.0)) == 0.0  # never below 0

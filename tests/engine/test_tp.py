@@ -274,18 +274,19 @@ def test_a_dying_rank_stops_the_group_with_an_error_not_a_hang(tp_models):
 
 
 def test_only_rank_0_writes_extracted_hidden_states(tmp_path):
-    """Every rank names the same file; a rank other than 0 does not write it (they would race on it)."""
+    """A rank other than 0 names a file but does not write it (ranks would race on one file); rank 0 writes the file
+    its outputs name."""
     from types import SimpleNamespace
 
     from funcspec.extract import HiddenStateDump
 
     reqs = [SimpleNamespace(request_id="7", extra={})]
     tokens, hiddens = torch.tensor([[3, 4, 0]]), (torch.ones(1, 3, 2),)
-    HiddenStateDump((0,), tmp_path, write=False)(reqs, tokens, [2], hiddens)
-    assert reqs[0].extra == {"kv_transfer_params": {"hidden_states_path": str(tmp_path / "7.safetensors")}}
+    HiddenStateDump((0,), tmp_path, write=False, run="r1")(reqs, tokens, [2], hiddens)
+    assert reqs[0].extra == {"kv_transfer_params": {"hidden_states_path": str(tmp_path / "7-r1.safetensors")}}
     assert not list(tmp_path.iterdir())
-    HiddenStateDump((0,), tmp_path)(reqs, tokens, [2], hiddens)
-    assert [p.name for p in tmp_path.iterdir()] == ["7.safetensors"]
+    HiddenStateDump((0,), tmp_path, run="r1")(reqs, tokens, [2], hiddens)
+    assert [p.name for p in tmp_path.iterdir()] == ["7-r1.safetensors"]
 
 
 class DeadRank:

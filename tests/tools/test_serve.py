@@ -30,7 +30,7 @@ pytest.importorskip("fastapi")
 from funcspec import LLM, SamplingParams, zoo  # noqa: E402
 from funcspec.serve import protocol as P  # noqa: E402
 from funcspec.serve.args import build_parser, engine_kwargs, extra_engine_args  # noqa: E402
-from funcspec.serve.loop import EngineLoop  # noqa: E402
+from funcspec.serve.loop import FAILED_ALONE, STEP_FAILED, EngineLoop  # noqa: E402
 from funcspec.serve.metrics import samples  # noqa: E402
 
 KEY = "test-key"
@@ -311,7 +311,8 @@ def test_engine_abort_request_frees_the_slot(llm):
     assert outs[0].outputs[0].token_ids == _solo(llm, PROMPTS[1], **GREEDY).outputs[0].token_ids
 
 
-def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(llm, monkeypatch):
+def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(llm, monkeypatch, caplog):
+    """The failed requests get a 500 with a generic message (no internal text); the traceback goes to the log."""
     engine, real_step, calls = llm.engine, llm.engine.step, []
 
     def step():
@@ -339,9 +340,48 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(llm, monkeypatc
 
     loop = EngineLoop(engine)
     failed, served = asyncio.run(main())
-    assert "injected" in failed[-1].error and loop.dead is None and not engine.has_unfinished_requests()
+    assert (failed[-1].error, failed[-1].status) == (STEP_FAILED, 500) and "injected" not in failed[-1].error
+    assert "RuntimeError: injected" in caplog.text and loop.dead is None and not engine.has_unfinished_requests()
     assert list(served[-1].finish.token_ids) == _solo(llm, PROMPTS[0], **GREEDY).outputs[0].token_ids
     assert [t for u in served for t in u.token_ids] == list(served[-1].finish.token_ids)
+
+
+def test_a_request_that_fails_alone_gets_a_500_and_the_others_run_on(llm, monkeypatch, caplog):
+    """A request the engine finished with ``finish_reason="error"`` (its own stop rule raised) is answered as an
+    error with a generic message, its reason in the log; the request beside it streams its solo tokens."""
+    engine, real_add = llm.engine, llm.engine.add_request
+
+    class Failing:
+        def feed(self, chunk):
+            raise RuntimeError("stop rule failed")
+
+    def add_request(prompt, params, *args, **kwargs):
+        rid = real_add(prompt, params, *args, **kwargs)
+        if params.stop:  # the poisoned one
+            engine.scheduler.waiting[-1].stops = Failing()
+        return rid
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    ids = [{"prompt_token_ids": llm.get_tokenizer()(p)["input_ids"]} for p in PROMPTS[:2]]
+
+    async def run(prompt, params):
+        batch = await loop.submit([prompt], params)
+        return [u async for _, u in batch]
+
+    async def main():
+        loop.start()
+        try:
+            return await asyncio.gather(run(ids[0], SamplingParams(**GREEDY, stop=["never"])),
+                                        run(ids[1], SamplingParams(**GREEDY)))
+        finally:
+            await loop.stop()
+
+    loop = EngineLoop(engine)
+    with pytest.warns(UserWarning, match="stop rule failed"):
+        failed, served = asyncio.run(main())
+    assert (failed[-1].error, failed[-1].status) == (FAILED_ALONE, 500) and "stop rule" not in failed[-1].error
+    assert "RuntimeError: stop rule failed" in caplog.text and loop.dead is None
+    assert list(served[-1].finish.token_ids) == _solo(llm, PROMPTS[1], **GREEDY).outputs[0].token_ids
 
 
 # ------------------------------------------------------------- pure parts
@@ -375,6 +415,55 @@ def test_streamed_text_holds_back_what_a_stop_string_may_cut(llm):
     sent = "".join(stream.feed([t]) for t in ids[:last])
     assert sent == before[:-3] and final.startswith(sent)
     assert sent + stream.finish(final) == final == "import os, sys "
+
+
+def test_a_server_fault_is_a_generic_500_on_a_connection_that_stays_open(llm, caplog):
+    """A route that raises answers OpenAI's 500 without the exception's text, logs its traceback once, and the next
+    request on the same keep-alive connection is served (Starlette's own handler re-raised: uvicorn closed it)."""
+    import http.client
+    import threading
+
+    import uvicorn
+
+    from funcspec.serve import app as server_app
+
+    app = server_app.build_app(llm.engine, server_app.Settings(("zoo",), "zoo"))
+
+    @app.get("/v1/fault")
+    async def fault():
+        raise KeyError("internal detail")
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        conn = http.client.HTTPConnection(*sock.getsockname()[:2], timeout=10)
+        conn.request("GET", "/v1/fault")
+        response = conn.getresponse()
+        assert response.status == 500 and json.loads(response.read()) == {"error": {
+            "message": P.INTERNAL_ERROR, "type": "InternalServerError", "param": None, "code": 500}}
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert caplog.text.count("Traceback") == 1 and "KeyError: 'internal detail'" in caplog.text
+
+
+def test_a_stream_that_raises_still_ends_with_an_error_event_and_done():
+    from funcspec.serve.app import _guarded
+
+    async def events():
+        yield "data: first\n\n"
+        raise KeyError("internal detail")
+
+    async def collect():
+        return [e async for e in _guarded(events())]
+
+    assert asyncio.run(collect()) == ["data: first\n\n", P.sse(P.APIError(500, P.INTERNAL_ERROR).body()) + P.DONE]
 
 
 def test_the_core_package_never_imports_the_server_stack():

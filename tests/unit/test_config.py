@@ -136,10 +136,13 @@ def test_guide_dynamic_sd_eagle(draft):
 
 
 def test_guide_dynamic_sd_eagle3_clamps_to_num_speculative_tokens(draft):
-    cfg = SpecConfig.from_vllm(
-        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3,
-         "num_speculative_tokens_per_batch_size": GUIDE_EAGLE3_TABLE}
-    )
+    capped = r"entries \[\[1, 16, 5\], \[17, 32, 4\]\] ask for more drafts than " \
+             r"speculative_config.num_speculative_tokens=3: they run with K=3"
+    with pytest.warns(UserWarning, match=capped):  # vLLM caps them without a word
+        cfg = SpecConfig.from_vllm(
+            {"method": "eagle3", "model": draft, "num_speculative_tokens": 3,
+             "num_speculative_tokens_per_batch_size": GUIDE_EAGLE3_TABLE}
+        )
     # The table asks for 5 and 4 at low concurrency; K never exceeds num_speculative_tokens.
     lookups = {1: 3, 16: 3, 17: 3, 32: 3, 33: 3, 64: 3, 65: 1, 128: 1, 129: 0, 512: 0}
     assert {bs: cfg.k_for_batch_size(bs) for bs in lookups} == lookups
@@ -226,6 +229,27 @@ def test_k_from_draft_n_predict(draft):
     assert SpecConfig.from_vllm({"method": "medusa", "model": draft}).num_speculative_tokens == 4
 
 
+def test_mtp_k_from_num_nextn_predict_layers(draft, tmp_path):
+    """vLLM's MTP K, when num_speculative_tokens is absent: the MTP checkpoint's num_nextn_predict_layers (its
+    n_predict), read from the draft directory, else from the target's own checkpoint."""
+    from funcspec import zoo
+
+    assert SpecConfig.from_vllm({"method": "mtp", "model": str(zoo.model_path("mtp"))}).num_speculative_tokens == 1
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 2}))
+    assert SpecConfig.from_vllm({"method": "mtp"}, target=str(target)).num_speculative_tokens == 2
+    assert SpecConfig.from_vllm({"method": "mtp", "num_speculative_tokens": 3},
+                                target=str(target)).num_speculative_tokens == 3  # a given K wins
+    with open(f"{draft}/config.json", "w") as f:
+        json.dump({"n_predict": 4}, f)  # not an MTP checkpoint's key
+    with pytest.raises(ValueError, match=r"^speculative_config.num_speculative_tokens is required for method 'mtp' "
+                                         r"\(its checkpoint's config.json gives no num_nextn_predict_layers\)$"):
+        SpecConfig.from_vllm({"method": "mtp", "model": draft})
+    with pytest.raises(ValueError, match="^speculative_config.num_speculative_tokens is required for method 'mtp'$"):
+        SpecConfig.from_vllm({"method": "mtp"})  # no target to read
+
+
 def test_corrupt_draft_config_json_is_named(draft):
     """A draft config.json that vLLM's fallbacks read (the method from its layout, K from n_predict) and that does
     not parse is an error naming the file, not a guess ("draft_model") or "num_speculative_tokens is required"."""
@@ -253,7 +277,9 @@ def test_draft_model_is_built(draft):
 
 def test_no_speculative_config_gives_none():
     assert SpecConfig.from_vllm(None) is None
-    assert SpecConfig.from_vllm(None, {"rejection_sampler_config": {}}) is None
+    with pytest.warns(UserWarning, match=r"\['additional_config.rejection_sampler_config'\] have no effect without "
+                                         r"a speculative_config"):
+        assert SpecConfig.from_vllm(None, {"rejection_sampler_config": {}}) is None
     # additional_config is still validated.
     with pytest.raises(ValueError, match="posterior_alpha"):
         SpecConfig.from_vllm(None, {"rejection_sampler_config": {"posterior_alpha": -1}})
@@ -335,10 +361,11 @@ def test_vllm_ascend_table_boundaries_and_gaps(bs, k):
 
 
 def test_table_k_is_clamped_and_unsorted_table_is_sorted():
-    cfg = SpecConfig.from_vllm(
-        {"method": "ngram", "num_speculative_tokens": 3,
-         "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 16, 4]]}
-    )
+    with pytest.warns(UserWarning, match=r"entries \[\[1, 16, 4\]\] ask for more drafts"):
+        cfg = SpecConfig.from_vllm(
+            {"method": "ngram", "num_speculative_tokens": 3,
+             "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 16, 4]]}
+        )
     assert cfg.num_speculative_tokens_per_batch_size == ((1, 16, 4), (17, 32, 1))
     assert [cfg.k_for_batch_size(bs) for bs in (1, 16, 17, 99)] == [3, 3, 1, 1]
 
@@ -604,7 +631,7 @@ def test_sampling_params_normalisation():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"temperature": -0.1}, "SamplingParams.temperature must be >= 0"),
+        ({"temperature": -0.1}, r"SamplingParams.temperature must be in \[0, 3.40282e\+38\], got -0.1"),
         ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number"),
         ({"top_p": 0.0}, r"SamplingParams.top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, "SamplingParams.top_p"),

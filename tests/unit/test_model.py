@@ -143,6 +143,62 @@ def test_sharded_checkpoint_loads(tmp_path):
         assert ka == kb and torch.equal(va, vb)
 
 
+def _same_params(a, b) -> bool:
+    fa, fb = sorted(flatten(a.params).items()), sorted(flatten(b.params).items())
+    return [k for k, _ in fa] == [k for k, _ in fb] and all(torch.equal(x, y) for (_, x), (_, y) in zip(fa, fb))
+
+
+def _renamed_shards(src, dst, stem: str):
+    """``src``'s transformers shards and index copied to ``dst`` under ``stem`` (msmodelslim's naming):
+    ``{stem}-0000i-of-0000n.safetensors`` and ``{stem}.safetensors.index.json``."""
+    import shutil
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    names = {f: f.replace("model", stem, 1) for f in set(index["weight_map"].values())}
+    for old, new in names.items():
+        shutil.copy(src / old, dst / new)
+    index["weight_map"] = {k: names[f] for k, f in index["weight_map"].items()}
+    (dst / f"{stem}.safetensors.index.json").write_text(json.dumps(index))
+    return names
+
+
+def test_weight_files_are_found_as_vllm_finds_them(tmp_path):
+    """Every ``*.safetensors`` file, narrowed to those a ``*.safetensors.index.json`` lists, else every ``*.bin``
+    likewise (vLLM's loader): renamed files, msmodelslim's shard names beside a stray copy, and a pickle beside
+    training state all load the params of the original ``model.safetensors``."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf_model(tmp_path / "a")
+    want = load_model(tmp_path / "a")
+    state = load_file(str(tmp_path / "a" / "model.safetensors"))
+    config = (tmp_path / "a" / "config.json").read_text()
+    for name in ("renamed", "bin"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+    save_file(state, str(tmp_path / "renamed" / "weights.safetensors"))
+    torch.save(state, tmp_path / "bin" / "model_weights.bin")
+    torch.save({"step": 3}, tmp_path / "bin" / "training_args.bin")  # not weights: never read
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="20KB")
+    names = _renamed_shards(tmp_path / "sharded", tmp_path / "modelslim", "quant_model_weights")
+    assert len(names) > 1
+    save_file({"junk": torch.zeros(1)}, str(tmp_path / "modelslim" / "consolidated.safetensors"))  # not indexed
+    for name in ("renamed", "bin", "modelslim"):
+        assert _same_params(load_model(tmp_path / name), want), name
+
+    (tmp_path / "modelslim" / sorted(names.values())[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{sorted(names.values())[-1]}: shard listed in "
+                                                r"quant_model_weights.safetensors.index.json is missing"):
+        load_model(tmp_path / "modelslim")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(config)
+    with pytest.raises(FileNotFoundError, match=r"empty: no weight file; looked for \*\.safetensors \(narrowed by "
+                                                r"\*\.safetensors\.index\.json\), \*\.bin \(narrowed by "
+                                                r"\*\.bin\.index\.json\)$"):
+        load_model(tmp_path / "empty")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_attention_heads": 64, "hidden_size": 32}, r"head_dim is 0 \(hidden_size=32 // num_attention_heads=64\)"),
     ({"hidden_size": 0}, r"decoder fields \['hidden_size'\] must be positive \(layers: >= 0\), got \[0\]"),

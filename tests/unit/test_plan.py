@@ -152,3 +152,21 @@ def test_a_symbolic_batch_only_where_no_product_picks_its_path_by_the_row_count(
                     max_model_len=100, batch_buckets=None, context_buckets=None, capture="lazy")
     assert p.bucket_plan.symbolic_batch is symbolic
     assert [p.bucket_plan.graph_batch(b) for b in (1, 2, 4)] == ([1, 0, 0] if symbolic else [1, 2, 4])
+
+
+def test_max_model_len_above_the_models_maximum_is_refused_naming_both(monkeypatch):
+    """vLLM's rule: a max_model_len above max_position_embeddings (times a linear RoPE factor) is refused unless
+    FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN), which only warns."""
+    monkeypatch.delenv("FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert plan(max_model_len=256).max_model_len == 256  # the maximum itself
+    with pytest.raises(ValueError, match=r"^max_model_len=257 is above this model's maximum context of 256 tokens "
+                                         r"\(max_position_embeddings in its config.json\).*"
+                                         r"set FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN=1 to run it anyway$"):
+        plan(max_model_len=257)
+    stretched = dataclasses.replace(CFG, rope_scaling=(("factor", 2.0), ("rope_type", "linear")))
+    assert plan_engine(None, stretched, REFERENCE, backend="eager", device="cpu", dtype=torch.float32,
+                       max_batch_size=1, max_model_len=512, batch_buckets=None, context_buckets=None,
+                       capture="startup").max_model_len == 512
+    monkeypatch.setenv("FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with pytest.warns(UserWarning, match="allowed by FUNCSPEC_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        assert plan(max_model_len=300).max_model_len == 300

@@ -1,0 +1,509 @@
+"""The speculative decoding guide's 23 examples, run on the zoo as a user of the guide runs them.
+
+Each example is copied here as the guide prints it (the ``LLM(...)`` call as
+Python source, the ``vllm serve`` line as shell text; the tests cannot read the
+guide) and run with its model names replaced by zoo checkpoints (:data:`ZOO`)
+and one change for speed: the eager backend. The guide's numbering is the
+issue's: the 11 ``LLM(...)`` calls, the 11 ``vllm serve`` lines and the
+``--speculative-config`` schema in order (17 is the schema), plus 24, the newer
+guide's adaptive-verification line. A ``vllm serve`` line is parsed by
+``funcspec serve``'s own parser into ``LLM``'s arguments, which are checked and
+run; examples 2 and 15 are also served and queried.
+
+Where an example cannot run on the zoo as written, the test says why and
+proves it: it asserts funcspec's refusal of the value as written, then runs the
+example scaled down to the zoo (the other values as the guide has them):
+
+- 4, 5: ``tensor_parallel_size`` 4: the zoo target has 2 KV heads (run at 2);
+- 6, 7: DeepSeek-V3.2 (MLA, MoE, tensor-parallel 16, ``quantization="ascend"``):
+  funcspec cannot run that architecture until issues 41 (mixture of experts)
+  and 42 (the DeepSeek family) land; the MTP example runs on the zoo target and
+  its MTP head;
+- 8-11, 16: ``max_model_len`` 4096 is above the zoo's 2048 (run at 2048; 9 at
+  256, since its 256 slots of 2048 positions would hold 2 GB of KV cache);
+- 14, 15: hidden-state layers 18 and 34 of a 36-layer model: the zoo target has
+  4 (layers 2, 3, 4 instead);
+- 20, 23: the guide's JSON is broken (backslashes before line ends inside a
+  single-quoted argument, which the shell keeps): the parser's error names the
+  flag; with the backslashes removed, they run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import warnings
+
+import pytest
+from safetensors import safe_open
+
+from funcspec import LLM, SamplingParams, zoo
+from funcspec.checkpoints import init_draft_head
+from funcspec.config import CompilationConfig
+from funcspec.serve.args import build_parser, engine_kwargs, extra_engine_args
+from served import Served, post
+
+PROMPTS = ["The future of AI is"]
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.95)  # the guide's; max_tokens 16, as vLLM's default
+GREEDY = {"temperature": 0, "max_tokens": 16}
+EAGLE = "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"  # the zoo has no EAGLE-1 head: a random one stands in (fixture)
+ZOO = {  # the guide's model names -> the zoo role standing in for each
+    "path/to/target/model": "target", "meta-llama/Meta-Llama-3.1-8B-Instruct": "target",
+    "meta-llama/Llama-3.1-8B-Instruct": "target", "Qwen/Qwen3-8B": "target", "<model>": "target",
+    "path/to/draft/model": "eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": "eagle3",
+    "z-lab/Qwen3-8B-DFlash-b16": "dflash", "deepseek-ai/dspark_qwen3_8b_block7": "dspark",
+}
+
+LLM_EXAMPLES = {
+    1: '''LLM(
+    model="path/to/target/model",
+    speculative_config={
+        "method": "eagle3",
+        "model": "path/to/draft/model",
+        "num_speculative_tokens": 3,
+    },
+)''',
+    3: '''LLM(
+      model="meta-llama/Meta-Llama-3.1-8B-Instruct",
+      tensor_parallel_size=1,
+      speculative_config={
+          "method": "ngram",
+          "num_speculative_tokens": 5,
+          "prompt_lookup_max": 4,
+      },
+  )''',
+    4: '''LLM(
+      model="meta-llama/Meta-Llama-3.1-8B-Instruct",
+      tensor_parallel_size=4,
+      distributed_executor_backend="mp",
+      enforce_eager=True,
+      speculative_config={
+          "method": "eagle",
+          "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+          "draft_tensor_parallel_size": 1,
+          "num_speculative_tokens": 2,
+      },
+  )''',
+    6: '''LLM(
+      model="deepseek-ai/DeepSeek-V3.2-Exp-W8A8",
+      tensor_parallel_size=16,
+      enable_expert_parallel=True,
+      max_model_len=36768,
+      max_num_seqs=10,
+      quantization="ascend",
+      trust_remote_code=True,
+      gpu_memory_utilization=0.9,
+      compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"},
+      speculative_config={
+          "method": "mtp",
+          "num_speculative_tokens": 2,
+          "disable_padded_drafter_batch": False,
+      },
+  )''',
+    8: '''LLM(
+      model="Qwen/Qwen3-8B",
+      tensor_parallel_size=1,
+      distributed_executor_backend="mp",
+      max_model_len=4096,
+      max_num_seqs=16,
+      gpu_memory_utilization=0.8,
+      enable_prefix_caching=False,
+      speculative_config={
+          "method": "dflash",
+          "model": "z-lab/Qwen3-8B-DFlash-b16",
+          "num_speculative_tokens": 7,
+      },
+      compilation_config=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"),
+  )''',
+    10: '''LLM(
+      model="Qwen/Qwen3-8B",
+      tensor_parallel_size=1,
+      distributed_executor_backend="mp",
+      max_model_len=4096,
+      max_num_seqs=8,
+      gpu_memory_utilization=0.8,
+      enable_prefix_caching=False,
+      speculative_config={
+          "method": "dspark",
+          "model": "deepseek-ai/dspark_qwen3_8b_block7",
+          "num_speculative_tokens": 7,
+          "enforce_eager": True,
+      },
+      compilation_config=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"),
+  )''',
+    12: '''LLM(
+    model="meta-llama/Meta-Llama-3.1-8B-Instruct",
+    tensor_parallel_size=1,
+    enforce_eager=True,
+    speculative_config={
+        "method": "suffix",
+        "num_speculative_tokens": 15,
+    },
+)''',
+    14: '''LLM(
+              model="Qwen/Qwen3-8B",
+              tensor_parallel_size=1,
+              speculative_config={
+                  "method": "extract_hidden_states",
+                  "num_speculative_tokens": 1,
+                  "draft_model_config": {
+                      "hf_config": {
+                          # Layer indices to extract hidden states from
+                          "eagle_aux_hidden_state_layer_ids": [2, 18, 34],
+                      }
+                  },
+              },
+              kv_transfer_config={
+                  "kv_connector": "ExampleHiddenStatesConnector",
+                  "kv_role": "kv_producer",
+                  "kv_connector_extra_config": {
+                      "shared_storage_path": tmpdir,
+                  },
+              },
+          )''',
+    16: '''LLM(
+    model="Qwen/Qwen3-8B",
+    tensor_parallel_size=1,
+    distributed_executor_backend="mp",
+    max_model_len=4096,
+    max_num_seqs=8,
+    gpu_memory_utilization=0.8,
+    enable_prefix_caching=False,
+    speculative_config={
+        "method": "dspark",
+        "model": "deepseek-ai/dspark_qwen3_8b_block7",
+        "num_speculative_tokens": 7,
+    },
+    additional_config={
+        "dynamic_spec_config": {
+            "method": "dspark",
+            "method_params": {
+                "initial_verify_budget_per_req": 5,
+                "budget_update_interval": 50,
+                "budget_threshold": 0.7,
+            },
+        },
+    },
+    compilation_config=CompilationConfig(cudagraph_mode="FULL"),
+)''',
+    21: '''LLM(
+      model,
+      additional_config={
+          "rejection_sampler_config": {
+              "enable_block_verify": True,
+              "enable_entropy_verify": True,
+              "posterior_threshold": 0.95,
+              "posterior_alpha": 0.4,
+          }
+      },
+  )''',
+    22: '''LLM(
+    model="path/to/target/model",
+    speculative_config={
+        "method": "eagle3",
+        "model": "path/to/draft/model",
+        "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.9, 0.6, 0.3],
+    },
+)''',
+}
+
+SERVE_EXAMPLES = {
+    2: '''vllm serve path/to/target/model \\
+  --speculative-config '{"method": "eagle3", "model": "path/to/draft/model", "num_speculative_tokens": 3}\'''',
+    5: '''vllm serve meta-llama/Meta-Llama-3.1-8B-Instruct \\
+    --tensor-parallel-size 4 \\
+    --enforce-eager \\
+    --speculative-config '{"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "draft_tensor_parallel_size": 1, "num_speculative_tokens": 2}\'''',  # noqa: E501
+    7: '''vllm serve /deepseek-ai/DeepSeek-V3.2-Exp-W8A8 \\
+  --port 20004 \\
+  --data-parallel-size 1 \\
+  --tensor-parallel-size 16 \\
+  --enable-expert-parallel \\
+  --seed 1024 \\
+  --served-model-name dsv3 \\
+  --max-model-len 36768 \\
+  --max-num-batched-tokens 5000 \\
+  --max-num-seqs 10 \\
+  --quantization ascend \\
+  --trust-remote-code \\
+  --gpu-memory-utilization 0.9 \\
+  --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}' \\
+  --speculative-config '{"num_speculative_tokens": 2, "method":"mtp", "disable_padded_drafter_batch": false}\'''',
+    9: '''vllm serve Qwen/Qwen3-8B \\
+    --tensor-parallel-size 1 \\
+    --max-model-len 4096 \\
+    --max-num-seqs 256 \\
+    --gpu-memory-utilization 0.8 \\
+    --no-enable-prefix-caching \\
+    --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}' \\
+    --speculative-config '{"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 7}\'''',
+    11: '''vllm serve Qwen/Qwen3-8B \\
+    --tensor-parallel-size 1 \\
+    --max-model-len 4096 \\
+    --max-num-seqs 8 \\
+    --gpu-memory-utilization 0.8 \\
+    --no-enable-prefix-caching \\
+    --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}' \\
+    --speculative-config '{"method": "dspark", "model": "deepseek-ai/dspark_qwen3_8b_block7", "num_speculative_tokens": 7, "enforce_eager": true}\'''',  # noqa: E501
+    13: '''vllm serve meta-llama/Meta-Llama-3.1-8B-Instruct \\
+    --tensor-parallel-size 1 \\
+    --enforce-eager \\
+    --speculative-config '{"method": "suffix", "num_speculative_tokens": 15}\'''',
+    15: '''vllm serve Qwen/Qwen3-8B \\
+    --tensor-parallel-size 1 \\
+    --speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 18, 34]}}}' \\
+    --kv-transfer-config '{"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/hidden_states"}}\'''',  # noqa: E501
+    18: '''vllm serve meta-llama/Llama-3.1-8B-Instruct \\
+  --speculative-config '{
+    "method": "eagle",
+    "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+    "num_speculative_tokens": 3,
+    "num_speculative_tokens_per_batch_size": [
+      [1, 64, 3],
+      [65, 128, 1],
+      [129, 512, 0]
+    ]
+  }\'''',
+    19: '''vllm serve meta-llama/Llama-3.1-8B-Instruct \\
+  --speculative-config '{
+    "method": "eagle3",
+    "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    "num_speculative_tokens": 3,
+    "num_speculative_tokens_per_batch_size": [
+      [1, 16, 5],
+      [17, 32, 4],
+      [33, 64, 3],
+      [65, 128, 1],
+      [129, 512, 0]
+    ]
+  }\'''',
+    20: '''vllm serve <model> --additional-config \\
+      '{"rejection_sampler_config": {"enable_block_verify": true, \\
+      "enable_entropy_verify": true, "posterior_threshold": 0.95, \\
+      "posterior_alpha": 0.4}}\'''',
+    23: '''vllm serve path/to/target/model \\
+  --speculative-config '{"method": "eagle3", "model": "path/to/draft/model", \\
+    "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", \\
+    "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}\'''',
+    24: '''VLLM_USE_V2_MODEL_RUNNER=1 vllm serve Qwen/Qwen3-8B --speculative-config '{"method": "dspark", "model": "deepseek-ai/dspark_qwen3_8b_block7", "num_speculative_tokens": 7, "enable_adaptive_verification": true}\'''',  # noqa: E501
+}
+
+SCHEMA_17 = '''--speculative-config '{
+    "method": "eagle",
+    "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+    "num_speculative_tokens": 3,
+    "num_speculative_tokens_per_batch_size": [
+      [1, 64, 3],
+      [65, 128, 1],
+      [129, 512, 0]
+    ]
+  }\''''
+
+
+DEEPSEEK = ("deepseek-ai/DeepSeek-V3.2-Exp-W8A8", "/deepseek-ai/DeepSeek-V3.2-Exp-W8A8")
+LAYERS = ("speculative_config", "draft_model_config", "hf_config", "eagle_aux_hidden_state_layer_ids")
+DROP = object()  # an argument the zoo's run leaves out
+_ABOVE = r"^max_model_len={} is above this model's maximum context of 2048 tokens"
+_TP = r"^tensor_parallel_size={} must divide the target's num_key_value_heads=2"
+_LAYERS = r"eagle_aux_hidden_state_layer_ids: \[18, 34\] outside \[0, 4\] for this target$"
+_DEEPSEEK = [
+    (("model",), "target", r"unsupported architecture \(architectures=\['DeepseekV32ForCausalLM'\]"),
+    (("tensor_parallel_size",), 1, _TP.format(16)),
+    (("max_model_len",), 2048, _ABOVE.format(36768)),
+    (("quantization",), DROP, r"^quantization='ascend', but .* declares no quantization"),
+    (("speculative_config", "model"), "mtp", None),  # the zoo target has no MTP layers in it: its head does
+]
+SCALED = {  # example -> (argument path, the zoo's value, the refusal of the guide's value on the zoo) each
+    4: [(("tensor_parallel_size",), 2, _TP.format(4))],
+    5: [(("tensor_parallel_size",), 2, _TP.format(4))],
+    6: _DEEPSEEK,
+    7: _DEEPSEEK,
+    8: [(("max_model_len",), 2048, _ABOVE.format(4096))],
+    9: [(("max_model_len",), 256, _ABOVE.format(4096))],
+    10: [(("max_model_len",), 2048, _ABOVE.format(4096))],
+    11: [(("max_model_len",), 2048, _ABOVE.format(4096))],
+    14: [(LAYERS, [2, 3, 4], _LAYERS)],
+    15: [(LAYERS, [2, 3, 4], _LAYERS)],
+    16: [(("max_model_len",), 2048, _ABOVE.format(4096))],
+}
+WARNED = {  # example -> pieces of the warnings building it gives: what it asks for that funcspec does not do
+    4: ["'distributed_executor_backend'"],
+    6: ["compilation_config.cudagraph_mode", "'enable_expert_parallel'", "'trust_remote_code'",
+        "speculative_config.disable_padded_drafter_batch"],
+    7: ["compilation_config.cudagraph_mode", "'data_parallel_size'", "'max_num_batched_tokens'"],
+    8: ["compilation_config.cudagraph_mode (funcspec captures each bucket's whole step", "'enable_prefix_caching'"],
+    9: ["compilation_config.cudagraph_mode", "'gpu_memory_utilization'"],
+    10: ["compilation_config.cudagraph_mode", "speculative_config.enforce_eager"],
+    11: ["compilation_config.cudagraph_mode", "speculative_config.enforce_eager"],
+    16: ["compilation_config.cudagraph_mode"],
+    19: ["entries [[1, 16, 5], [17, 32, 4]] ask for more drafts than speculative_config.num_speculative_tokens=3"],
+    20: ["['additional_config.rejection_sampler_config'] have no effect without a speculative_config"],
+    21: ["['additional_config.rejection_sampler_config'] have no effect without a speculative_config"],
+    24: ["speculative_config.enable_adaptive_verification"],
+}
+BROKEN = {20: "--additional-config", 23: "--speculative-config"}
+"""The examples whose JSON the guide breaks: a backslash before a line end inside single quotes stays in the text."""
+
+
+@pytest.fixture(scope="module")
+def names(tmp_path_factory):
+    """The guide's model names -> local paths: the zoo's; a random EAGLE-1 head for the zoo target (the zoo trains
+    none); for DeepSeek-V3.2, a directory with its config.json alone (its architecture is refused first). Also
+    example 14's ``tmpdir``, where its hidden states go."""
+    root = tmp_path_factory.mktemp("guide")
+    eagle = init_draft_head("eagle", str(zoo.model_path("target")), root / "eagle")
+    (root / "deepseek").mkdir()
+    (root / "deepseek" / "config.json").write_text(json.dumps(
+        {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_nextn_predict_layers": 1}))
+    return {**{name: str(zoo.model_path(role)) for name, role in ZOO.items()}, EAGLE: str(eagle),
+            **dict.fromkeys(DEEPSEEK, str(root / "deepseek")), "tmpdir": str(root / "hidden_states")}
+
+
+def localize(text: str, names: dict) -> str:
+    """``text`` with each quoted guide model name replaced by its local path."""
+    for name in names:
+        text = text.replace(json.dumps(name), json.dumps(names[name]))
+    return text
+
+
+def llm_kwargs(number: int, names: dict) -> dict:
+    """An ``LLM(...)`` example's arguments as written (local paths): its source run with ``LLM`` collecting them."""
+    def collect(*args, **kwargs):
+        return dict(zip(["model"], args), **kwargs)
+
+    return eval(localize(LLM_EXAMPLES[number], names), {"LLM": collect, "CompilationConfig": CompilationConfig,
+                                                        "model": names["<model>"], "tmpdir": names["tmpdir"]})
+
+
+def serve_argv(line: str, names: dict) -> list:
+    """A ``vllm serve`` line's arguments after ``serve``, split by the shell's rules (a backslash before a line end
+    joins lines, except inside single quotes), model names made local."""
+    argv = [t for t in shlex.split(line) if t != "\n"]
+    return [names.get(t, localize(t, names)) for t in argv[argv.index("serve") + 1:]]
+
+
+def serve_kwargs(argv: list) -> dict:
+    """``LLM``'s arguments as ``funcspec serve`` derives them from ``argv`` (the model included)."""
+    args, rest = build_parser().parse_known_args(argv)
+    return {"model": args.model, **engine_kwargs(args, extra_engine_args(rest))}
+
+
+def example_kwargs(number: int, names: dict) -> dict:
+    if number in LLM_EXAMPLES:
+        return llm_kwargs(number, names)
+    # the schema (17) is a flag alone: given here to a target
+    line = SERVE_EXAMPLES.get(number, f"vllm serve meta-llama/Llama-3.1-8B-Instruct {SCHEMA_17}")
+    if number in BROKEN:  # the guide's intent: the line ends joined as the shell joins them outside quotes
+        line = line.replace("\\\n", " ")
+    return serve_kwargs(serve_argv(line, names))
+
+
+def with_value(kwargs: dict, path: tuple, value) -> dict:
+    """A deep copy of ``kwargs`` with the argument at ``path`` set to ``value`` (or left out: :data:`DROP`)."""
+    out = node = _copy(kwargs)
+    for key in path[:-1]:
+        node = node[key]
+    if value is DROP:
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+    return out
+
+
+def _copy(value):
+    """A copy of nested dicts and lists (anything else, e.g. a CompilationConfig, shared)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return [_copy(v) for v in value] if isinstance(value, list) else value
+
+
+def eager(**kwargs) -> LLM:
+    """``LLM(**kwargs)`` on the eager backend, the one change every example gets (no graph compiles)."""
+    return LLM(**{"enforce_eager": True, **kwargs})
+
+
+def scaled(number: int, names: dict) -> dict:
+    """The example's arguments on the zoo: each value the zoo cannot take replaced (:data:`SCALED`), after
+    asserting that the guide's value alone is refused on the zoo with its reason."""
+    kwargs = example_kwargs(number, names)
+    zoo_values = {path: names.get(value, str(zoo.model_path(value))) if isinstance(value, str) else value
+                  for path, value, _ in SCALED.get(number, [])}
+    runnable = kwargs
+    for path, value in zoo_values.items():
+        runnable = with_value(runnable, path, value)
+    for path, _, refusal in SCALED.get(number, []):
+        if refusal is not None:
+            node = kwargs
+            for key in path:
+                node = node[key]
+            with pytest.raises(ValueError, match=refusal):
+                eager(**with_value(runnable, path, node))
+    return runnable
+
+
+RUN = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # 2 and 15: served below
+
+
+@pytest.mark.parametrize("number", RUN)
+def test_the_guide_examples_run_on_the_zoo(names, number):
+    """Each example builds its engine (eager), refusing on the way only what the zoo cannot hold, warns about what
+    funcspec does not do, and generates for the guide's prompt."""
+    kwargs = scaled(number, names)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        llm = eager(**kwargs)
+    text = "\n".join(str(w.message) for w in record)
+    for piece in WARNED.get(number, []):
+        assert piece in text, (piece, text)
+    try:
+        out = llm.generate(PROMPTS, SAMPLING)[0].outputs[0]
+    finally:
+        llm.close()
+    assert 1 <= len(out.token_ids) <= 16 and out.finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("number", sorted(BROKEN))
+def test_the_guide_breaks_the_json_of_two_examples(names, number, capsys):
+    """As printed, the shell hands the parser JSON with a backslash and a line end in it: the error names the flag."""
+    with pytest.raises(SystemExit) as exit_:
+        serve_kwargs(serve_argv(SERVE_EXAMPLES[number], names))
+    assert exit_.value.code == 2
+    flag = BROKEN[number]
+    assert re.search(f"argument {flag}(/-sc)?: {flag} must be a JSON object: .*: line 1 column \\d+ \\(char \\d+\\)\n$",
+                     capsys.readouterr().err)
+
+
+def test_example_2_served_answers_as_example_1_generates(names, tmp_path):
+    """Example 2 served (eager) and queried with the guide's prompt: greedy, it answers example 1's engine's tokens."""
+    pytest.importorskip("fastapi")
+    served = Served([*serve_argv(SERVE_EXAMPLES[2], names), "--enforce-eager"], tmp_path / "server.log")
+    try:
+        status, raw, _ = post(served.connection(), "/v1/completions", dict(GREEDY, prompt=PROMPTS[0], return_token_ids=True))
+    finally:
+        served.stop()
+    want = eager(**example_kwargs(1, names)).generate(PROMPTS, SamplingParams(**GREEDY))[0].outputs[0]
+    assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_example_15_served_names_each_hidden_state_file(names, tmp_path):
+    """Example 15 served (layers 2, 3, 4 of the zoo target, its files in a temporary directory) with example 14's
+    prompts: each choice's ``kv_transfer_params`` names its file (the response's: the first's, as vLLM's), which
+    holds the prompt's token ids and hidden states ``[tokens, 3 layers, 256]``."""
+    pytest.importorskip("fastapi")
+    line = SERVE_EXAMPLES[15].replace("[2, 18, 34]", "[2, 3, 4]").replace("/dev/shm/hidden_states", str(tmp_path))
+    served = Served([*serve_argv(line, names), "--enforce-eager"], tmp_path / "server.log")
+    try:
+        status, raw, _ = post(served.connection(), "/v1/completions",
+                              {"prompt": ["Hello, how are you?", "What is machine learning?"], "max_tokens": 1,
+                               "return_token_ids": True})
+    finally:
+        served.stop()
+    body = json.loads(raw)
+    assert status == 200 and body["kv_transfer_params"] == body["choices"][0]["kv_transfer_params"]
+    for choice in body["choices"]:
+        with safe_open(choice["kv_transfer_params"]["hidden_states_path"], "pt") as f:
+            assert f.get_tensor("token_ids").tolist() == choice["prompt_token_ids"]
+            assert f.get_tensor("hidden_states").shape == (len(choice["prompt_token_ids"]), 3, 256)
