@@ -71,7 +71,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import attention, build, cpu, onednn, quant, stream
+from funcspec.kernels import attention, build, cpu, moe, onednn, quant, stream
 
 SKINNY_ROWS = 64
 """fp32 CPU products of at most this many rows take ``(W @ x.T).T`` on the plain paths."""
@@ -193,6 +193,12 @@ class Ops:
             raise ValueError(f"head_dim must be a positive int (a model's head size), got {head_dim!r}")
         return (self.decode_attention and torch.device(device).type == "cpu" and dtype in attention.DTYPES
                 and head_dim <= attention.MAX_HEAD_DIM)
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: dict) -> torch.Tensor:
+        """A MoE layer's routed experts (:mod:`funcspec.kernels.moe`): x [T, H] routed to ``ids`` [T, k] int64
+        with ``weights`` [T, k]; ``p`` holds the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
+        [E, H, I] (each ``{"weight": ...}``). Returns [T, H]."""
+        return moe.reference(x, ids, weights, p["gate_up_proj"]["weight"], p["down_proj"]["weight"])
 
     def attend(self, q, keys, vals, visible) -> torch.Tensor:
         """The decode attention kernel (:func:`funcspec.kernels.attention.decode_attention`); needs :meth:`attends`."""
