@@ -94,3 +94,19 @@ def test_bench_spec_runs_quantized_targets_with_stored_and_quantized_heads(tiny_
     assert md.startswith("Target quantized on load: int8") and "| funcspec | draft_model (int4 head) | 2 | 2 |" in md
     with pytest.raises(ValueError, match="draft_quantizations must be one of"):
         spec.run(tiny_llama, methods=["ngram"], draft_quantizations=("int3",), out_dir=tmp_path)
+
+
+def test_bench_ep_comm_times_both_collectives_per_case(tmp_path):
+    """Two gloo ranks time both patterns for every (T, dtype) case, and the report tabulates each."""
+    import argparse
+
+    from funcspec.bench import ep
+
+    ep.run(argparse.Namespace(tokens="1,3", hidden=32, top_k=2, dtypes="float32,bfloat16", rounds=3,
+                              out=str(tmp_path)))
+    (path,) = tmp_path.glob("ep-comm-*.json")
+    r = json.loads(path.read_text())
+    assert [(x["tokens"], x["dtype"]) for x in r["rows"]] == [(1, "float32"), (3, "float32"), (1, "bfloat16"),
+                                                              (3, "bfloat16")]
+    assert all(x["all_reduce_us"] > 0 and x["all_to_all_us"] > 0 for x in r["rows"])
+    assert path.with_suffix(".md").read_text().count("| 32 | 2 |") == 4
