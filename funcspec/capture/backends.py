@@ -317,7 +317,9 @@ def compile_inductor(fn: Callable, name: str, stats: CaptureStats, example_args:
     wrap_int64_overflow()
     at = _leaf_positions(example_args, symbolic)
     compiled = _ahead_of_time(fn, name, stats, example_args, at)
-    return _compile_plain(fn, name, stats) if compiled is None else AheadOfTime(compiled, fn, name, stats, at)
+    if compiled is None:
+        return _compile_plain(fn, name, stats, example_args, at)
+    return AheadOfTime(compiled, fn, name, stats, at)
 
 
 def _leaf_positions(args: tuple, symbolic: Sequence[tuple[torch.Tensor, int]]) -> tuple[tuple[int, int], ...]:
@@ -382,23 +384,28 @@ def guard_failure(compiled, args: tuple) -> Optional[str]:
 
 class AheadOfTime:
     """An ahead-of-time compiled step that compiles again, with one warning naming the failed guard, where a call
-    fails its guards (another thread count, grad mode or default dtype than the graph was compiled under): the
-    function itself would raise where a compile works. Under the ``fail_on_recompile`` stance it raises, as a
-    recompile would."""
+    fails the guards of every graph it holds (another shape, thread count, grad mode or default dtype than they
+    were compiled under): the function itself would raise where a compile works. It keeps each graph, as
+    Dynamo's cache does, so shapes that alternate compile once each. Under the ``fail_on_recompile`` stance it
+    raises, as a recompile would."""
 
     def __init__(self, compiled, fn: Callable, name: str, stats: CaptureStats, at: tuple):
         self.compiled, self._fn, self._name, self._stats, self._at = compiled, fn, name, stats, at
+        self.variants = [compiled]  # every graph compiled so far, the one in use first
         self.checking = True
         compiled.disable_guard_check()  # NOTE: checked here instead, once a call
 
     def __call__(self, *args):
-        if self.checking:
-            reason = guard_failure(self.compiled, args)
-            if reason is not None:
-                self.compiled = self._recompile(args, reason)
+        if self.checking and not self.compiled.guard_check(*args):
+            self.compiled = self._variant(args)
         return self.compiled(*args)
 
-    def _recompile(self, args: tuple, reason: str):
+    def _variant(self, args: tuple):
+        """A held graph whose guards ``args`` pass, else a new one compiled for them."""
+        held = next((v for v in self.variants if v.guard_check(*args)), None)
+        if held is not None:
+            return held
+        reason = guard_failure(self.compiled, args)
         from torch._dynamo.eval_frame import _stance
 
         if _stance.stance == "fail_on_recompile":
@@ -408,8 +415,9 @@ class AheadOfTime:
         compiled = _ahead_of_time(self._fn, self._name, self._stats, args, self._at)
         if compiled is None:  # a plain compile, which checks its own guards (and recompiles) at every call
             self.checking = False
-            return _compile_plain(self._fn, self._name, self._stats)
+            return _compile_plain(self._fn, self._name, self._stats, args, self._at)
         compiled.disable_guard_check()
+        self.variants.insert(0, compiled)
         return compiled
 
     def disable_guard_check(self) -> None:
@@ -417,8 +425,13 @@ class AheadOfTime:
         self.checking = False
 
 
-def _compile_plain(fn: Callable, name: str, stats: CaptureStats) -> Callable:
-    """``torch.compile`` of a private code copy of ``fn`` (compiled at its first call; not filed in the store)."""
+def _compile_plain(fn: Callable, name: str, stats: CaptureStats, first_args: tuple = (), at: tuple = ()) -> Callable:
+    """``torch.compile`` of a private code copy of ``fn`` (compiled at its first call; not filed in the store).
+    ``first_args``, the arguments of that first call, get their sizes at ``at`` marked symbolic (a symbolic
+    batch), as Dynamo reads the marks when it traces."""
+    leaves = pytree.tree_leaves(first_args)
+    for i, dim in at:
+        torch._dynamo.mark_dynamic(leaves[i], dim)
     return torch.compile(fresh_code_copy(fn, name), backend=_counting_inductor(stats), fullgraph=True, dynamic=False)
 
 
