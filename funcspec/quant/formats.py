@@ -136,13 +136,15 @@ def act_order(g_idx, k: int, group: int, where: str):
 
 
 def dequantize(p: dict, dtype=torch.float32) -> torch.Tensor:
-    """A quantized linear's W [N, K] in ``dtype``, its inputs in their original order (``perm`` undone)."""
+    """A quantized linear's W [N, K] in ``dtype``, its inputs in their original order (``perm`` undone; a
+    tensor-parallel shard's zero inputs, ``perm`` entries equal to its length, dropped)."""
     w = qk.dequantize(p["qweight"], p["scales"], p.get("offsets"), p["format"], dtype)
     if "perm" not in p:
         return w
-    out = torch.empty_like(w)
+    k = len(p["perm"])
+    out = w.new_empty(w.shape[0], k + 1)  # [N, K + 1]: the last column takes the zero inputs' columns
     out[:, p["perm"]] = w
-    return out
+    return out[:, :k - int((p["perm"] == k).sum())].contiguous()
 
 
 def same_format(ps: list[dict]) -> bool:
