@@ -61,13 +61,19 @@ def quantizes(weight: torch.Tensor, name: str) -> bool:
     return k % qk.AB == 0 and k % (group or k) == 0
 
 
+def scheme_format(weight: torch.Tensor, name: str) -> qk.QuantFormat:
+    """The format a linear's weight [N, K] takes under scheme ``name``."""
+    n, k = weight.shape
+    bits, group = SCHEMES[name]
+    return qk.QuantFormat(bits, group or k, n, k, False, name)
+
+
 def quantize(p: dict, name: str) -> dict:
     """A linear's params ``{"weight", "bias"?}`` quantized to ``name``: ``{"qweight", "scales", "bias"?, "format"}``
     (packed for the kernel)."""
     w = p["weight"].detach().float()  # [N, K]
-    n, k = w.shape
-    bits, group = SCHEMES[name]
-    group = group or k
+    fmt = scheme_format(w, name)
+    n, k, bits, group = fmt.out_features, fmt.in_features, fmt.bits, fmt.group
     qk.check_shape(n, k, bits, group)
     g = w.view(n, k // group, group)  # [N, K/G, G]
     if bits == 8:
@@ -82,7 +88,7 @@ def quantize(p: dict, name: str) -> dict:
     zero = 128 if bits == 8 else 8
     q = (torch.round(g * inv).clamp(lo, hi) + zero).to(torch.uint8).view(n, k)
     qweight, scales, _ = qk.pack(q, scale, None, bits)
-    out = {"qweight": qweight, "scales": scales, "format": qk.QuantFormat(bits, group, n, k, False, name)}
+    out = {"qweight": qweight, "scales": scales, "format": fmt}
     if p.get("bias") is not None:
         out["bias"] = p["bias"]
     return out
