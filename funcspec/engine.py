@@ -30,13 +30,13 @@ from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 from funcspec import distributed, kernels, rng, sampling
 from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, cache
 from funcspec.checkpoints import Model, load_model
-from funcspec.checkpoints.tp import check_size, shard_model
+from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.plan import EnginePlan, plan_engine
-from funcspec.quant import prepare_params, quantized
+from funcspec.quant import prepare_params
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
 from funcspec.scheduler import Request, Scheduler, logprob_dict
@@ -52,7 +52,7 @@ def _shards_draft(spec: Optional[SpecConfig], proposer, size: int) -> bool:
     if draft != size:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={draft} must be 1 or the engine's "
                          f"tensor_parallel_size={size}")
-    proposer.module.check_shard(proposer.cfg, size)
+    proposer.module.check_shard(proposer.cfg, proposer.params, size, spec.quantization)
     return True
 
 
@@ -157,9 +157,7 @@ class Engine:
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
-        if tensor_parallel_size != 1 and (self.quantization or quantized(self.model.params)):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with quantized weights is not supported: "
-                             f"quantized linears are not sharded (run them on one rank)")
+        check_quantized(self.model.params, tensor_parallel_size, self.quantization)
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
             spec = SpecConfig.from_vllm(spec, additional_config, target=None if isinstance(model, Model) else model)
@@ -205,9 +203,9 @@ class Engine:
         self._buckets_used: collections.Counter = collections.Counter()
         try:
             # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
-            self.model = shard_model(self.model, self.tp)
+            self.model = shard_model(self.model, self.tp, self.quantization)
             if shard_draft:
-                self.proposer = self.proposer.shard(self.tp)
+                self.proposer = self.proposer.shard(self.tp, self.spec.quantization)
             self._prepare(ops)
             self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
             self.runner = Runner(plan=plan, model=self.model, proposer=self.proposer, device=device, dtype=dtype,

@@ -12,17 +12,28 @@ Per decoder layer, rank r of n keeps::
 Query head j belongs to KV head ``j // G`` (G = H / H_kv), so the query
 heads of a contiguous block of KV heads are a contiguous block too: every
 column-parallel weight is one contiguous slice of rows.
+
+A quantized linear is split the same way, its quantization groups whole on
+each rank (:mod:`funcspec.quant.shard`); a row-parallel split that would cut
+a group is a ``ValueError`` naming the layer and the sizes, raised by
+:func:`check_quantized` before any rank starts. A scheme quantized on load is
+applied to the whole layer before the split, so each rank holds exactly its
+slice of what one rank would run (a per-channel scale spans all of K). The
+fused ``qkv_proj`` / ``gate_up_proj`` are built per rank afterwards, by
+``prepare_params``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from funcspec.checkpoints.llama import Model
 from funcspec.nn.llama import ModelConfig
 from funcspec.parallel import TPGroup
+from funcspec.quant import formats, shard
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Output-sharded layers: weight rows and bias sliced."""
@@ -49,44 +60,92 @@ def shard_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // tp.size, tp=tp)
 
 
-def _slice(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
-    """Rank ``tp.rank``'s contiguous block of ``x`` along ``dim``, in its own storage.
+def _slice(x: torch.Tensor, dim: int, tp: TPGroup, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rank ``tp.rank``'s contiguous block of ``x`` along ``dim`` (of the indices ``order`` when given), in its own
+    storage.
 
     NOTE: cloned, not a view: a view would keep the whole weight alive, and the
     point of sharding is that a rank holds 1/n of it.
     """
     n = x.shape[dim] // tp.size
+    if order is not None:
+        return x.index_select(dim, order[tp.rank * n:(tp.rank + 1) * n])
     return x.narrow(dim, tp.rank * n, n).clone()
 
 
-def shard_layer(block: dict, tp: TPGroup) -> dict:
-    """One decoder block's params (``self_attn`` and ``mlp`` sub-dicts) for rank ``tp.rank``."""
+def _stored_order(mlp: dict, size: int) -> Optional[torch.Tensor]:
+    """``down_proj``'s act-order input order where its blocks hold whole groups: gate/up then hand each rank its
+    block of features in that order (:mod:`funcspec.quant.shard`); ``None`` otherwise."""
+    p = mlp.get("down_proj")
+    if not isinstance(p, dict) or "perm" not in p or shard.input_split_error(p["format"], size) is not None:
+        return None
+    return p["perm"]
+
+
+def _quantized(p: dict, scheme) -> dict:
+    """Linear ``p`` as it will run: quantized to ``scheme`` (on the whole weight) where the scheme takes it."""
+    return formats.quantize(p, scheme) if "qweight" not in p and _format(p, scheme) is not None else p
+
+
+def _format(p: Optional[dict], scheme):
+    """The quantized format linear ``p`` runs in (``scheme`` applied on load), or ``None`` for a float one."""
+    if p is None:
+        return None
+    if "qweight" in p:
+        return p["format"]
+    return formats.scheme_format(p["weight"], scheme) if scheme and formats.quantizes(p["weight"], scheme) else None
+
+
+def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_parallel_size") -> None:
+    """Refuse a ``size`` (the ``field``) that would cut a quantization group of a row-parallel layer of ``params``
+    (quantized, or quantized to ``scheme`` on load): a ``ValueError`` naming the layer and the sizes."""
+    if size == 1:
+        return
+    for i, block in enumerate(params["model"]["layers"]):
+        for part in ("self_attn", "mlp"):
+            for name in ROW:
+                p = block.get(part, {}).get(name)
+                fmt = _format(p, scheme)
+                why = None if fmt is None else shard.input_split_error(fmt, size, "perm" in p)
+                if why is not None:
+                    raise ValueError(f"{field}={size} cannot split model.layers.{i}.{part}.{name}: {why}")
+
+
+def shard_layer(block: dict, tp: TPGroup, scheme=None) -> dict:
+    """One decoder block's params (``self_attn`` and ``mlp`` sub-dicts) for rank ``tp.rank``, its sharded linears
+    quantized to ``scheme`` first where it applies."""
     out = {}
     for part, layers in block.items():
         if part not in ("self_attn", "mlp"):
             out[part] = layers
             continue
+        order = _stored_order(layers, tp.size) if part == "mlp" else None  # [I] or None
         out[part] = {}
         for name, p in layers.items():
+            if name in COLUMN + ROW:
+                p = _quantized(p, scheme)
             if name in COLUMN:
-                out[part][name] = {k: _slice(v, 0, tp) for k, v in p.items()}
+                out[part][name] = shard.split_outputs(p, tp.rank, tp.size, order) if "qweight" in p else \
+                    {k: _slice(v, 0, tp, order) for k, v in p.items()}
             elif name in ROW:
-                out[part][name] = {k: _slice(v, 1, tp) if k == "weight" else v for k, v in p.items()}
+                out[part][name] = shard.split_inputs(p, tp.rank, tp.size, order is not None) if "qweight" in p \
+                    else {k: _slice(v, 1, tp) if k == "weight" else v for k, v in p.items()}
             else:
                 out[part][name] = p
     return out
 
 
-def shard_params(params: dict, tp: TPGroup) -> dict:
-    """A decoder's params pytree (HF names) for rank ``tp.rank`` (the input is not modified)."""
+def shard_params(params: dict, tp: TPGroup, scheme=None) -> dict:
+    """A decoder's params pytree (HF names) for rank ``tp.rank`` (the input is not modified); ``scheme``: the
+    quantization the engine applies on load (:data:`funcspec.quant.formats.SCHEMES`), applied before the split."""
     if tp.size == 1:
         return params
     m = params["model"]
-    return {**params, "model": {**m, "layers": [shard_layer(b, tp) for b in m["layers"]]}}
+    return {**params, "model": {**m, "layers": [shard_layer(b, tp, scheme) for b in m["layers"]]}}
 
 
-def shard_model(model: Model, tp: TPGroup) -> Model:
+def shard_model(model: Model, tp: TPGroup, scheme=None) -> Model:
     """``model`` with rank ``tp.rank``'s config and params (the input is not modified; one rank: itself)."""
     if tp.size == 1:
         return model
-    return dataclasses.replace(model, cfg=shard_config(model.cfg, tp), params=shard_params(model.params, tp))
+    return dataclasses.replace(model, cfg=shard_config(model.cfg, tp), params=shard_params(model.params, tp, scheme))

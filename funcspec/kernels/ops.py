@@ -158,9 +158,13 @@ class Ops:
 
     def _quantized(self, x: torch.Tensor, p: dict) -> torch.Tensor:
         """A quantized linear: the kernel where it runs, else its math in torch (:func:`quant.reference`).
-        A linear stored in another input order (GPTQ's act-order: ``perm``) reads x in that order."""
+        A linear stored in another input order (GPTQ's act-order: ``perm``) reads x in that order; a
+        tensor-parallel shard's ``perm`` may also read zeros past x's end (``funcspec.quant.shard``)."""
         if "perm" in p:
-            x = x.index_select(-1, p["perm"])
+            perm = p["perm"]  # [K'] indices into x, and K' for a zero input
+            if perm.shape[0] > x.shape[-1]:  # static: only a shard's padded act-order blocks read past x
+                x = F.pad(x, (0, perm.shape[0] + 1 - x.shape[-1]))
+            x = x.index_select(-1, perm)
         if self.quantized and x.device.type == "cpu" and x.dtype in quant.DTYPES:
             return quant.qlinear(x, p)
         return quant.reference(x, p)

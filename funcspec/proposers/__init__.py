@@ -128,9 +128,10 @@ class ProposerHandle:
         (``EnginePlan.bucket_tree``); host proposers only."""
         return self.host.drafts(rows, b, k, tree)
 
-    def shard(self, tp) -> "ProposerHandle":
-        """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1)."""
-        cfg, params = self.module.shard(self.cfg, self.params, tp)
+    def shard(self, tp, quantization=None) -> "ProposerHandle":
+        """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1), its layers
+        quantized to ``quantization`` on load first (``speculative_config["quantization"]``)."""
+        cfg, params = self.module.shard(self.cfg, self.params, tp, quantization)
         return dataclasses.replace(self, cfg=cfg, params=params)
 
     def on_finish(self, req) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from funcspec import rng, sampling
 from funcspec.checkpoints import load_model
-from funcspec.checkpoints.tp import check_size, shard_config, shard_params
+from funcspec.checkpoints.tp import check_quantized, check_size, shard_config, shard_params
 from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import commit_path, move_entries, window_start
 from funcspec.proposers import tree_draft
@@ -70,14 +70,17 @@ def build(spec, target, ctx):
     return DraftModelConfig(dataclasses.replace(draft.cfg, ops=target.cfg.ops), spec.draft_window_size), draft.params
 
 
-def check_shard(cfg: DraftModelConfig, size: int) -> None:
-    """Refuse a ``draft_tensor_parallel_size`` the draft model cannot be split by."""
-    check_size(cfg.model, size, "draft model", "speculative_config.draft_tensor_parallel_size")
+def check_shard(cfg: DraftModelConfig, params, size: int, quantization=None) -> None:
+    """Refuse a ``draft_tensor_parallel_size`` the draft model (quantized to ``quantization`` on load) cannot be
+    split by."""
+    field = "speculative_config.draft_tensor_parallel_size"
+    check_size(cfg.model, size, "draft model", field)
+    check_quantized(params, size, quantization, field)
 
 
-def shard(cfg: DraftModelConfig, params, tp):
+def shard(cfg: DraftModelConfig, params, tp, quantization=None):
     """The draft model split across the target's tensor-parallel ranks like the target (its own all-reduces)."""
-    return dataclasses.replace(cfg, model=shard_config(cfg.model, tp)), shard_params(params, tp)
+    return dataclasses.replace(cfg, model=shard_config(cfg.model, tp)), shard_params(params, tp, quantization)
 
 
 def hidden_layers(cfg) -> tuple[int, ...]:

@@ -61,13 +61,19 @@ def quantizes(weight: torch.Tensor, name: str) -> bool:
     return k % qk.AB == 0 and k % (group or k) == 0
 
 
+def scheme_format(weight: torch.Tensor, name: str) -> qk.QuantFormat:
+    """The format a linear's weight [N, K] takes under scheme ``name``."""
+    n, k = weight.shape
+    bits, group = SCHEMES[name]
+    return qk.QuantFormat(bits, group or k, n, k, False, name)
+
+
 def quantize(p: dict, name: str) -> dict:
     """A linear's params ``{"weight", "bias"?}`` quantized to ``name``: ``{"qweight", "scales", "bias"?, "format"}``
     (packed for the kernel)."""
     w = p["weight"].detach().float()  # [N, K]
-    n, k = w.shape
-    bits, group = SCHEMES[name]
-    group = group or k
+    fmt = scheme_format(w, name)
+    n, k, bits, group = fmt.out_features, fmt.in_features, fmt.bits, fmt.group
     qk.check_shape(n, k, bits, group)
     g = w.view(n, k // group, group)  # [N, K/G, G]
     if bits == 8:
@@ -82,7 +88,7 @@ def quantize(p: dict, name: str) -> dict:
     zero = 128 if bits == 8 else 8
     q = (torch.round(g * inv).clamp(lo, hi) + zero).to(torch.uint8).view(n, k)
     qweight, scales, _ = qk.pack(q, scale, None, bits)
-    out = {"qweight": qweight, "scales": scales, "format": qk.QuantFormat(bits, group, n, k, False, name)}
+    out = {"qweight": qweight, "scales": scales, "format": fmt}
     if p.get("bias") is not None:
         out["bias"] = p["bias"]
     return out
@@ -136,13 +142,15 @@ def act_order(g_idx, k: int, group: int, where: str):
 
 
 def dequantize(p: dict, dtype=torch.float32) -> torch.Tensor:
-    """A quantized linear's W [N, K] in ``dtype``, its inputs in their original order (``perm`` undone)."""
+    """A quantized linear's W [N, K] in ``dtype``, its inputs in their original order (``perm`` undone; a
+    tensor-parallel shard's zero inputs, ``perm`` entries equal to its length, dropped)."""
     w = qk.dequantize(p["qweight"], p["scales"], p.get("offsets"), p["format"], dtype)
     if "perm" not in p:
         return w
-    out = torch.empty_like(w)
+    k = len(p["perm"])
+    out = w.new_empty(w.shape[0], k + 1)  # [N, K + 1]: the last column takes the zero inputs' columns
     out[:, p["perm"]] = w
-    return out
+    return out[:, :k - int((p["perm"] == k).sum())].contiguous()
 
 
 def same_format(ps: list[dict]) -> bool:

@@ -204,8 +204,6 @@ def test_quantization_names_are_checked(target):
     with pytest.raises(ValueError, match="speculative_config.quantization must be one of .*got 'int3'"):
         Engine(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 2, "quantization": "int3"})
     assert formats.on_load("gguf") is None and formats.on_load("ascend") is None and formats.on_load("int4") == "int4"
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with quantized weights is not supported"):
-        Engine(target, quantization="int8", tensor_parallel_size=2)
 
 
 ZOO_METHODS = ["ngram", "suffix", "draft_model", "medusa", "mtp", "eagle3", "dflash", "dspark"]
