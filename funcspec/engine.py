@@ -157,6 +157,9 @@ class Engine:
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
+        if self.quantization and cfg.moe.num_experts:
+            raise ValueError(f"quantization={quantization!r}: quantizing a mixture-of-experts target on load is not "
+                             f"supported yet (its experts would stay float and its router be quantized)")
         if tensor_parallel_size != 1 and (self.quantization or quantized(self.model.params)):
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with quantized weights is not supported: "
                              f"quantized linears are not sharded (run them on one rank)")
