@@ -40,7 +40,11 @@ def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
     base.update(overrides)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM)}[arch]
     model = cls[1](cls[0](**base)).eval()
     # NOTE: random init gives near-uniform logits; a larger embedding scale
     # makes argmax margins wide enough that batch shape never flips a greedy token.

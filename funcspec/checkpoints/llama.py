@@ -1,4 +1,4 @@
-"""The target decoder's HF format: Llama / Qwen2 / Qwen3 ``config.json`` and key layout.
+"""The target decoder's HF format: Llama / Qwen2 / Qwen3 and the MoE families' ``config.json`` and key layout.
 
 ``load_model(path)`` returns a :class:`Model`: the static config, the params
 pytree (the HF state dict nested on its dots) and the tokenizer, if any.
@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from funcspec.checkpoints import gguf, quantized
+from funcspec.checkpoints import experts, gguf, quantized
 from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config, read_json_object
 from funcspec.nn.llama import ModelConfig
 
@@ -24,6 +24,10 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MiMoForCausalLM": "qwen2",  # XiaomiMiMo: a Qwen2 decoder plus MTP layers (model.mtp_layers.*)
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 """HF ``architectures`` names and the decoder family (``ModelConfig.arch``) each one is."""
 
@@ -60,12 +64,19 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
                          f"num_attention_heads={hf['num_attention_heads']}); set head_dim or fewer heads")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = float(rope.pop("partial_rotary_factor",  # transformers' default for GLM-4.5 is half the head
+                             hf.get("partial_rotary_factor", 0.5 if arch == "glm4_moe" else 1.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear", "factors"):
         raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported")
     scaling = () if rope_type == "default" else \
         tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items() if k != "type"))
     heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rotary_dim = int(head_dim * partial)
+    if not (0 < partial <= 1 and rotary_dim % 2 == 0 and rotary_dim > 0):
+        raise ValueError(f"{where}: partial_rotary_factor={partial} must rotate an even, positive number of the "
+                         f"head's {head_dim} dims")
     eos = hf.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return ModelConfig(
@@ -76,17 +87,19 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe") or bool(arch == "glm4_moe" and hf.get("use_qk_norm")),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos,
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        moe=experts.moe_config(hf, arch, where),
     )
 
 
@@ -101,6 +114,11 @@ def hf_config_dict(m: ModelConfig, **extra) -> dict:
               max_position_embeddings=m.max_position_embeddings)
     if m.rope_scaling:
         hf["rope_scaling"] = dict(m.rope_scaling)
+    if m.rotary_dim:
+        hf["partial_rotary_factor"] = m.rotary_dim / m.head_dim
+    if m.arch == "glm4_moe":
+        hf["use_qk_norm"] = m.qk_norm
+    hf.update(experts.hf_fields(m.moe, m.arch))
     hf.update(extra)
     return hf
 
@@ -124,8 +142,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        for name, shape in (("gate_proj", (cfg.intermediate_size, h)), ("up_proj", (cfg.intermediate_size, h)),
-                            ("down_proj", (h, cfg.intermediate_size))):
+        if i in cfg.moe.sparse_layers:
+            shapes.update(experts.layer_shapes(cfg.moe, p + "mlp.", h))
+        for name, shape in () if i in cfg.moe.sparse_layers else (
+                ("gate_proj", (cfg.intermediate_size, h)), ("up_proj", (cfg.intermediate_size, h)),
+                ("down_proj", (h, cfg.intermediate_size))):
             shapes[p + f"mlp.{name}.weight"] = shape
             if cfg.mlp_bias:
                 shapes[p + f"mlp.{name}.bias"] = shape[:1]
@@ -238,6 +259,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
         keys.remove("lm_head.weight")  # some exporters save the tied copy
     tensors = weights.read(keys)
+    if cfg.moe.num_experts:
+        if scheme is not None:
+            raise ValueError(f"{path}: a quantized mixture-of-experts checkpoint ({scheme.method}) is not supported "
+                             f"yet; load its float weights (quantization=None)")
+        tensors = experts.stack(tensors, cfg.moe, str(weights))
     linears = {}
     if scheme is not None:
         quantized.check_description(scheme, every)

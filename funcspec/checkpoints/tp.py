@@ -46,6 +46,9 @@ def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = 
     """Refuse a ``size`` (the ``field``) that ``model`` cannot be split by (``ValueError`` naming the field)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{field} must be an int >= 1, got {size!r}")
+    if size > 1 and cfg.moe.num_experts:
+        raise ValueError(f"{field}={size} with a mixture-of-experts {model} is not supported yet: its experts are "
+                         f"not split across ranks (run it on one rank)")
     for name, n in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
                      ("intermediate_size", cfg.intermediate_size)):
         if n % size:

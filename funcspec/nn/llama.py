@@ -7,7 +7,10 @@ slot and start position; it writes K/V for those tokens into the donated
 cache and returns logits and, on request, hidden states of chosen layers.
 
 Families differ only by config flags: Qwen2 adds q/k/v biases
-(``attention_bias``), Qwen3 adds per-head RMSNorm on q and k (``qk_norm``).
+(``attention_bias``), Qwen3 adds per-head RMSNorm on q and k (``qk_norm``),
+GLM-4.5 rotates only the first ``rotary_dim`` of each head, and the
+mixture-of-experts families (Qwen2/Qwen3-MoE, Mixtral, GLM-4.5) replace the MLP
+of their sparse layers with :func:`funcspec.nn.moe.sparse_block` (``moe``).
 """
 
 from __future__ import annotations
@@ -21,20 +24,24 @@ import torch.nn.functional as F
 
 from funcspec.kernels import REFERENCE, Ops, QuantFormat
 from funcspec.kernels.cpu import huge_empty
+from funcspec.nn import moe
+from funcspec.nn.moe import DENSE, MoEConfig
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
 from funcspec.tree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static decoder configuration (``arch``: llama | qwen2 | qwen3).
+    """Static decoder configuration (``arch``: llama | qwen2 | qwen3 | qwen2_moe | qwen3_moe | mixtral | glm4_moe).
 
     Parsed from an HF ``config.json`` by :func:`funcspec.checkpoints.llama.model_config`.
     Under tensor parallelism (``tp.size > 1``) ``num_heads``, ``num_kv_heads``
     and ``intermediate_size`` are this rank's share
     (:func:`funcspec.checkpoints.tp.shard_config`), so the KV cache holds only
     the rank's heads. ``ops`` are the kernels its products and attention take
-    (:func:`funcspec.kernels.resolve`, set when the engine is built).
+    (:func:`funcspec.kernels.resolve`, set when the engine is built). ``rotary_dim``:
+    the leading dims of each head that RoPE rotates (0: all of them). ``moe``: the
+    sparse layers' experts and router (:class:`funcspec.nn.moe.MoEConfig`; dense by default).
     """
 
     arch: str
@@ -57,6 +64,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     tp: TPGroup = SINGLE
     ops: Ops = REFERENCE
+    rotary_dim: int = 0
+    moe: MoEConfig = DENSE
 
 
 @pytree_dataclass
@@ -88,8 +97,9 @@ def init_kv_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=torch.fl
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     """RoPE inverse frequencies [D/2], with Llama-3 or linear scaling (as HF computes them), or GGUF's explicit
-    per-frequency factors (``rope_freqs``: llama.cpp divides each frequency by its factor)."""
-    d = cfg.head_dim
+    per-frequency factors (``rope_freqs``: llama.cpp divides each frequency by its factor). Over the
+    ``rotary_dim`` rotated dims of a head (all of them by default)."""
+    d = cfg.rotary_dim or cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = dict(cfg.rope_scaling)
     kind = s.get("rope_type", s.get("type"))
@@ -110,7 +120,11 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [B, T, H, D]; cos/sin [B, T, 1, D]."""
+    """Rotate-half RoPE. x [B, T, H, D]; cos/sin [B, T, 1, R]: the first R dims rotate, the rest pass (partial
+    rotary, R < D)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -357,6 +371,14 @@ def mlp(cfg: ModelConfig, p: dict, x: torch.Tensor) -> torch.Tensor:
     return row_parallel(cfg, F.silu(gate) * up, p["down_proj"])
 
 
+def feed_forward(cfg: ModelConfig, p: dict, x: torch.Tensor) -> torch.Tensor:
+    """A layer's feed-forward over x [B, T, H]: a MoE where its params hold experts (a static property of the
+    pytree, so dense and sparse layers are two compiled regions), else the dense :func:`mlp`."""
+    if "experts" in p:
+        return moe.sparse_block(cfg.moe, cfg.ops, p, x, lambda q, y: mlp(cfg, q, y))
+    return mlp(cfg, p, x)
+
+
 def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
                   attn_in: Optional[torch.Tensor] = None, tree: Optional[TreeMask] = None):
     """One pre-norm decoder block over the residual stream x [B, T, H].
@@ -368,7 +390,7 @@ def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     if attn_in is None:
         attn_in = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
     h = x + attention(cfg, p["self_attn"], kv, layer, attn_in, slots, pos, cos, sin, window, read, tree)
-    return h + mlp(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
+    return h + feed_forward(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
 def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
@@ -467,7 +489,7 @@ def _out_region(statics: tuple, p, k_cache, v_cache, q, x, slots, pos, window, m
     p = _formats_back(p)
     tree = None if masks is None else TreeMask(*masks)
     h = x + attention_out(cfg, p["self_attn"], k_cache, v_cache, q, slots, pos, window, read, tree)
-    return h + mlp(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
+    return h + feed_forward(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
 def activation_ref(params) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""The MoE families' checkpoint side: their ``config.json`` fields and their experts' key layouts.
+
+Published checkpoints (and transformers' ``save_pretrained``) store each expert
+as its own linears: ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (Qwen2/Qwen3-MoE,
+GLM-4.5) or ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` with the router at
+``block_sparse_moe.gate`` (Mixtral). funcspec holds a layer's experts stacked, as
+transformers does in memory: ``mlp.experts.gate_up_proj.weight`` [E, 2I, H] and
+``mlp.experts.down_proj.weight`` [E, H, I] (:mod:`funcspec.nn.moe`). :func:`stack`
+converts once, at load.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from funcspec.nn.moe import DENSE, MoEConfig, check
+
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+
+
+def _int(hf: dict, key: str, where: str, default: Any = None) -> int:
+    value = hf.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def moe_config(hf: dict[str, Any], arch: str, where: str) -> MoEConfig:
+    """The :class:`MoEConfig` of an HF config of family ``arch`` (dense for a dense family); a bad field is a
+    ``ValueError`` naming it."""
+    if arch not in MOE_ARCHS:
+        return DENSE
+    layers = range(_int(hf, "num_hidden_layers", where))
+    if arch == "mixtral":
+        n = _int(hf, "num_local_experts", where)
+        m = MoEConfig(n, _int(hf, "num_experts_per_tok", where), _int(hf, "intermediate_size", where),
+                      tuple(layers), norm_topk_prob=True)
+    elif arch == "glm4_moe":
+        first = _int(hf, "first_k_dense_replace", where, 0)
+        m = MoEConfig(_int(hf, "n_routed_experts", where), _int(hf, "num_experts_per_tok", where),
+                      _int(hf, "moe_intermediate_size", where), tuple(i for i in layers if i >= first),
+                      scoring="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                      n_group=_int(hf, "n_group", where, 1), topk_group=_int(hf, "topk_group", where, 1),
+                      group_score="top2", routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                      correction_bias=True,
+                      shared_intermediate_size=_int(hf, "n_shared_experts", where, 1)
+                      * _int(hf, "moe_intermediate_size", where))
+    else:  # Qwen2-MoE, Qwen3-MoE: sparse every decoder_sparse_step-th layer, except mlp_only_layers
+        n = hf.get("num_experts", hf.get("num_local_experts"))
+        n = _int({"num_experts": n}, "num_experts", where)
+        step = _int(hf, "decoder_sparse_step", where, 1)
+        if step < 1:
+            raise ValueError(f"{where}: decoder_sparse_step must be positive, got {step}")
+        dense = set(hf.get("mlp_only_layers") or ())
+        shared = _int(hf, "shared_expert_intermediate_size", where, 0) if arch == "qwen2_moe" else 0
+        m = MoEConfig(n, _int(hf, "num_experts_per_tok", where), _int(hf, "moe_intermediate_size", where),
+                      tuple(i for i in layers if i not in dense and n > 0 and (i + 1) % step == 0),
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                      shared_gate=shared > 0)
+    check(m, where)
+    return m
+
+
+def hf_fields(m: MoEConfig, arch: str) -> dict:
+    """The ``config.json`` fields of ``m`` for family ``arch`` (:func:`moe_config` parses them back)."""
+    if arch not in MOE_ARCHS:
+        return {}
+    if arch == "mixtral":
+        return dict(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k)
+    common = dict(num_experts_per_tok=m.top_k, moe_intermediate_size=m.intermediate_size,
+                  norm_topk_prob=m.norm_topk_prob)
+    if arch == "glm4_moe":
+        return dict(common, n_routed_experts=m.num_experts, first_k_dense_replace=min(m.sparse_layers, default=0),
+                    n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
+                    n_shared_experts=m.shared_intermediate_size // m.intermediate_size)
+    return dict(common, num_experts=m.num_experts, decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(max(m.sparse_layers, default=-1) + 1) if i not in m.sparse_layers],
+                **({"shared_expert_intermediate_size": m.shared_intermediate_size} if arch == "qwen2_moe" else {}))
+
+
+def layer_shapes(m: MoEConfig, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of one sparse layer's feed-forward under ``prefix`` (``model.layers.<i>.mlp.``)."""
+    e, i = m.num_experts, m.intermediate_size
+    shapes = {prefix + "gate.weight": (e, hidden), prefix + "experts.gate_up_proj.weight": (e, 2 * i, hidden),
+              prefix + "experts.down_proj.weight": (e, hidden, i)}
+    if m.correction_bias:
+        shapes[prefix + "gate.e_score_correction_bias"] = (e,)
+    if m.shared_intermediate_size:
+        s = m.shared_intermediate_size
+        name = "shared_expert" if m.shared_gate else "shared_experts"
+        shapes.update({f"{prefix}{name}.gate_proj.weight": (s, hidden), f"{prefix}{name}.up_proj.weight": (s, hidden),
+                       f"{prefix}{name}.down_proj.weight": (hidden, s)})
+        if m.shared_gate:
+            shapes[prefix + "shared_expert_gate.weight"] = (1, hidden)
+    return shapes
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def published_keys(keys) -> bool:
+    """Whether ``keys`` hold experts one by one (a published checkpoint), which :func:`stack` converts."""
+    return any(_PER_EXPERT.fullmatch(k) or ".block_sparse_moe." in k for k in keys)
+
+
+def stack(tensors: dict[str, torch.Tensor], m: MoEConfig, where: str) -> dict[str, torch.Tensor]:
+    """``tensors`` with each layer's per-expert linears stacked into funcspec's layout and Mixtral's
+    ``block_sparse_moe`` named ``mlp``; the per-expert tensors are dropped as they are stacked."""
+    out, found = {}, {}
+    for key in list(tensors):
+        hit = _PER_EXPERT.fullmatch(key)
+        role = _ROLES.get(hit.group(3)) if hit else None
+        if role is not None:
+            found.setdefault(hit.group(1), {}).setdefault(role, {})[int(hit.group(2))] = tensors.pop(key)
+        else:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = tensors.pop(key)
+    for layer, roles in found.items():
+        missing = sorted({f"{layer}mlp.experts.{e}.{r}_proj.weight" for r in ("gate", "up", "down")
+                          for e in range(m.num_experts) if e not in roles.get(r, {})})
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        extra = sorted(e for r in roles.values() for e in r if e >= m.num_experts)
+        if extra:
+            raise ValueError(f"{where}: {layer}mlp has experts {extra[:8]} beyond num_experts={m.num_experts}")
+        one = lambda r: torch.stack([roles[r].pop(e) for e in range(m.num_experts)])  # noqa: E731
+        gate, up = one("gate"), one("up")  # [E, I, H] each
+        out[layer + "mlp.experts.gate_up_proj.weight"] = torch.cat([gate, up], dim=1)  # [E, 2I, H]
+        del gate, up
+        out[layer + "mlp.experts.down_proj.weight"] = one("down")  # [E, H, I]
+    return out

@@ -1,0 +1,189 @@
+"""Mixture-of-experts targets: Qwen2-MoE, Qwen3-MoE, Mixtral and GLM-4.5 equal transformers, the one router's
+selections, bad configs, and greedy speculation equal to greedy AR on a MoE target for every kind of drafter."""
+
+import pytest
+import torch
+import transformers
+
+from funcspec import LLM, Engine, SamplingParams
+from funcspec.checkpoints import init_draft_head
+from funcspec.checkpoints.llama import load_model, model_config
+from funcspec.nn.llama import forward, init_kv_cache
+from funcspec.nn.moe import MoEConfig, route
+
+from spec_cases import GREEDY, _ids, _prompts, _spec
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+FAMILIES = {
+    # every layer sparse but layer 1 (mlp_only_layers), renormalised top-2
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16,
+                       norm_topk_prob=True, mlp_only_layers=[1])),
+    # sparse every 2nd layer, raw top-k weights, a sigmoid-gated shared expert
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
+    # group-limited top-2 among 2 of 4 groups, a correction bias, scaling, one dense layer, partial rotary, QK-norm
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+                 dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                      first_k_dense_replace=1, head_dim=16, routed_scaling_factor=2.5, use_qk_norm=True,
+                      attention_bias=True, n_shared_experts=1)),
+}
+
+
+def make_moe(path, family: str, seed: int = 0, **overrides):
+    """Save a tiny random MoE of ``family`` to ``path``; return the HF model. Weights are scaled up (wide greedy
+    margins) and GLM's correction bias is random, so it changes which experts are chosen."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**BASE, **extra, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    make_moe(path, "qwen3_moe")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_moe):
+    """Autoregressive greedy outputs of 12 repetitive prompts on the Qwen3-MoE target."""
+    prompts = _prompts(12)
+    return prompts, _ids(Engine(qwen3_moe, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+
+
+# ----------------------------------------------------------------------------- HF-exact
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_greedy_tokens_equal_transformers(tmp_path, family):
+    hf = make_moe(tmp_path, family)
+    model = load_model(tmp_path)
+    tokens = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    kv = init_kv_cache(model.cfg, 2, 16)
+    logits, _, _ = forward(model.cfg, model.params, kv, tokens, torch.arange(2), torch.zeros(2, dtype=torch.long))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-5)
+    prompt = tokens[0].tolist()
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    out = LLM(str(tmp_path), enforce_eager=True, max_model_len=64).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids) == hf_ids[0, len(prompt):].tolist()
+
+
+def test_each_family_reads_its_sparse_layers_and_router(tmp_path):
+    """The configs' own rules decide which layers are sparse and how their router scores."""
+    cfgs = {f: model_config({**BASE, **FAMILIES[f][2], "architectures": [FAMILIES[f][1].__name__]})
+            for f in FAMILIES}
+    assert [cfgs[f].moe.sparse_layers for f in sorted(FAMILIES)] == [(1, 2), (0, 1, 2), (1,), (0, 2)]
+    glm = cfgs["glm4_moe"]
+    assert (glm.moe.scoring, glm.moe.n_group, glm.moe.topk_group, glm.moe.group_score, glm.moe.correction_bias,
+            glm.moe.routed_scaling_factor, glm.moe.shared_intermediate_size) == ("sigmoid", 4, 2, "top2", True, 2.5,
+                                                                                  32)
+    assert (glm.rotary_dim, glm.qk_norm, glm.attention_bias) == (8, True, True)  # partial_rotary_factor 0.5 of 16
+    assert cfgs["qwen2_moe"].moe.shared_gate and cfgs["qwen2_moe"].attention_bias
+    assert cfgs["mixtral"].moe.norm_topk_prob and cfgs["mixtral"].moe.intermediate_size == 32
+
+
+# ----------------------------------------------------------------------------- the router
+def test_softmax_router_picks_the_top_k_and_renormalises():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).log()  # softmax probabilities 0, .5, 1/6, 1/3
+    ids, w = route(MoEConfig(4, 2, 8, scoring="softmax", norm_topk_prob=True), logits)
+    assert ids.tolist() == [[1, 3]]
+    torch.testing.assert_close(w, torch.tensor([[0.6, 0.4]]))
+    _, raw = route(MoEConfig(4, 2, 8, scoring="softmax", routed_scaling_factor=2.0), logits)
+    torch.testing.assert_close(raw, torch.tensor([[1.0, 2 / 3]]))
+
+
+def test_group_limited_router_chooses_only_from_the_best_groups():
+    """Groups {0,1} {2,3} {4,5}: by their best two (top2) the middle group wins, by their best one (max) the
+    first; the experts then come from the chosen group only, even where another group holds a better one."""
+    s = torch.tensor([[0.9, 0.0, 0.6, 0.6, 0.1, 0.1]])
+    logits = torch.log(s / (1 - s))  # sigmoid(logits) == s
+    top2 = MoEConfig(6, 2, 8, scoring="sigmoid", n_group=3, topk_group=1, group_score="top2")
+    assert route(top2, logits)[0].tolist() == [[2, 3]]
+    top1 = MoEConfig(6, 2, 8, scoring="sigmoid", n_group=3, topk_group=1, group_score="max")
+    assert route(top1, logits)[0].tolist() == [[0, 1]]
+
+
+def test_correction_bias_steers_the_choice_but_not_the_weights():
+    s = torch.tensor([[0.8, 0.6, 0.5, 0.1]])
+    logits = torch.log(s / (1 - s))
+    m = MoEConfig(4, 2, 8, scoring="sigmoid", norm_topk_prob=False)
+    ids, w = route(m, logits, torch.tensor([0.0, -1.0, 0.0, 0.0]))
+    assert ids.tolist() == [[0, 2]]
+    torch.testing.assert_close(w, torch.tensor([[0.8, 0.5]]))  # the scores, not the biased ones
+
+
+@pytest.mark.parametrize(("family", "field", "value", "match"), [
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok must be in \\[1, 8\\]"),
+    ("glm4_moe", "topk_group", 5, "topk_group must be in \\[1, n_group=4\\]"),
+    ("glm4_moe", "n_group", 3, "n_group=3 must divide the 8 routed experts"),
+    ("glm4_moe", "num_experts_per_tok", 5, "num_experts_per_tok=5 exceeds the 4 experts"),
+    ("qwen3_moe", "moe_intermediate_size", None, "moe_intermediate_size must be an integer"),
+    ("qwen2_moe", "decoder_sparse_step", 0, "decoder_sparse_step must be positive"),
+])
+def test_bad_moe_config_names_the_field(family, field, value, match):
+    hf = {**BASE, **FAMILIES[family][2], field: value, "architectures": [FAMILIES[family][1].__name__]}
+    with pytest.raises(ValueError, match=match):
+        model_config(hf)
+
+
+def test_unsupported_combinations_are_refused_naming_the_argument(qwen3_moe):
+    with pytest.raises(ValueError, match="quantization='int8': quantizing a mixture-of-experts target"):
+        Engine(qwen3_moe, quantization="int8")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with a mixture-of-experts target"):
+        Engine(qwen3_moe, tensor_parallel_size=2)
+
+
+# ----------------------------------------------------------------------------- speculation on a MoE target
+@pytest.fixture(scope="module")
+def heads(qwen3_moe, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_heads")
+    return {m: str(init_draft_head(m, qwen3_moe, root / m)) for m in ("eagle3", "dflash")}
+
+
+def _config(method, heads, tiny_draft, k=3, **extra):
+    if method in heads:
+        return {"method": method, "model": heads[method], "num_speculative_tokens": k, **extra}
+    return _spec(method, k, tiny_draft, **extra)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle3", "dflash"])
+def test_greedy_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads, reference, method):
+    prompts, want = reference
+    eng = Engine(qwen3_moe, speculative_config=_config(method, heads, tiny_draft), max_batch_size=4,
+                 max_model_len=96)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+
+
+def test_tree_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads, reference):
+    prompts, want = reference
+    tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
+    eng = Engine(qwen3_moe, speculative_config=_config("eagle3", heads, tiny_draft, 5, speculative_token_tree=tree),
+                 max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_draft, heads, reference, method):
+    prompts, want = reference
+    eng = Engine(qwen3_moe, speculative_config=_config(method, heads, tiny_draft), backend="inductor",
+                 max_batch_size=4, batch_buckets=[4], max_model_len=96, capture="lazy")
+    assert _ids(eng.generate(prompts[:4], GREEDY)) == want[:4]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert _ids(eng.generate(prompts[4:], GREEDY)) == want[4:]
+    assert eng.stats["recompiles"] == 0 and eng.stats["graph_breaks"] == 0
