@@ -32,6 +32,7 @@ from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, cache
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
+from funcspec.config.checks import check_bool
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
@@ -87,6 +88,8 @@ class Engine:
             KV. Default: one, the whole cache, where the CPU decode-attention
             kernel serves the model (it reads only each row's live positions
             whatever the length); else powers of two from 256, then the whole cache.
+        enable_expert_parallel: under ``tensor_parallel_size > 1``, a mixture-of-experts target's experts are
+            split whole across the ranks (vLLM's flag) instead of slicing each expert.
         tensor_parallel_size: ranks the target is sharded across
             (:mod:`funcspec.distributed`). From a plain process, this engine is
             rank 0 and spawns the others, which replay its public calls; under
@@ -135,12 +138,14 @@ class Engine:
                  context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
                  ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
                  tokenizer: Optional[str] = None, compile_cache: Optional[str] = None,
-                 capture_logprobs: bool = False, cpu_kernels: bool = True, _plan: Optional[dict] = None):
+                 capture_logprobs: bool = False, cpu_kernels: bool = True, enable_expert_parallel: bool = False,
+                 _plan: Optional[dict] = None):
         args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
         if not isinstance(cpu_kernels, bool):
             raise ValueError(f"cpu_kernels must be True or False, got {cpu_kernels!r}")
+        check_bool("enable_expert_parallel", enable_expert_parallel)
         if ops is not None and not cpu_kernels:
             raise ValueError("cpu_kernels=False shapes the default ops: pass ops or cpu_kernels, not both")
         self.startup_modes = STARTUP_SAMPLING + (("filtered_logprobs",) if capture_logprobs else ())
@@ -155,6 +160,9 @@ class Engine:
         # drafter's, built from it) carries them into each bucket's static key.
         ops = kernels.resolve(device, cpu_kernels) if ops is None else ops
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
+        if self.model.cfg.moe.num_experts:  # vLLM's flag; a dense model has no experts to split
+            moe = dataclasses.replace(self.model.cfg.moe, expert_parallel=enable_expert_parallel)
+            self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, moe=moe))
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
         if self.quantization and cfg.moe.num_experts:

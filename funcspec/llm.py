@@ -19,7 +19,7 @@ from funcspec.engine import Engine
 # vLLM engine arguments that have no effect on a single-device funcspec engine.
 NO_EFFECT_ARGS = frozenset({
     "gpu_memory_utilization", "async_scheduling", "distributed_executor_backend", "enable_prefix_caching",
-    "trust_remote_code", "enable_expert_parallel", "max_num_batched_tokens", "swap_space",
+    "trust_remote_code", "max_num_batched_tokens", "swap_space",
     "block_size", "enable_chunked_prefill", "disable_log_stats", "tokenizer_mode", "data_parallel_size",
     "served_model_name", "kv_cache_dtype", "disable_custom_all_reduce",
 })
@@ -125,7 +125,8 @@ class LLM:
     are accepted with one warning. ``tensor_parallel_size=N`` shards the target
     across N ranks: from a plain process this ``LLM`` is rank 0 and spawns the
     others (:mod:`funcspec.distributed`); under ``torchrun`` every rank builds
-    its own. :meth:`close` stops them (so does interpreter exit).
+    its own. :meth:`close` stops them (so does interpreter exit). ``enable_expert_parallel``
+    splits a mixture-of-experts target's experts whole across those ranks instead of slicing each.
     """
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: Optional[int] = None,
@@ -133,7 +134,8 @@ class LLM:
                  compilation_config: Any = None, additional_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, seed: int = 0, dtype: Any = "float32",
                  backend: Optional[str] = None, device: str = "cpu", quantization: Optional[str] = None,
-                 tokenizer: Optional[str] = None, cpu_kernels: bool = True, **kwargs):
+                 tokenizer: Optional[str] = None, cpu_kernels: bool = True, enable_expert_parallel: bool = False,
+                 **kwargs):
         # NOTE: every argument is checked before the checkpoint is read or anything is built, so a refused
         # LLM(...) costs nothing and leaves nothing behind (no ranks, no caches).
         check_engine_args(model, tensor_parallel_size, max_num_seqs, max_model_len, enforce_eager, seed, tokenizer,
@@ -164,7 +166,7 @@ class LLM:
             device=device, dtype=dt, kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, tokenizer=tokenizer,
             capture=cc.capture, compile_cache=cc.compile_cache, capture_logprobs=cc.capture_logprobs,
-            cpu_kernels=cpu_kernels,
+            cpu_kernels=cpu_kernels, enable_expert_parallel=enable_expert_parallel,
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False):

@@ -7,7 +7,12 @@ Per decoder layer, rank r of n keeps::
     o_proj                  the matching input columns; its bias whole (added after the all-reduce)
     gate_proj, up_proj      rows [r·I/n, (r+1)·I/n), bias too
     down_proj               the matching input columns; its bias whole
-    everything else         replicated (embeddings, LM head, norms, q/k norms)
+    everything else         replicated (embeddings, LM head, norms, q/k norms, MoE routers)
+
+A MoE layer's stacked experts are split by expert under expert parallelism
+(``MoEConfig.expert_parallel``: rank r holds experts ``[r·E/n, (r+1)·E/n)``
+whole), else like an MLP: each expert's gate/up rows and down columns of its
+``[r·I/n, (r+1)·I/n)`` block. Its shared expert is an MLP, split as one.
 
 Query head j belongs to KV head ``j // G`` (G = H / H_kv), so the query
 heads of a contiguous block of KV heads are a contiguous block too: every
@@ -46,11 +51,14 @@ def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = 
     """Refuse a ``size`` (the ``field``) that ``model`` cannot be split by (``ValueError`` naming the field)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{field} must be an int >= 1, got {size!r}")
-    if size > 1 and cfg.moe.num_experts:
-        raise ValueError(f"{field}={size} with a mixture-of-experts {model} is not supported yet: its experts are "
-                         f"not split across ranks (run it on one rank)")
-    for name, n in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
-                     ("intermediate_size", cfg.intermediate_size)):
+    m = cfg.moe
+    sizes = [("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if m.num_experts:
+        sizes += [("num_experts" if m.expert_parallel else "moe_intermediate_size",
+                   m.num_experts if m.expert_parallel else m.intermediate_size),
+                  ("shared expert's intermediate size", m.shared_intermediate_size)]
+    for name, n in sizes:
         if n % size:
             raise ValueError(f"{field}={size} must divide the {model}'s {name}={n} "
                              f"(each rank holds whole KV heads)")
@@ -59,8 +67,11 @@ def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = 
 def shard_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
     """Rank ``tp.rank``'s config: its share of heads, KV heads and the MLP's intermediate size."""
     check_size(cfg, tp.size)
+    m = cfg.moe
+    moe = dataclasses.replace(m, shared_intermediate_size=m.shared_intermediate_size // tp.size,
+                              intermediate_size=m.intermediate_size // (1 if m.expert_parallel else tp.size))
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=cfg.num_kv_heads // tp.size,
-                               intermediate_size=cfg.intermediate_size // tp.size, tp=tp)
+                               intermediate_size=cfg.intermediate_size // tp.size, tp=tp, moe=moe)
 
 
 def _slice(x: torch.Tensor, dim: int, tp: TPGroup, order: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -114,7 +125,18 @@ def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_p
                     raise ValueError(f"{field}={size} cannot split model.layers.{i}.{part}.{name}: {why}")
 
 
-def shard_layer(block: dict, tp: TPGroup, scheme=None) -> dict:
+def shard_experts(experts: dict, tp: TPGroup, expert_parallel: bool) -> dict:
+    """A MoE layer's stacked experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) for rank ``tp.rank``:
+    its whole experts under expert parallelism, else its block of every expert's intermediate size."""
+    gate_up, down = experts["gate_up_proj"]["weight"], experts["down_proj"]["weight"]
+    if expert_parallel:
+        return {"gate_up_proj": {"weight": _slice(gate_up, 0, tp)}, "down_proj": {"weight": _slice(down, 0, tp)}}
+    e, two_i, h = gate_up.shape
+    halves = _slice(gate_up.view(e, 2, two_i // 2, h), 2, tp)  # [E, 2, I/n, H]: gate rows, then up rows
+    return {"gate_up_proj": {"weight": halves.reshape(e, -1, h)}, "down_proj": {"weight": _slice(down, 2, tp)}}
+
+
+def shard_layer(block: dict, tp: TPGroup, scheme=None, expert_parallel: bool = False) -> dict:
     """One decoder block's params (``self_attn`` and ``mlp`` sub-dicts) for rank ``tp.rank``, its sharded linears
     quantized to ``scheme`` first where it applies."""
     out = {}
@@ -125,6 +147,12 @@ def shard_layer(block: dict, tp: TPGroup, scheme=None) -> dict:
         order = _stored_order(layers, tp.size) if part == "mlp" else None  # [I] or None
         out[part] = {}
         for name, p in layers.items():
+            if name == "experts":
+                out[part][name] = shard_experts(p, tp, expert_parallel)
+                continue
+            if name in ("shared_expert", "shared_experts"):  # a dense MLP
+                out[part][name] = shard_layer({"mlp": p}, tp, scheme)["mlp"]
+                continue
             if name in COLUMN + ROW:
                 p = _quantized(p, scheme)
             if name in COLUMN:
@@ -138,17 +166,20 @@ def shard_layer(block: dict, tp: TPGroup, scheme=None) -> dict:
     return out
 
 
-def shard_params(params: dict, tp: TPGroup, scheme=None) -> dict:
+def shard_params(params: dict, tp: TPGroup, scheme=None, expert_parallel: bool = False) -> dict:
     """A decoder's params pytree (HF names) for rank ``tp.rank`` (the input is not modified); ``scheme``: the
-    quantization the engine applies on load (:data:`funcspec.quant.formats.SCHEMES`), applied before the split."""
+    quantization the engine applies on load (:data:`funcspec.quant.formats.SCHEMES`), applied before the split;
+    ``expert_parallel``: MoE experts split whole (:func:`shard_experts`)."""
     if tp.size == 1:
         return params
     m = params["model"]
-    return {**params, "model": {**m, "layers": [shard_layer(b, tp, scheme) for b in m["layers"]]}}
+    layers = [shard_layer(b, tp, scheme, expert_parallel) for b in m["layers"]]
+    return {**params, "model": {**m, "layers": layers}}
 
 
 def shard_model(model: Model, tp: TPGroup, scheme=None) -> Model:
     """``model`` with rank ``tp.rank``'s config and params (the input is not modified; one rank: itself)."""
     if tp.size == 1:
         return model
-    return dataclasses.replace(model, cfg=shard_config(model.cfg, tp), params=shard_params(model.params, tp, scheme))
+    return dataclasses.replace(model, cfg=shard_config(model.cfg, tp),
+                               params=shard_params(model.params, tp, scheme, model.cfg.moe.expert_parallel))

@@ -375,7 +375,7 @@ def feed_forward(cfg: ModelConfig, p: dict, x: torch.Tensor) -> torch.Tensor:
     """A layer's feed-forward over x [B, T, H]: a MoE where its params hold experts (a static property of the
     pytree, so dense and sparse layers are two compiled regions), else the dense :func:`mlp`."""
     if "experts" in p:
-        return moe.sparse_block(cfg.moe, cfg.ops, p, x, lambda q, y: mlp(cfg, q, y))
+        return moe.sparse_block(cfg.moe, cfg.ops, p, x, lambda q, y: mlp(cfg, q, y), cfg.tp)
     return mlp(cfg, p, x)
 
 

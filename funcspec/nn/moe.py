@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from funcspec.parallel import SINGLE, TPGroup, all_reduce
+
 SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2")
 
@@ -42,6 +44,8 @@ class MoEConfig:
         correction_bias: the router has ``e_score_correction_bias``, added to the scores for selection only.
         shared_intermediate_size: the shared expert's width (0: none).
         shared_gate: the shared expert's output is scaled by sigmoid(``shared_expert_gate`` x) (Qwen2-MoE).
+        expert_parallel: under tensor parallelism each rank holds ``num_experts / n`` whole experts (vLLM's
+            ``enable_expert_parallel``) instead of a ``1/n`` slice of every expert's ``intermediate_size``.
     """
 
     num_experts: int = 0
@@ -57,6 +61,7 @@ class MoEConfig:
     correction_bias: bool = False
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    expert_parallel: bool = False
 
 
 DENSE = MoEConfig()
@@ -126,15 +131,30 @@ def router_logits(m: MoEConfig, ops, p: dict, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, p)
 
 
-def sparse_block(m: MoEConfig, ops, p: dict, x: torch.Tensor, dense_mlp: Callable) -> torch.Tensor:
+def local_experts(ids: torch.Tensor, weights: torch.Tensor, held: int, tp: TPGroup
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` [T, k] as indices into this rank's ``held`` experts (rank r holds ``[r·held, (r+1)·held)``), and
+    ``weights`` [T, k] zeroed where the expert is another rank's: its slot adds nothing here."""
+    local = ids - tp.rank * held  # [T, k]
+    mine = (local >= 0) & (local < held)  # [T, k]
+    return local.clamp(0, held - 1), weights * mine
+
+
+def sparse_block(m: MoEConfig, ops, p: dict, x: torch.Tensor, dense_mlp: Callable, tp: TPGroup = SINGLE
+                 ) -> torch.Tensor:
     """A MoE feed-forward of x [B, T, H] -> [B, T, H]: routed experts, plus the shared expert if any.
 
-    ``dense_mlp(p, x)``: the model's dense MLP, which runs the shared expert.
+    ``dense_mlp(p, x)``: the model's dense MLP, which runs the shared expert. Under ``tp`` every rank routes
+    every token (the router is replicated), runs its part of the experts (whole experts under expert
+    parallelism, a slice of each otherwise) and the partial outputs are summed by one all-reduce: at decode
+    sizes cheaper than dispatching tokens to their experts' ranks and back (``funcspec bench ep-comm``).
     """
     x2 = x.reshape(-1, x.shape[-1])  # [B·T, H]
     logits = router_logits(m, ops, p["gate"], x2)  # [B·T, E]
     ids, weights = route(m, logits, p["gate"].get("e_score_correction_bias"))  # [B·T, k] each
-    y = ops.experts(x2, ids, weights, p["experts"]).view(x.shape)  # [B, T, H]
+    if m.expert_parallel and tp.size > 1:
+        ids, weights = local_experts(ids, weights, m.num_experts // tp.size, tp)
+    y = all_reduce(ops.experts(x2, ids, weights, p["experts"]), tp).view(x.shape)  # [B, T, H]
     if "shared_expert" in p:  # Qwen2-MoE: gated by a sigmoid of x
         gate = torch.sigmoid(ops.linear(x, p["shared_expert_gate"]))  # [B, T, 1]
         y = y + gate * dense_mlp(p["shared_expert"], x)

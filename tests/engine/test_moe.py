@@ -1,6 +1,8 @@
 """Mixture-of-experts targets: Qwen2-MoE, Qwen3-MoE, Mixtral and GLM-4.5 equal transformers, the one router's
 selections, bad configs, and greedy speculation equal to greedy AR on a MoE target for every kind of drafter."""
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -8,8 +10,10 @@ import transformers
 from funcspec import LLM, Engine, SamplingParams
 from funcspec.checkpoints import init_draft_head
 from funcspec.checkpoints.llama import load_model, model_config
+from funcspec.checkpoints.tp import check_size, shard_experts
 from funcspec.nn.llama import forward, init_kv_cache
-from funcspec.nn.moe import MoEConfig, route
+from funcspec.nn.moe import MoEConfig, local_experts, route
+from funcspec.parallel import TPGroup
 
 from spec_cases import GREEDY, _ids, _prompts, _spec
 
@@ -145,8 +149,58 @@ def test_bad_moe_config_names_the_field(family, field, value, match):
 def test_unsupported_combinations_are_refused_naming_the_argument(qwen3_moe):
     with pytest.raises(ValueError, match="quantization='int8': quantizing a mixture-of-experts target"):
         Engine(qwen3_moe, quantization="int8")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with a mixture-of-experts target"):
-        Engine(qwen3_moe, tensor_parallel_size=2)
+    hf = {**BASE, **FAMILIES["qwen3_moe"][2], "num_key_value_heads": 4, "num_experts": 6,
+          "architectures": ["Qwen3MoeForCausalLM"]}
+    cfg = model_config(hf)
+    check_size(cfg, 4)  # each expert's 32 intermediate features split in four
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the target's num_experts=6"):
+        check_size(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True)), 4)
+    with pytest.raises(ValueError, match="enable_expert_parallel must be a bool, got 'yes'"):
+        Engine(qwen3_moe, enable_expert_parallel="yes")
+
+
+# ----------------------------------------------------------------------------- tensor and expert parallelism
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_holds_its_experts_and_the_shards_make_the_whole(expert_parallel):
+    """Expert parallelism: rank r holds experts [4r, 4r + 4) whole; otherwise a half of every expert's gate rows,
+    up rows and down columns. Either way the ranks' shards put back together are the layer."""
+    gate_up, down = torch.randn(8, 2 * 6, 5), torch.randn(8, 5, 6)  # E = 8, I = 6, H = 5
+    shards = [shard_experts({"gate_up_proj": {"weight": gate_up}, "down_proj": {"weight": down}},
+                            TPGroup(2, r), expert_parallel) for r in range(2)]
+    gu = [s["gate_up_proj"]["weight"] for s in shards]
+    dn = [s["down_proj"]["weight"] for s in shards]
+    if expert_parallel:
+        assert gu[0].shape == (4, 12, 5) and torch.equal(torch.cat(gu), gate_up) and torch.equal(torch.cat(dn), down)
+    else:
+        halves = [g.view(8, 2, 3, 5) for g in gu]  # [E, gate|up, I/2, H]
+        assert torch.equal(torch.cat(halves, dim=2).reshape(8, 12, 5), gate_up)
+        assert torch.equal(torch.cat(dn, dim=2), down)
+
+
+def test_a_rank_runs_only_the_slots_routed_to_its_experts():
+    ids, w = torch.tensor([[0, 5], [4, 3]]), torch.tensor([[0.5, 0.25], [1.0, 2.0]])
+    local, weights = local_experts(ids, w, 4, TPGroup(2, 1))  # rank 1 holds experts 4..7
+    assert local.tolist() == [[0, 1], [0, 0]] and weights.tolist() == [[0.0, 0.25], [1.0, 0.0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "expert_parallel"), [("glm4_moe", False), ("glm4_moe", True),
+                                                         ("qwen2_moe", True)])
+def test_two_ranks_emit_one_ranks_greedy_tokens(tmp_path, family, expert_parallel):
+    """TP = 2 (each expert sliced) and EP = 2 (experts split whole), attention tensor-parallel and the shared
+    expert an MLP split in two: both ranks' engine emits the tokens of one rank."""
+    make_moe(tmp_path, family)
+    args = dict(max_batch_size=2, max_model_len=64, backend="eager")
+    prompts = _prompts(2, seed=3)
+    want = _ids(Engine(str(tmp_path), **args).generate(prompts, GREEDY))
+    eng = Engine(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **args)
+    try:
+        assert _ids(eng.generate(prompts, GREEDY)) == want
+        sparse = eng.model.cfg.moe.sparse_layers[-1]
+        experts = eng.params["target"]["model"]["layers"][sparse]["mlp"]["experts"]["gate_up_proj"]["weight"]
+        assert experts.shape == ((4, 64, 64) if expert_parallel else (8, 32, 64))
+    finally:
+        eng.close()
 
 
 # ----------------------------------------------------------------------------- speculation on a MoE target
