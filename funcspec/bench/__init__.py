@@ -1,13 +1,13 @@
 """Benchmarks: ``funcspec bench capture`` (per-bucket graph costs), ``bench spec``, ``bench scale``, ``bench tp``,
-``bench ep-comm`` (expert parallelism's collective), ``bench quality`` (quantized formats' held-out loss),
-``bench runtime`` (start-up, compile stalls, host cost) and ``bench serve`` (a load and fault run of
-``funcspec serve``)."""
+``bench ep-comm`` (expert parallelism's collective), ``bench routing`` (a MoE's expert union per verify
+step), ``bench quality`` (quantized formats' held-out loss), ``bench runtime`` (start-up, compile stalls,
+host cost) and ``bench serve`` (a load and fault run of ``funcspec serve``)."""
 
 
 def add_bench_parser(sub) -> None:
     """Register ``bench capture``, ``bench spec``, ``bench scale``, ``bench tp``, ``bench ep-comm``,
-    ``bench quality``, ``bench runtime`` and ``bench serve``."""
-    from funcspec.bench import capture, ep, quant, runtime, scale, serve, spec, tp
+    ``bench routing``, ``bench quality``, ``bench runtime`` and ``bench serve``."""
+    from funcspec.bench import capture, ep, quant, routing, runtime, scale, serve, spec, tp
 
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -16,6 +16,7 @@ def add_bench_parser(sub) -> None:
     scale.add_parser(kinds)
     tp.add_parser(kinds)
     ep.add_parser(kinds)
+    routing.add_parser(kinds)
     quant.add_parser(kinds)
     runtime.add_parser(kinds)
     serve.add_parser(kinds)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from funcspec.bench import capture, spec
 
@@ -110,3 +111,34 @@ def test_bench_ep_comm_times_both_collectives_per_case(tmp_path):
                                                               (3, "bfloat16")]
     assert all(x["all_reduce_us"] > 0 and x["all_to_all_us"] > 0 for x in r["rows"])
     assert path.with_suffix(".md").read_text().count("| 32 | 2 |") == 4
+
+
+def test_mean_union_counts_distinct_experts_per_window():
+    from funcspec.bench.routing import mean_union
+
+    ids = torch.tensor([[0, 1], [1, 2], [0, 1], [3, 4]])  # windows of 2: {0,1,2} {0,1,2} {0,1,3,4}
+    assert mean_union(ids, 5, 1) == 2.0 and mean_union(ids, 5, 2) == pytest.approx((3 + 3 + 4) / 3)
+    assert mean_union(ids, 5, 4) == 5.0
+
+
+def test_bench_routing_records_every_sparse_layer(tmp_path):
+    """On a Qwen3-MoE with layer 1 dense: two sparse layers' unions per K, between the two bounds."""
+    import argparse
+
+    import transformers
+
+    from funcspec.bench import routing
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=8, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path / "moe"))
+    routing.run(argparse.Namespace(model=str(tmp_path / "moe"), ks="0,1,4", tokens=64, seed=0,
+                                   out=str(tmp_path)))
+    (path,) = tmp_path.glob("routing-*.json")
+    r = json.loads(path.read_text())
+    assert r["sparse_layers"] == [0, 2] and [x["k"] for x in r["rows"]] == [0, 1, 4]
+    assert r["rows"][0]["per_layer"] == [2.0, 2.0]  # one token: its top-2
+    for x in r["rows"]:
+        assert len(x["per_layer"]) == 2 and x["correlated"] <= x["mean_union"] <= x["independent"]

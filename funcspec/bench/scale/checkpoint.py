@@ -23,7 +23,7 @@ near-ties between HF and funcspec; the embedding / lm_head are scaled by this
 class Shape:
     """A model family's shape: the HF config class kwargs and the non-special prompt-id range."""
 
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "qwen3_moe"
     config: dict
     prompt_ids: tuple[int, int]  # [lo, hi): ids sampled for prompts, no special tokens
 
@@ -52,6 +52,14 @@ SHAPES = {
                                                       "original_max_position_embeddings": 8192},
                                         max_position_embeddings=131072, bos_token_id=128000,
                                         eos_token_id=128001), (0, 128000)),
+    # Qwen3-30B-A3B's layer (2048 wide, 128 experts of 768, top-8) with 4 of its 48 layers: fits 24 GB.
+    "qwen3-moe-30b-a3b-4l": Shape("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                                    norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                                                    num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                                                    rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                                    max_position_embeddings=40960, bos_token_id=151643,
+                                                    eos_token_id=151645), (0, 151643)),
 }
 
 
@@ -74,7 +82,8 @@ def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: i
         return path
     spec = SHAPES[shape]
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[spec.arch]
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[spec.arch]
     torch.manual_seed(seed)
     model = classes[1](classes[0](**spec.config)).eval()
     with torch.no_grad():
@@ -89,11 +98,13 @@ def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: i
 
 
 def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
-    """(parameters, bytes) a decode step streams: every funcspec param once (a tied lm_head is the embedding)."""
+    """(parameters, bytes) a decode step of one token streams: every funcspec param once (a tied lm_head is the
+    embedding), of a MoE layer's experts only the ``top_k`` of ``E`` the token is routed to (the active bytes)."""
     from funcspec.checkpoints import expected_shapes, model_config, read_config
 
     cfg = model_config(read_config(path)[1])
-    n = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    active = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe.num_experts else 1.0
+    n = int(sum(math.prod(s) * (active if ".experts." in k else 1) for k, s in expected_shapes(cfg).items()))
     return n, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()
 
 
