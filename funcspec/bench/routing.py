@@ -7,7 +7,11 @@ over a token stream once (eager, prefill), records every sparse layer's
 ``[T, top_k]`` expert ids, and reports for each K the mean union over every
 window of K+1 consecutive tokens, per layer and over all layers, beside
 ``top_k`` (perfectly correlated routing) and ``min(E, (K+1)·top_k)``
-(independent routing that never repeats). Results go to
+(independent routing that never repeats). With ``--time`` it also times one
+eager verify step of each K+1 after a prefix, on the kernels the engine would
+take, beside the bytes that step must stream (the dense weights once, plus per
+layer the union of that block's experts), so a step's cost can be set against
+its union. Results go to
 ``graphs/results/cpu/routing-<time>.json`` and ``.md``.
 """
 
@@ -62,6 +66,50 @@ def mean_union(ids: torch.Tensor, num_experts: int, window: int) -> float:
     return (in_window > 0).sum(-1).float().mean().item()
 
 
+def step_costs(model, tokens: list[int], ks, reps: int, prefix: int = 64) -> list[dict]:
+    """Per K: the median ms of one eager step of K+1 tokens after ``prefix`` tokens, on the engine's kernels
+    (params prepared as it prepares them), and the bytes it streams given that block's expert union."""
+    import dataclasses
+    import math
+    import statistics
+
+    from funcspec.checkpoints import expected_shapes
+    from funcspec.kernels import resolve
+    from funcspec.nn.llama import forward, init_kv_cache
+    from funcspec.quant import prepare_params
+
+    rec = RecordingOps(resolve("cpu"))
+    cfg = dataclasses.replace(model.cfg, ops=rec)
+    params = prepare_params(model.params, rec.ops)
+    item = model.params["model"]["norm"]["weight"].element_size()
+    shapes = expected_shapes(model.cfg)
+    dense = sum(math.prod(s) for k, s in shapes.items() if ".experts." not in k and "embed_tokens" not in k) * item
+    m = model.cfg.moe
+    expert = 3 * model.cfg.hidden_size * m.intermediate_size * item  # one expert's gate, up and down
+    kv = init_kv_cache(cfg, 1, prefix + max(ks) + 1)
+    zero = torch.zeros(1, dtype=torch.long)
+    rows = []
+    with torch.no_grad():
+        forward(cfg, params, kv, torch.tensor([tokens[:prefix]]), zero, zero)  # the prefix's KV
+        for k in ks:
+            block, start = torch.tensor([tokens[prefix:prefix + k + 1]]), torch.full((1,), prefix)
+            rec.ids.clear()
+            forward(cfg, params, kv, block, zero, start)  # warm-up, and the block's routing
+            union = sum(len(torch.unique(x)) for x in rec.ids)  # experts read over all sparse layers
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                forward(cfg, params, kv, block, zero, start)
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows.append({"k": k, "step_ms": statistics.median(times), "experts_read": union,
+                         "bytes": dense + union * expert})
+    for r in rows:
+        r["gb_per_s"] = r["bytes"] / r["step_ms"] / 1e6
+        r["cost_over_ar"] = r["step_ms"] / rows[0]["step_ms"]
+        r["bytes_over_ar"] = r["bytes"] / rows[0]["bytes"]
+    return rows
+
+
 def measure(model, tokens: list[int], ks) -> dict:
     """Per K, the mean union per layer and over layers, with the two bounds."""
     ids = layer_routing(model, tokens)
@@ -94,11 +142,13 @@ def run(args) -> Path:
     """``funcspec bench routing``: the expert union of a verify step, per K and layer; JSON and markdown."""
     from funcspec.checkpoints import load_model
 
-    model = load_model(args.model)
+    ks = [int(k) for k in args.ks.split(",")]
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
     tokens, source = stream_tokens(model, args.tokens, args.seed)
     result = {"bench": "routing", "time": time.strftime("%Y%m%d-%H%M%S"), "model": str(args.model),
-              "source": source, "machine": machine_info(),
-              **measure(model, tokens, [int(k) for k in args.ks.split(",")])}
+              "source": source, "dtype": args.dtype, "machine": machine_info(), **measure(model, tokens, ks)}
+    if args.time:
+        result["steps"] = step_costs(model, tokens, sorted({0, *ks}), args.reps)
     path = write_result(result, args.out, markdown)
     print(markdown(result))
     print(f"wrote {path} and its .md")
@@ -117,6 +167,16 @@ def markdown(r: dict) -> str:
                      f"{x['mean_union'] / x['correlated']:.2f} |")
     lines += ["", "Per layer (mean union, in layer order):", ""]
     lines += [f"- K={x['k']}: " + ", ".join(f"{u:.2f}" for u in x["per_layer"]) for x in r["rows"]]
+    if r.get("steps"):
+        lines += ["", f"## One eager step of K+1 tokens after a 64-token prefix ({r['dtype']}, the engine's "
+                  "kernels, median)\n",
+                  "| K | experts read (all layers) | MB streamed | step ms | GB/s | cost / AR | bytes / AR |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['k']} | {x['experts_read']} | {x['bytes'] / 1e6:.0f} | {x['step_ms']:.2f} | "
+                  f"{x['gb_per_s']:.1f} | {x['cost_over_ar']:.2f} | {x['bytes_over_ar']:.2f} |" for x in r["steps"]]
+        m = r["machine"]
+        lines += ["", f"CPU: {m['cpu']} ({m['cores']} logical cores), threads {m['threads']}, ISA: "
+                  + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -127,5 +187,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--ks", default="1,2,4,8", help="K values, comma-separated (default %(default)s)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens routed (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of random ids (no tokenizer)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights' dtype")
+    p.add_argument("--time", action="store_true", help="also time one verify step per K (eager, engine kernels)")
+    p.add_argument("--reps", type=int, default=10, help="timed steps per K (default %(default)s)")
     p.add_argument("--out", default=None, help="results directory (default graphs/results/cpu)")
     p.set_defaults(func=run)

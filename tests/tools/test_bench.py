@@ -134,11 +134,14 @@ def test_bench_routing_records_every_sparse_layer(tmp_path):
                                       head_dim=8, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1])
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path / "moe"))
-    routing.run(argparse.Namespace(model=str(tmp_path / "moe"), ks="0,1,4", tokens=64, seed=0,
-                                   out=str(tmp_path)))
+    routing.run(argparse.Namespace(model=str(tmp_path / "moe"), ks="0,1,4", tokens=72, seed=0, dtype="float32",
+                                   time=True, reps=2, out=str(tmp_path)))
     (path,) = tmp_path.glob("routing-*.json")
     r = json.loads(path.read_text())
     assert r["sparse_layers"] == [0, 2] and [x["k"] for x in r["rows"]] == [0, 1, 4]
     assert r["rows"][0]["per_layer"] == [2.0, 2.0]  # one token: its top-2
     for x in r["rows"]:
         assert len(x["per_layer"]) == 2 and x["correlated"] <= x["mean_union"] <= x["independent"]
+    steps = r["steps"]  # AR reads top-2 in each sparse layer; a step's bytes grow with the experts it reads
+    assert [x["k"] for x in steps] == [0, 1, 4] and steps[0]["experts_read"] == 4 and steps[0]["bytes_over_ar"] == 1
+    assert all(x["step_ms"] > 0 and (x["bytes"] > steps[0]["bytes"]) == (x["experts_read"] > 4) for x in steps)
