@@ -150,3 +150,22 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"], ignore_errors=True)
+
+
+def run_ranks(rank_fn, args: tuple, out, timeout: float, nprocs: int = 2) -> list:
+    """Spawn ``rank_fn(rank, port, *args, out)`` on ``nprocs`` torchrun-style ranks, each writing
+    ``out/rank<r>.json``; the ranks' JSON once all finished (killed, and the test failed, past ``timeout`` s)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from funcspec.distributed import _free_port
+
+    ctx = torch.multiprocessing.spawn(rank_fn, (_free_port(), *args, str(out)), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {nprocs} ranks did not finish in {timeout:.0f} s")
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]

@@ -8,7 +8,7 @@ from scipy import stats
 
 from funcspec import Engine, SamplingParams
 
-from spec_cases import GREEDY, _ids, _prompts, _spec
+from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +39,8 @@ def test_greedy_lossless_inductor(tiny_llama, tiny_draft, reference, method, k):
     NOTE: one bucket per method keeps the cold inductor compiles of the suite
     affordable on CI's 2 cores; the eager tests above cover every K and batch.
     """
-    prompts, want = reference
-    eng = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), backend="inductor",
-                 max_batch_size=4, batch_buckets=[4], max_model_len=96, capture="lazy")
-    assert _ids(eng.generate(prompts[:12], GREEDY)) == want[:12]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert _ids(eng.generate(prompts[12:], GREEDY)) == want[12:]
-    assert eng.stats["recompiles"] == 0 and [key[:2] for key in eng.graphs] == [(4, k)]
+    eng = assert_captured_lossless(tiny_llama, _spec(method, k, tiny_draft), *reference, warm=12)
+    assert [key[:2] for key in eng.graphs] == [(4, k)]
 
 
 def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):

@@ -27,7 +27,7 @@ from funcspec.checkpoints.tp import shard_model
 from funcspec.distributed import _free_port
 from funcspec.parallel import TPGroup
 
-from conftest import make_hf_model
+from conftest import make_hf_model, run_ranks
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
 # One greedy and one sampled row in the same batch: one random-mode graph serves both.
@@ -172,14 +172,7 @@ def _all_reduces(gm) -> int:
 @pytest.mark.slow
 def test_tp2_equals_tp1_for_every_method_on_eager_and_inductor(tp_models, tmp_path):
     """Greedy and sampled rows, AR and four drafters on eager, AR and EAGLE-3 on inductor: TP=2 emits TP=1's tokens."""
-    ctx = torch.multiprocessing.spawn(_rank, (_free_port(), tp_models, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 600
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two ranks did not finish in 600 s")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks(_rank, (tp_models,), tmp_path, 600)
     assert ranks[0] == ranks[1]  # every rank emitted the same tokens, with no broadcast
     res = ranks[0]
     for name in specs(tp_models):

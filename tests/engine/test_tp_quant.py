@@ -14,18 +14,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import make_hf_model
+from conftest import make_hf_model, run_ranks
 from funcspec import Engine, SamplingParams, load_model
 from funcspec.checkpoints import gguf_write
 from funcspec.checkpoints import quantized_write as qw
 from funcspec.checkpoints.tp import shard_layer, shard_model
-from funcspec.distributed import _free_port
 from funcspec.kernels import Ops, quant, resolve
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.parallel import TPGroup
@@ -189,14 +187,7 @@ def test_tp2_emits_tp1_greedy_tokens_for_every_quantized_format(targets, tmp_pat
     ref = {name: _tokens(Engine(path, quantization=scheme, **ENGINE)) for name, (path, scheme) in targets.items()
            if name != "act_order"}
     logits = _logits(load_model(targets["act_order"][0]))
-    ctx = torch.multiprocessing.spawn(_rank, (_free_port(), targets, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two ranks did not finish in 300 s")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks(_rank, (targets,), tmp_path, 300)
     for r in range(2):  # o_proj's groups padded to blocks of its own (more than its 32 inputs); down_proj: no perm
         got = ranks[r]["act_order"]
         assert got["o_proj"] > 32 and not got["down_proj"]
