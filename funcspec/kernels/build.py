@@ -33,7 +33,7 @@ from funcspec.kernels import cpu
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp"))
 """The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products."""
-HEADERS = (Path(__file__).with_name("bf16.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "stream.h"))
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 SWITCH = "FUNCSPEC_CPU_KERNELS"
