@@ -214,16 +214,22 @@ class Ops:
         """A MoE layer's routed experts (:mod:`funcspec.kernels.moe`): x [T, H] routed to ``ids`` [T, k] int64
         with ``weights`` [T, k]; ``p`` holds the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
         [E, H, I] (each ``{"weight": ...}``, and the ``packed`` copy ``prepare_params`` made for the CPU
-        kernel). Returns [T, H]. The path is :meth:`routed_path`'s."""
+        kernel). Returns [T, H]; x [..., H] with ids and weights [..., k] gives [..., H]. The path is
+        :meth:`routed_path`'s."""
         gate_up, down = p["gate_up_proj"], p["down_proj"]
         path = self.routed_path(x, gate_up, down)
+        shape = x.shape
+        ids = ids.reshape(-1, ids.shape[-1])  # [T, k]
+        x, weights = x.reshape(-1, shape[-1]), weights.reshape(ids.shape)  # [T, H], [T, k]
         if path == "cpu_kernel":
-            return moe.experts_op(x, ids, weights, gate_up["packed"], down["packed"])
-        if path == "grouped_mm":
-            return moe.grouped(x, ids, weights, gate_up["weight"], down["weight"])
-        if path == "npu":
-            return moe.npu_experts(x, ids, weights, gate_up["weight"], down["weight"])
-        return moe.reference(x, ids, weights, gate_up["weight"], down["weight"])
+            out = moe.experts_op(x, ids, weights, gate_up["packed"], down["packed"])
+        elif path == "grouped_mm":
+            out = moe.grouped(x, ids, weights, gate_up["weight"], down["weight"])
+        elif path == "npu":
+            out = moe.npu_experts(x, ids, weights, gate_up["weight"], down["weight"])
+        else:
+            out = moe.reference(x, ids, weights, gate_up["weight"], down["weight"])
+        return out.view(shape)  # [..., H]
 
     def routed_path(self, x: torch.Tensor, gate_up: dict, down: dict) -> str:
         """The path :meth:`experts` takes (static: device, dtypes, autograd, packed copies): :attr:`routed_experts`

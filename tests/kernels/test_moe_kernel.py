@@ -180,6 +180,33 @@ def test_compiled_layer_has_eager_bits_and_no_recompile_when_the_routing_changes
             assert torch.equal(compiled(x, probs), moe_layer(x, probs))
 
 
+@needs_kernels
+def test_a_symbolic_batch_graph_serves_every_token_count_with_each_tokens_bits():
+    """Inductor's graphs of a symbolic batch serve every B above 1: the experts compare no token count, so a
+    graph traced at B = 2 runs B = 16 verify blocks ([B, K+1, H], K = 4) without a recompile, each token with its
+    bits alone."""
+    p = prepared(layer(16, 64, 48, torch.float32, seed=10))
+    g = torch.Generator().manual_seed(11)
+
+    def experts(x, ids, w):  # x [B, K+1, H], ids and w [B, K+1, k]
+        return KERNEL.experts(x, ids, w, p)
+
+    def inputs(b):
+        ids, w = routing("random", b * 5, 4, 16, seed=b)
+        return torch.randn(b, 5, 64, generator=g), ids.view(b, 5, 4), w.view(b, 5, 4)
+
+    small, big = inputs(2), inputs(16)
+    for t in small:
+        torch._dynamo.mark_dynamic(t, 0)
+    compiled = torch.compile(experts, fullgraph=True, dynamic=False, backend="eager")
+    compiled(*small)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = compiled(*big)
+    x, ids, w = (t.flatten(0, 1) for t in big)
+    alone = torch.cat([KERNEL.experts(x[r:r + 1], ids[r:r + 1], w[r:r + 1], p) for r in range(80)])
+    assert torch.equal(got, alone.view(16, 5, 64))
+
+
 # ----------------------------------------------------------------------------- 4. packed once, at load
 
 
