@@ -8,8 +8,6 @@ Tests that run the kernel skip where it is never built (no AVX512-BF16 / VNNI).
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F

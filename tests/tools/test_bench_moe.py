@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from funcspec.bench import moe
 from funcspec.kernels import build
 
 
