@@ -31,9 +31,10 @@ import torch
 
 from funcspec.kernels import cpu
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp"))
-"""The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products."""
-HEADERS = (Path(__file__).with_name("bf16.h"),)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp", "moe.cpp"))
+"""The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products,
+the routed experts."""
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "stream.h"))
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 SWITCH = "FUNCSPEC_CPU_KERNELS"
@@ -52,6 +53,8 @@ _SIGNATURES = {
     "funcspec_attend_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int],
     "funcspec_qlinear_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
     "funcspec_qlinear_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
+    "funcspec_experts_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
+    "funcspec_experts_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
 }
 
 

@@ -60,6 +60,12 @@ Qwen2.5-0.5B and Llama-3.2-1B-shaped weights beyond the caches):
     128 rows: 5.9 ms against 37.4 ms.
 
 The row count is static, so every choice is made at trace time.
+
+A MoE layer's routed experts (``Ops.routed_experts``) take, wherever funcspec's
+CPU kernels are built, the kernel of :mod:`funcspec.kernels.moe`: it streams the
+experts a step selects, once, with the streaming products' tiles (AMX CPUs
+included, unmeasured there); on CUDA, ``torch._grouped_mm`` in bf16; on an
+Ascend NPU, torch_npu's MoE ops; else the reference, every expert on every token.
 """
 
 from __future__ import annotations
@@ -82,6 +88,10 @@ are row-wise reductions on the plain paths. Inductor stopped fusing them into on
 
 HALF = (torch.bfloat16, torch.float16)
 
+ROUTED = {"reference": None, "cpu_kernel": "cpu", "grouped_mm": "cuda", "npu": "npu"}
+"""The paths of :meth:`Ops.experts` -> the device each serves: :func:`moe.reference` (any), the CPU kernel
+(:func:`moe.experts_op`), CUDA's grouped GEMMs (:func:`moe.grouped`), torch_npu's MoE ops (:func:`moe.npu_experts`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
@@ -95,6 +105,7 @@ class Ops:
         decode_attention: the CPU decode attention kernel (:mod:`funcspec.kernels.attention`).
         quantized: the CPU kernel of 8- and 4-bit weights (:mod:`funcspec.kernels.quant`); without it they
             take the same math in torch.
+        routed_experts: the path of a MoE layer's routed experts, one of :data:`ROUTED` (:meth:`experts`).
     """
 
     stream: bool = False
@@ -103,6 +114,11 @@ class Ops:
     blas_skinny: bool = False
     decode_attention: bool = False
     quantized: bool = False
+    routed_experts: str = "reference"
+
+    def __post_init__(self):
+        if self.routed_experts not in ROUTED:
+            raise ValueError(f"Ops.routed_experts must be one of {tuple(ROUTED)}, got {self.routed_experts!r}")
 
     def layout(self, weight: torch.Tensor) -> Optional[str]:
         """The packed layout ``prepare_params`` makes of a linear's weight for these kernels, or ``None``."""
@@ -201,8 +217,40 @@ class Ops:
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: dict) -> torch.Tensor:
         """A MoE layer's routed experts (:mod:`funcspec.kernels.moe`): x [T, H] routed to ``ids`` [T, k] int64
         with ``weights`` [T, k]; ``p`` holds the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
-        [E, H, I] (each ``{"weight": ...}``). Returns [T, H]."""
-        return moe.reference(x, ids, weights, p["gate_up_proj"]["weight"], p["down_proj"]["weight"])
+        [E, H, I] (each ``{"weight": ...}``, and the ``packed`` copy ``prepare_params`` made for the CPU
+        kernel). Returns [T, H]; x [..., H] with ids and weights [..., k] gives [..., H]. The path is
+        :meth:`routed_path`'s."""
+        gate_up, down = p["gate_up_proj"], p["down_proj"]
+        path = self.routed_path(x, gate_up, down)
+        shape = x.shape
+        ids = ids.reshape(-1, ids.shape[-1])  # [T, k]
+        x, weights = x.reshape(-1, shape[-1]), weights.reshape(ids.shape)  # [T, H], [T, k]
+        if path == "cpu_kernel":
+            out = moe.experts_op(x, ids, weights, gate_up["packed"], down["packed"])
+        elif path == "grouped_mm":
+            out = moe.grouped(x, ids, weights, gate_up["weight"], down["weight"])
+        elif path == "npu":
+            out = moe.npu_experts(x, ids, weights, gate_up["weight"], down["weight"])
+        else:
+            out = moe.reference(x, ids, weights, gate_up["weight"], down["weight"])
+        return out.view(shape)  # [..., H]
+
+    def routed_path(self, x: torch.Tensor, gate_up: dict, down: dict) -> str:
+        """The path :meth:`experts` takes (static: device, dtypes, autograd, packed copies): :attr:`routed_experts`
+        where it serves these operands, else ``"reference"``."""
+        w = gate_up["weight"]
+        grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or down["weight"].requires_grad)
+        if grad or x.dtype != w.dtype or x.device.type != ROUTED[self.routed_experts]:
+            return "reference"
+        if self.routed_experts == "cpu_kernel":
+            return "cpu_kernel" if "packed" in gate_up and "packed" in down else "reference"
+        if self.routed_experts == "grouped_mm":
+            return "grouped_mm" if moe.grouped_fits(x, w, down["weight"]) else "reference"
+        return self.routed_experts
+
+    def packs_experts(self, weight: torch.Tensor) -> bool:
+        """Whether ``prepare_params`` packs a MoE layer's stacked expert weight [E, N, K] for the CPU kernel."""
+        return self.routed_experts == "cpu_kernel" and weight.device.type == "cpu" and weight.dtype in moe.DTYPES
 
     def attend(self, q, keys, vals, visible) -> torch.Tensor:
         """The decode attention kernel (:func:`funcspec.kernels.attention.decode_attention`); needs :meth:`attends`."""
@@ -214,20 +262,27 @@ REFERENCE = Ops()
 
 
 def resolve(device=None, cpu_kernels: bool = True) -> Ops:
-    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's.
+    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's,
+    with the device's grouped expert products (``torch._grouped_mm`` on CUDA where torch has it, torch_npu's MoE
+    ops on an Ascend NPU).
 
     ``cpu_kernels=False`` (or ``FUNCSPEC_CPU_KERNELS=0`` in the environment) leaves out funcspec's own CPU
-    kernels (streaming products, decode attention, quantized products) and never builds them: what is picked
-    is what a CPU where they cannot be built gets (oneDNN, MKL, SDPA, the quantized math in torch).
-    ``REFERENCE`` is plain torch everywhere.
+    kernels (streaming products, decode attention, quantized products, routed experts) and never builds them:
+    what is picked is what a CPU where they cannot be built gets (oneDNN, MKL, SDPA, the quantized math and the
+    routed experts in torch). ``REFERENCE`` is plain torch everywhere.
     """
-    if torch.device(device or "cpu").type != "cpu":
+    kind = torch.device(device or "cpu").type
+    if kind == "cuda":
+        return Ops(routed_experts="grouped_mm") if moe.has_grouped_mm() else REFERENCE
+    if kind == "npu":
+        return Ops(routed_experts="npu")
+    if kind != "cpu":
         return REFERENCE
     kernels = cpu_kernels and build.available()
     streams = cpu.avx512_bf16() and not cpu.amx() and kernels
     return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
                half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
-               decode_attention=kernels, quantized=kernels)
+               decode_attention=kernels, quantized=kernels, routed_experts="cpu_kernel" if kernels else "reference")
 
 
 def _plain(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:

@@ -41,136 +41,21 @@
 //
 // Plain C ABI, called through ctypes; OpenMP binds to torch's own libgomp, so
 // it runs on torch's threads.
-#include <immintrin.h>
+//
+// The tiles, passes and column blocks are in stream.h (the routed-expert kernel, moe.cpp, streams its
+// experts with them).
 #include <stdint.h>
-#include <string.h>
 
-#include <algorithm>
 #include <atomic>
 #include <vector>
 
 #include <omp.h>
 
-#include "bf16.h"
+#include "stream.h"
 
 namespace {
 
-constexpr int64_t BLOCK = 64;     // outputs per column block: 4 zmm of fp32 accumulators
-constexpr int64_t STEP_BYTES = 256;  // weight bytes per k step (BLOCK outputs)
-constexpr int FULL_MB = 6;        // rows of a pass over all 64 columns: 6 x 4 accumulators + 4 weights = 28 zmm
-constexpr int HALF_MB = 12;       // rows of a pass in two halves of 32 columns: 12 x 2 + 2 = 26 zmm
-constexpr int HALF_ROWS = 24;     // products of up to this many rows take half passes, more take full ones
-constexpr int PREFETCH_MB = 6;    // passes of this many rows or more prefetch the next chunk
-constexpr int64_t KC = 256;       // k steps per chunk: 64 KB of a block, L2-resident for the next pass
-
-struct BF16 {
-  using T = uint16_t;
-  static constexpr int64_t P = 2;  // k per step (a pair)
-  // x[m, 2s], x[m, 2s + 1] in every 32-bit lane
-  static __m512i broadcast(const T* x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm512_set1_epi32(v);
-  }
-  static __m512 dot(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-  static float bias(const T* b, int64_t n) { return funcspec::bf16_to_float(b[n]); }
-  static T out(float f) { return funcspec::float_to_bf16(f); }
-};
-
-struct F32 {
-  using T = float;
-  static constexpr int64_t P = 1;
-  static __m512i broadcast(const T* x) { return _mm512_castps_si512(_mm512_set1_ps(*x)); }
-  static __m512 dot(__m512 acc, __m512i x, __m512i w) {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), acc);
-  }
-  static float bias(const T* b, int64_t n) { return b[n]; }
-  static T out(float f) { return f; }
-};
-
-// acc[m][16 J0 : 16 (J0 + NJ)] += sum over steps s in [s0, s1) of x[m, s*P : s*P+P] . w_block[s]
-// for MB rows of x (row stride K): NJ of the step's 4 zmm of weights, starting at zmm J0. With pf
-// and at least PREFETCH_MB rows, each step also prefetches NJ lines at pf + 64 NJ (s - s0) into L2
-// (the next chunk, at the pace this one is read).
-template <class E, int MB, int J0, int NJ>
-inline void tile(const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1, float* acc,
-                 const char* pf) {
-  using T = typename E::T;
-  constexpr int64_t step = STEP_BYTES / sizeof(T);  // elements per step
-  constexpr int64_t zmm = step / 4;                 // elements per zmm of weights
-  __m512 a[MB][NJ];
-#pragma GCC unroll 16
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) a[m][j] = _mm512_loadu_ps(acc + m * BLOCK + 16 * (J0 + j));
-  for (int64_t s = s0; s < s1; ++s) {
-    if (MB >= PREFETCH_MB && pf) {
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) _mm_prefetch(pf + 64 * (NJ * (s - s0) + j), _MM_HINT_T1);
-    }
-    __m512i w[NJ];
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) w[j] = _mm512_loadu_si512(wb + s * step + (J0 + j) * zmm);
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      const __m512i xv = E::broadcast(x + m * K + s * E::P);
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) a[m][j] = E::dot(a[m][j], xv, w[j]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + m * BLOCK + 16 * (J0 + j), a[m][j]);
-}
-
-// One pass of MB rows over steps [s0, s1): all 64 columns at once, or (above FULL_MB rows) two halves of 32.
-template <class E, int MB>
-inline void pass(const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1, float* acc,
-                 const char* pf) {
-  if constexpr (MB <= FULL_MB) {
-    tile<E, MB, 0, 4>(x, K, wb, s0, s1, acc, pf);
-  } else {
-    tile<E, MB, 0, 2>(x, K, wb, s0, s1, acc, pf);
-    tile<E, MB, 2, 2>(x, K, wb, s0, s1, acc, pf ? pf + 128 * (s1 - s0) : nullptr);
-  }
-}
-
-// pass<E, mb> for a runtime mb in [1, MB].
-template <class E, int MB = HALF_MB>
-inline void pass_rows(int64_t mb, const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1,
-                      float* acc, const char* pf) {
-  if constexpr (MB > 1) {
-    if (mb < MB) return pass_rows<E, MB - 1>(mb, x, K, wb, s0, s1, acc, pf);
-  }
-  pass<E, MB>(x, K, wb, s0, s1, acc, pf);
-}
-
-// One column block [n0, n0 + 64) for all M rows; acc is [M][64] scratch. follows: the thread's next
-// block comes right after this one, so its last chunk prefetches that block's first.
-template <class E>
-void block(const typename E::T* x, const typename E::T* wb, const typename E::T* bias, typename E::T* out, int64_t M,
-           int64_t N, int64_t K, int64_t n0, float* acc, bool follows) {
-  const int64_t steps = K / E::P;
-  // Rows spread evenly over the fewest passes (5 rows: one pass of 5, not 4 + 1; 14 rows: 7 + 7).
-  const int64_t most = M <= FULL_MB || M > HALF_ROWS ? FULL_MB : HALF_MB;
-  const int64_t passes = (M + most - 1) / most;
-  constexpr int64_t step = STEP_BYTES / sizeof(typename E::T);
-  memset(acc, 0, sizeof(float) * M * BLOCK);
-  for (int64_t s0 = 0; s0 < steps; s0 += KC) {
-    const int64_t s1 = s0 + KC < steps ? s0 + KC : steps;
-    const char* next = s1 < steps || follows ? reinterpret_cast<const char*>(wb + s1 * step) : nullptr;
-    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-      const int64_t mb = M / passes + (p < M % passes);
-      pass_rows<E>(mb, x + m0 * K, K, wb, s0, s1, acc + m0 * BLOCK, p == 0 ? next : nullptr);
-      m0 += mb;
-    }
-  }
-  const int64_t cols = N - n0 < BLOCK ? N - n0 : BLOCK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < cols; ++c)
-      out[m * N + n0 + c] = E::out(acc[m * BLOCK + c] + (bias ? E::bias(bias, n0 + c) : 0.0f));
-}
+using namespace funcspec::streaming;
 
 template <class E>
 void linear(const typename E::T* x, const typename E::T* w, const typename E::T* bias, typename E::T* out,
@@ -182,19 +67,10 @@ void linear(const typename E::T* x, const typename E::T* w, const typename E::T*
   {
     const int64_t team = omp_get_num_threads();
     std::vector<float> acc(M * BLOCK);
-    // Guided self-scheduling: each thread takes runs of contiguous blocks, a share of what is left that shrinks
-    // to one block at the end. On a VM the cores' speeds differ from moment to moment, and equal static shares
-    // left the faster one waiting at the join (libgomp's spin took 13% of a bf16 decode's samples).
-    for (;;) {
-      int64_t b0 = taken.load(std::memory_order_relaxed), run = 0;
-      do {
-        run = std::max<int64_t>(1, (blocks - b0) / (2 * team));
-      } while (b0 < blocks && !taken.compare_exchange_weak(b0, b0 + run, std::memory_order_relaxed));
-      if (b0 >= blocks) break;
-      const int64_t b1 = std::min(b0 + run, blocks);
+    // Each thread takes runs of contiguous blocks as it frees up (guided: see take).
+    for (int64_t b0, b1; take(taken, blocks, team, &b0, &b1);)
       for (int64_t b = b0; b < b1; ++b)
         block<E>(x, w + b * block_elems, bias, out, M, N, K, b * BLOCK, acc.data(), b + 1 < b1);
-    }
   }
 }
 

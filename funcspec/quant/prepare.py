@@ -11,7 +11,10 @@ layer's own weight stays for the other paths, a quantized layer keeps only its
 ``format``. Quantized linears that came quantized (GGUF) are kept as they are.
 A decoder with tied embeddings gains an ``lm_head`` holding the embedding, so
 its LM head packs (or quantizes) like any linear. Tables read by row
-(:data:`INDEXED`) are never packed.
+(:data:`INDEXED`) are never packed. A MoE layer's stacked experts
+(``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] side by side) gain
+``packed`` copies in the routed-expert kernel's layout where ``ops`` has it
+(:meth:`funcspec.kernels.Ops.packs_experts`); they are not quantized.
 
 NOTE: the input is not modified: containers are rebuilt, tensors shared, and
 the packed copies are new tensors in the params. So a weight swapped for
@@ -27,7 +30,7 @@ from typing import Optional
 import torch
 
 from funcspec.kernels import Ops
-from funcspec.kernels import stream
+from funcspec.kernels import moe, stream
 from funcspec.quant import formats
 
 INDEXED = ("embed_tokens", "markov_w1")
@@ -35,6 +38,9 @@ INDEXED = ("embed_tokens", "markov_w1")
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """Fused groups of layers that read one input: the group's name -> its layers, in output order."""
+
+EXPERTS = {"gate_up_proj": moe.pack_gate_up, "down_proj": moe.pack_down}
+"""A MoE layer's stacked expert weights (3-D, side by side in one container) -> their packing for the kernel."""
 
 
 def prepare_params(params, ops: Ops, memo: Optional[dict] = None, quantization: Optional[str] = None):
@@ -94,6 +100,8 @@ def _prepare(node, ops: Ops, memo: dict, name, scheme):
 def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
     if _is_linear(node) and name not in INDEXED:
         return _linear(node, ops, memo, scheme)
+    if _is_experts(node):
+        return _experts(node, ops, memo, scheme)
     groups = {g: ms for g, ms in FUSED.items() if all(isinstance(node.get(m), dict) for m in ms)}
     streamed = {g: ms for g, ms in groups.items() if _streams_together([node[m] for m in ms], ops)
                 and not (scheme is not None and any(formats.quantizes(node[m]["weight"], scheme) for m in ms))}
@@ -106,6 +114,23 @@ def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
         if all("qweight" in p for p in ps) and formats.same_format(ps):
             out[g] = formats.fuse(ps)
             out.update(zip(ms, formats.members(out[g], [p["format"] for p in ps])))  # views: no second copy
+    return out
+
+
+def _is_experts(node: dict) -> bool:
+    """A MoE layer's stacked routed experts: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] weights."""
+    ws = [node[m].get("weight") for m in EXPERTS if isinstance(node.get(m), dict)]
+    return len(ws) == 2 and all(isinstance(w, torch.Tensor) and w.dim() == 3 and w.is_floating_point() for w in ws)
+
+
+def _experts(node: dict, ops: Ops, memo: dict, scheme) -> dict:
+    """Stacked experts with their packed copies for the routed-expert kernel, where ``ops`` streams them (the
+    container's other entries prepared as usual)."""
+    out = {k: v if k in EXPERTS else _prepare(v, ops, memo, k, scheme) for k, v in node.items()}
+    for name, pack in EXPERTS.items():
+        w = node[name]["weight"]
+        if ops.packs_experts(w):
+            out[name] = {**node[name], "packed": _memo(memo, (w, "pack_experts", id(w)), lambda: pack(w))}
     return out
 
 

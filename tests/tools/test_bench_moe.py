@@ -1,0 +1,30 @@
+"""``funcspec bench moe`` at a tiny shape: one row per T with the union, the kernel's GB/s against the bound, the
+reference's time, and the files it writes."""
+
+import json
+
+import pytest
+
+from funcspec.kernels import build
+
+
+@pytest.mark.skipif(not build.supported(), reason="no AVX512-BF16 and VNNI here: the routed-expert kernel is never "
+                                                   "built")
+def test_bench_moe_rows_and_files(tmp_path):
+    args = ["bench", "moe", "--hidden", "128", "--experts", "16", "--top-k", "4", "--intermediate", "96",
+            "--tokens", "1,3", "--reps", "3", "--reference-reps", "1", "--threads", "1",
+            "--out", str(tmp_path)]
+    from funcspec.cli import build_parser
+
+    o = build_parser().parse_args(args)
+    result = o.func(o)
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == [1, 3] and rows[0]["mean_union"] == 4
+    assert 4 <= rows[1]["mean_union"] <= 12 and rows[1]["expected_union"] == pytest.approx(16 * (1 - 0.75 ** 3))
+    assert rows[0]["union_mib"] == pytest.approx(4 * 3 * 128 * 96 * 2 / 2**20)
+    assert all(r["kernel_ms"] > 0 and r["gb_per_s"] > 0 and r["of_bound"] > 0 and r["reference_ms"] > 0
+               for r in rows)
+    (js,) = tmp_path.glob("moe-*.json")
+    assert json.loads(js.read_text())["shape"]["experts"] == 16
+    md = js.with_suffix(".md").read_text()
+    assert "| T | mean union (expected)" in md and "avx512_bf16=" in md and "avx512_vnni=" in md
