@@ -229,8 +229,8 @@ class Ops:
             out = moe.experts_op(x, ids, weights, gate_up["packed"], down["packed"])
         elif path == "grouped_mm":
             out = moe.grouped(x, ids, weights, gate_up["weight"], down["weight"])
-        elif path == "npu":
-            out = moe.npu_experts(x, ids, weights, gate_up["weight"], down["weight"])
+        elif path == "npu":  # its ops need every id in [0, E): another rank's slot (-1, weight 0) reads expert 0
+            out = moe.npu_experts(x, ids.clamp(min=0), weights, gate_up["weight"], down["weight"])
         else:
             out = moe.reference(x, ids, weights, gate_up["weight"], down["weight"])
         return out.view(shape)  # [..., H]

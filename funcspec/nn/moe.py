@@ -133,11 +133,12 @@ def router_logits(m: MoEConfig, ops, p: dict, x: torch.Tensor) -> torch.Tensor:
 
 def local_experts(ids: torch.Tensor, weights: torch.Tensor, held: int, tp: TPGroup
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids`` [T, k] as indices into this rank's ``held`` experts (rank r holds ``[r·held, (r+1)·held)``), and
-    ``weights`` [T, k] zeroed where the expert is another rank's: its slot adds nothing here."""
+    """``ids`` [T, k] as indices into this rank's ``held`` experts (rank r holds ``[r·held, (r+1)·held)``), -1
+    where the expert is another rank's, and ``weights`` [T, k] zeroed there: such a slot adds nothing here, and
+    the kernels skip it without reading any expert for it."""
     local = ids - tp.rank * held  # [T, k]
     mine = (local >= 0) & (local < held)  # [T, k]
-    return local.clamp(0, held - 1), weights * mine
+    return torch.where(mine, local, -1), weights * mine
 
 
 def sparse_block(m: MoEConfig, ops, p: dict, x: torch.Tensor, dense_mlp: Callable, tp: TPGroup = SINGLE

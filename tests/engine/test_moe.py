@@ -180,7 +180,7 @@ def test_each_rank_holds_its_experts_and_the_shards_make_the_whole(expert_parall
 def test_a_rank_runs_only_the_slots_routed_to_its_experts():
     ids, w = torch.tensor([[0, 5], [4, 3]]), torch.tensor([[0.5, 0.25], [1.0, 2.0]])
     local, weights = local_experts(ids, w, 4, TPGroup(2, 1))  # rank 1 holds experts 4..7
-    assert local.tolist() == [[0, 1], [0, 0]] and weights.tolist() == [[0.0, 0.25], [1.0, 0.0]]
+    assert local.tolist() == [[-1, 1], [0, -1]] and weights.tolist() == [[0.0, 0.25], [1.0, 0.0]]
 
 
 @pytest.mark.slow
