@@ -54,18 +54,23 @@ def moe_config(hf: dict[str, Any], arch: str, where: str) -> MoEConfig:
         step = _int(hf, "decoder_sparse_step", where, 1)
         if step < 1:
             raise ValueError(f"{where}: decoder_sparse_step must be positive, got {step}")
-        dense = set(hf.get("mlp_only_layers") or ())
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {dense!r}")
         shared = _int(hf, "shared_expert_intermediate_size", where, 0) if arch == "qwen2_moe" else 0
         m = MoEConfig(n, _int(hf, "num_experts_per_tok", where), _int(hf, "moe_intermediate_size", where),
                       tuple(i for i in layers if i not in dense and n > 0 and (i + 1) % step == 0),
                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_intermediate_size=shared,
                       shared_gate=shared > 0)
+    if not m.routed_scaling_factor > 0:
+        raise ValueError(f"{where}: routed_scaling_factor must be positive, got {m.routed_scaling_factor}")
     check(m, where)
     return m
 
 
-def hf_fields(m: MoEConfig, arch: str) -> dict:
-    """The ``config.json`` fields of ``m`` for family ``arch`` (:func:`moe_config` parses them back)."""
+def hf_fields(m: MoEConfig, arch: str, num_layers: int) -> dict:
+    """The ``config.json`` fields of ``m`` for family ``arch`` of ``num_layers`` layers (:func:`moe_config` parses
+    them back)."""
     if arch not in MOE_ARCHS:
         return {}
     if arch == "mixtral":
@@ -77,7 +82,7 @@ def hf_fields(m: MoEConfig, arch: str) -> dict:
                     n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
                     n_shared_experts=m.shared_intermediate_size // m.intermediate_size)
     return dict(common, num_experts=m.num_experts, decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(max(m.sparse_layers, default=-1) + 1) if i not in m.sparse_layers],
+                mlp_only_layers=[i for i in range(num_layers) if i not in m.sparse_layers],
                 **({"shared_expert_intermediate_size": m.shared_intermediate_size} if arch == "qwen2_moe" else {}))
 
 

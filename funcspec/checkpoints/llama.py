@@ -118,7 +118,7 @@ def hf_config_dict(m: ModelConfig, **extra) -> dict:
         hf["partial_rotary_factor"] = m.rotary_dim / m.head_dim
     if m.arch == "glm4_moe":
         hf["use_qk_norm"] = m.qk_norm
-    hf.update(experts.hf_fields(m.moe, m.arch))
+    hf.update(experts.hf_fields(m.moe, m.arch, m.num_layers))
     hf.update(extra)
     return hf
 

@@ -26,7 +26,7 @@ UNSUPPORTED_HOSTS = {
     "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA attention, MoE)",
     "DeepseekV32ForCausalLM": "DeepSeek-V3.2 (MLA and sparse attention, MoE)",
     "DeepseekV4ForCausalLM": "DeepSeek-V4 (MLA attention, MoE)",
-    "Glm4MoeForCausalLM": "GLM-4.5 (MoE)",
+    "Glm4MoeForCausalLM": "GLM-4.5 (its MTP layer is a MoE block)",
     "Glm4MoeLiteForCausalLM": "GLM-4.5 lite (MLA attention, MoE)",
     "Ernie4_5_MoeForCausalLM": "ERNIE-4.5 (MoE)",
     "Qwen3NextForCausalLM": "Qwen3-Next (hybrid Gated DeltaNet layers, MoE)",
@@ -45,8 +45,8 @@ def _refuse_host(hf: dict, where: str) -> None:
     for arch in hf.get("architectures") or []:
         if arch in UNSUPPORTED_HOSTS:
             raise ValueError(f"{where}: architectures [{arch!r}] is {UNSUPPORTED_HOSTS[arch]}: its MTP module runs "
-                             f"inside that model's layers, and funcspec runs dense Llama / Qwen2 / Qwen3 targets "
-                             f"(their DeepSeek- or MiMo-style MTP modules) only")
+                             f"inside that model's layers, and funcspec runs the MTP modules of dense Llama / Qwen2 / "
+                             f"Qwen3 targets (DeepSeek- or MiMo-style) only")
 
 
 def head_shapes(cfg: MTPConfig, own_head: bool) -> dict:

@@ -9,7 +9,7 @@ import transformers
 
 from funcspec import LLM, Engine, SamplingParams
 from funcspec.checkpoints import init_draft_head
-from funcspec.checkpoints.llama import load_model, model_config
+from funcspec.checkpoints.llama import hf_config_dict, load_model, model_config
 from funcspec.checkpoints.tp import check_size, shard_experts
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.nn.moe import MoEConfig, local_experts, route
@@ -102,6 +102,19 @@ def test_each_family_reads_its_sparse_layers_and_router(tmp_path):
     assert cfgs["mixtral"].moe.norm_topk_prob and cfgs["mixtral"].moe.intermediate_size == 32
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_config_round_trips(family):
+    """``hf_config_dict`` writes what parses back to the same config (a sparse step and dense layers included)."""
+    extra = {"decoder_sparse_step": 2, "mlp_only_layers": [3]} if family == "qwen3_moe" else {}
+    hf = {**BASE, **FAMILIES[family][2], **extra, "num_hidden_layers": 4,
+          "architectures": [FAMILIES[family][1].__name__]}
+    cfg = model_config(hf)
+    back = model_config(hf_config_dict(cfg, bos_token_id=1, eos_token_id=2))
+    assert back == cfg
+    if family == "qwen3_moe":
+        assert cfg.moe.sparse_layers == (1,)
+
+
 # ----------------------------------------------------------------------------- the router
 def test_softmax_router_picks_the_top_k_and_renormalises():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).log()  # softmax probabilities 0, .5, 1/6, 1/3
@@ -139,6 +152,8 @@ def test_correction_bias_steers_the_choice_but_not_the_weights():
     ("glm4_moe", "num_experts_per_tok", 5, "num_experts_per_tok=5 exceeds the 4 experts"),
     ("qwen3_moe", "moe_intermediate_size", None, "moe_intermediate_size must be an integer"),
     ("qwen2_moe", "decoder_sparse_step", 0, "decoder_sparse_step must be positive"),
+    ("qwen3_moe", "mlp_only_layers", "0", "mlp_only_layers must be a list of layer indices, got '0'"),
+    ("glm4_moe", "routed_scaling_factor", -1.0, "routed_scaling_factor must be positive, got -1.0"),
 ])
 def test_bad_moe_config_names_the_field(family, field, value, match):
     hf = {**BASE, **FAMILIES[family][2], field: value, "architectures": [FAMILIES[family][1].__name__]}
