@@ -357,3 +357,19 @@ def test_wrong_packed_shapes_are_a_value_error_naming_them():
         moe.experts_op(torch.randn(2, 64), ids, w, p["gate_up_proj"]["packed"], other["down_proj"]["packed"])
     with pytest.raises(ValueError, match="ids must be int64"):
         moe.experts_op(torch.randn(2, 64), ids.int(), w, p["gate_up_proj"]["packed"], p["down_proj"]["packed"])
+
+
+def test_routing_weights_that_need_a_gradient_get_one():
+    """Training a router through Ops.experts: the kernel passes no gradient, so such weights take the reference,
+    whose gradient is the expert outputs."""
+    ops = kernels.resolve("cpu")
+    gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    p = prepare_params({"experts": {"gate_up_proj": {"weight": gate_up}, "down_proj": {"weight": down}}},
+                       ops)["experts"]
+    x, ids = torch.randn(3, 8), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    w = torch.rand(3, 2, requires_grad=True)
+    ops.experts(x, ids, w, p).sum().backward()
+    want = torch.stack([torch.stack([F.linear(F.silu(g) * u, down[e]).sum() for e in row
+                                     for g, u in [F.linear(x[t], gate_up[e]).chunk(2)]])
+                        for t, row in enumerate(ids.tolist())])
+    torch.testing.assert_close(w.grad, want)
