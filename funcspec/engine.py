@@ -160,9 +160,12 @@ class Engine:
         # drafter's, built from it) carries them into each bucket's static key.
         ops = kernels.resolve(device, cpu_kernels) if ops is None else ops
         self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
-        if self.model.cfg.moe.num_experts:  # vLLM's flag; a dense model has no experts to split
+        if self.model.cfg.moe.num_experts:  # vLLM's flag
             moe = dataclasses.replace(self.model.cfg.moe, expert_parallel=enable_expert_parallel)
             self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, moe=moe))
+        elif enable_expert_parallel:
+            warnings.warn("enable_expert_parallel=True has no effect: the target is dense (it has no experts to "
+                          "split)", stacklevel=2)
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
         if self.quantization and cfg.moe.num_experts:

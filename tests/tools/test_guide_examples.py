@@ -331,7 +331,8 @@ SCALED = {  # example -> (argument path, the zoo's value, the refusal of the gui
 }
 WARNED = {  # example -> pieces of the warnings building it gives: what it asks for that funcspec does not do
     4: ["'distributed_executor_backend'"],
-    6: ["compilation_config.cudagraph_mode", "'enable_expert_parallel'", "'trust_remote_code'",
+    6: ["compilation_config.cudagraph_mode", "enable_expert_parallel=True has no effect: the target is dense",
+        "'trust_remote_code'",
         "speculative_config.disable_padded_drafter_batch"],
     7: ["compilation_config.cudagraph_mode", "'data_parallel_size'", "'max_num_batched_tokens'"],
     8: ["compilation_config.cudagraph_mode (funcspec captures each bucket's whole step", "'enable_prefix_caching'"],
