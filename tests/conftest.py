@@ -169,3 +169,12 @@ def run_ranks(rank_fn, args: tuple, out, timeout: float, nprocs: int = 2) -> lis
                 p.kill()
             pytest.fail(f"the {nprocs} ranks did not finish in {timeout:.0f} s")
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads (the suite runs on 1), so a kernel's threaded paths run; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -45,15 +45,6 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def two_threads():
-    """torch on 2 threads (conftest runs tests on 1), so the kernels' threaded paths run; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def prepared(ops: Ops, w, b=None) -> dict:
     """A linear's params as prepare_params leaves them for ``ops``."""
     return prepare_params({"proj": {"weight": w} if b is None else {"weight": w, "bias": b}}, ops)["proj"]

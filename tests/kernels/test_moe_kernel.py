@@ -47,15 +47,6 @@ class OpLog(TorchDispatchMode):
         return {name for name, _, _ in self.calls}
 
 
-@pytest.fixture
-def two_threads():
-    """torch on 2 threads (conftest runs tests on 1), so the kernel's threaded path runs; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def layer(e: int, h: int, i: int, dtype, seed: int = 0) -> dict:
     """A MoE layer's stacked experts, weights scaled so that activations stay O(1)."""
     g = torch.Generator().manual_seed(seed)
