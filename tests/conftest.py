@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # NOTE: one intra-op thread. Tiny models gain nothing from two, and on a busy
 # 2-core machine (inductor's compile workers, CI neighbours) OpenMP's barrier
@@ -178,3 +179,31 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
+
+
+
+class OpLog(TorchDispatchMode):
+    """``with OpLog() as log``: every aten / funcspec op run, as ``ops`` (name, output shapes), ``calls`` (name,
+    arguments, the largest output's elements) and ``names`` (the set of names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        self.records.append((func.overloadpacket.__name__, args, outs))
+        return out
+
+    @property
+    def ops(self) -> list:
+        return [(name, [tuple(o.shape) for o in outs]) for name, _, outs in self.records]
+
+    @property
+    def calls(self) -> list:
+        return [(name, args, max((o.numel() for o in outs), default=0)) for name, args, outs in self.records]
+
+    @property
+    def names(self) -> set:
+        return {name for name, _, _ in self.records}

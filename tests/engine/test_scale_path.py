@@ -9,10 +9,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcspec
-from conftest import make_hf_model
+from conftest import OpLog, make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
 from funcspec.capture.plan import BucketPlan, default_context_buckets
 from funcspec.kernels import Ops, attention, build, cpu, onednn, ops as kops, stream
@@ -23,24 +22,6 @@ from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers import common
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-class OpLog(TorchDispatchMode):
-    """Records every aten op and its output shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        shapes = [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out])
-                  if isinstance(o, torch.Tensor)]
-        self.ops.append((func.overloadpacket.__name__, shapes))
-        return out
-
-    def names(self):
-        return {name for name, _ in self.ops}
 
 
 # ----------------------------------------------------------------------------- products
@@ -83,10 +64,10 @@ def test_every_cpu_product_path_is_x_wt_plus_b(dtype, path):
     with OpLog() as log:
         products(xs)
     # the streaming kernel takes every product at any row count, fp32 and bf16 (AR and verify take one kernel)
-    assert ("stream_linear" in log.names()) == ops.stream
-    assert ("packed_linear" in log.names()) == (ops.onednn_bf16 and not ops.stream and dtype == torch.bfloat16)
+    assert ("stream_linear" in log.names) == ops.stream
+    assert ("packed_linear" in log.names) == (ops.onednn_bf16 and not ops.stream and dtype == torch.bfloat16)
     if ops.stream:  # every product, the 80- and 129-row ones included
-        assert not log.names() & {"mm", "addmm", "linear"}
+        assert not log.names & {"mm", "addmm", "linear"}
 
 
 needs_stream = pytest.mark.skipif(not build.supported(), reason="no AVX512-BF16 here: the streaming kernel never runs")
@@ -242,13 +223,13 @@ def test_linear_keeps_autograd_and_a_missing_kernel_off_the_stream(monkeypatch):
     x = torch.randn(3, 40)
     with OpLog() as log:
         ops.linear(x, prepared(ops, w)).sum().backward()
-    assert "stream_linear" not in log.names() and w.grad.shape == (24, 40)
+    assert "stream_linear" not in log.names and w.grad.shape == (24, 40)
     monkeypatch.setattr(build, "available", lambda: False)
     plain = kernels_resolve()
     assert not plain.stream and not plain.decode_attention
     with OpLog() as log, torch.no_grad():
         y = plain.linear(x, prepared(plain, w))
-    assert "stream_linear" not in log.names()
+    assert "stream_linear" not in log.names
     torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)
 
 
@@ -423,7 +404,7 @@ def test_decode_attention_rejects_what_it_cannot_read_and_attend_routes_only_dec
         qt = torch.randn(1, tokens, 4, 8, requires_grad=grad)
         with OpLog() as log:
             attend(Ops(decode_attention=True), qt, k, k, torch.ones(1, tokens, 10, dtype=torch.bool))
-        assert ("decode_attention" in log.names()) == kernel
+        assert ("decode_attention" in log.names) == kernel
 
 
 def test_gemm_attention_keeps_speculation_equal_to_ar(tiny_llama, monkeypatch):
@@ -502,7 +483,7 @@ def test_greedy_and_random_buckets_never_sort(tiny_llama):
         eng.generate([[5, 6, 7]], params)  # capture the mode's bucket first
         with OpLog() as log:
             eng.generate([[5, 6, 7]], params)
-        assert ("sort" in log.names()) == sorts, params
+        assert ("sort" in log.names) == sorts, params
 
 
 @pytest.mark.parametrize("method", ["standard", "block", "entropy", "magicmtp"])
@@ -527,7 +508,7 @@ def test_deterministic_drafts_verify_without_a_one_hot_q(method):
     built = [name for name, shapes in log.ops if name not in views and (b, k, v) in shapes]
     # NOTE: entropy verification needs H(p_raw) at every draft position: its own [B, K, V] softmax.
     assert built == (["_softmax", "add", "log", "mul"] if method == "entropy" else [])
-    assert "sort" not in log.names()
+    assert "sort" not in log.names
 
 
 def test_minus_q_equals_the_dense_residual():

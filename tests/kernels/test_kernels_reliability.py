@@ -14,9 +14,8 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_hf_model
+from conftest import OpLog, make_hf_model
 from funcspec import LLM, Engine, SamplingParams, kernels
 from funcspec.kernels import Ops, attention, build, stream
 from funcspec.nn.llama import attend
@@ -31,18 +30,6 @@ STREAM = Ops(stream=True, half_gemm=True)
 STREAM_TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-3, "rtol": 2 ** -8}}
 # Attention: fp32 softmax and sums; bf16 rounds p to bf16 for p·v, and the output to bf16.
 ATTEND_TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 0.02, "rtol": 0.02}}
-
-
-class OpLog(TorchDispatchMode):
-    """The names of every aten / funcspec op run."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def prepared(ops: Ops, w, b=None) -> dict:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import OpLog
 from funcspec import kernels
 from funcspec.kernels import Ops, build, moe
 from funcspec.quant import prepare_params
@@ -26,25 +26,6 @@ KERNEL = Ops(routed_experts="cpu_kernel")
 # reference (gate, up, silu, the product, each expert's output), so a difference needs a near-tie where the
 # fp32 sums, in another order, round to neighbouring bf16 values: about one bf16 ulp of the output.
 TOL = {torch.float32: {"atol": 5e-6, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2 ** -7}}
-
-
-class OpLog(TorchDispatchMode):
-    """Every aten / funcspec op run: its name, its arguments, and the elements of its tensor outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        self.calls.append((func.overloadpacket.__name__, args,
-                           max((o.numel() for o in outs if isinstance(o, torch.Tensor)), default=0)))
-        return out
-
-    @property
-    def names(self) -> set:
-        return {name for name, _, _ in self.calls}
 
 
 def layer(e: int, h: int, i: int, dtype, seed: int = 0) -> dict:
