@@ -168,9 +168,6 @@ class Engine:
                           "split)", stacklevel=2)
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
-        if self.quantization and cfg.moe.num_experts:
-            raise ValueError(f"quantization={quantization!r}: quantizing a mixture-of-experts target on load is not "
-                             f"supported yet (its experts would stay float and its router be quantized)")
         check_quantized(self.model.params, tensor_parallel_size, self.quantization)
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):

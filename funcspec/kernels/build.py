@@ -34,7 +34,7 @@ from funcspec.kernels import cpu
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp", "moe.cpp"))
 """The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products,
 the routed experts."""
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "stream.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "stream.h", "quant.h"))
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 SWITCH = "FUNCSPEC_CPU_KERNELS"
@@ -55,6 +55,8 @@ _SIGNATURES = {
     "funcspec_qlinear_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
     "funcspec_experts_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
     "funcspec_experts_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
+    "funcspec_qexperts_bf16": [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9 + [ctypes.c_int],
+    "funcspec_qexperts_f32": [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9 + [ctypes.c_int],
 }
 
 

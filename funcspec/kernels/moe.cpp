@@ -25,6 +25,8 @@
 // pass (stream.h), and a token's slot sum runs j = 0..k-1: a token's result does not depend on which
 // tokens share the call, so AR (1 token) and verification (K+1) agree bit for bit.
 //
+// Quantized experts (qexperts, below) take the same plan with quant.h's tiles in place of stream.h's.
+//
 // Ids outside [0, E) select nothing (their slot adds nothing), as in the reference.
 //
 // Plain C ABI, called through ctypes; OpenMP binds to torch's own libgomp.
@@ -38,6 +40,7 @@
 
 #include <omp.h>
 
+#include "quant.h"
 #include "stream.h"
 
 namespace {
@@ -165,6 +168,110 @@ void experts(const typename E::T* x, const int64_t* ids, const float* w, const t
   for (int64_t t = 0; t < T; ++t) slot_sum<V>(y.get(), g.row_of.data() + t * k, w + t * k, out + t * H, k, H);
 }
 
+
+// ----------------------------------------------------------------------------- quantized experts
+//
+// The same grouping, work list and rounding with experts quantized as funcspec/kernels/quant.py packs a linear
+// (quant.h's tiles): gate_up [E][2 I/32][...] holds an expert's gate column blocks, then its up blocks; down
+// [E][H'/32][...]. A gate_up item b multiplies the expert's rows by gate block b and up block b (32 units)
+// and applies silu(gate) * up there; the thread that finishes an expert's last gate_up item quantizes its
+// intermediate rows (int8 per 32, as any quantized product's input) before its down items start.
+
+// One stacked quantized weight: values, scales, offsets (null: symmetric), bits, group, k.
+struct QStack {
+  const uint8_t* q;
+  const uint16_t* s;
+  const uint16_t* o;
+  int bits;
+  int64_t G, K;
+  int64_t block_bytes() const { return K * bits / 8 * funcspec::quantized::QB; }
+  int64_t block_scales() const { return K / G * funcspec::quantized::QB; }
+};
+
+// Rows of one activation buffer quantized per 32 k: xq [R][K], d [R][K/32], sums [R][K/16].
+struct QRows {
+  std::vector<int8_t> xq;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+  int64_t K;
+  QRows(int64_t R, int64_t K) : xq(R * K), d(R * K / 32), sums(R * K / 16), K(K) {}
+  template <class T>
+  void quantize(const T* x, int64_t r) {  // row r from x [K]
+    funcspec::quantized::quantize_row<T>(x, K, xq.data() + r * K, d.data() + r * K / 32, sums.data() + r * K / 16);
+  }
+};
+
+// acc [rows][32] = rows r0.. of `in` times column block `blk` of stacked weight w's expert e, in passes.
+inline void qblock(const QStack& w, int64_t e, int64_t blocks, int64_t blk, const QRows& in, int64_t r0,
+                   int64_t rows, float* acc) {
+  using namespace funcspec::quantized;
+  const int64_t item = e * blocks + blk;
+  const uint8_t* wb = w.q + item * w.block_bytes();
+  const uint16_t* sb = w.s + item * w.block_scales();
+  const uint16_t* ob = w.o ? w.o + item * w.block_scales() : nullptr;
+  const int64_t most = rows_per_pass(w.bits, w.o != nullptr), passes = (rows + most - 1) / most, K = in.K;
+  for (int64_t p = 0, m = r0; p < passes; ++p) {
+    const int64_t mb = rows / passes + (p < rows % passes);
+    tile_any(w.bits, mb, in.xq.data() + m * K, in.d.data() + m * K / 32, in.sums.data() + m * K / 16, K, w.G,
+             wb, sb, ob, acc + (m - r0) * QB);
+    m += mb;
+  }
+}
+
+template <class V>
+void qexperts(const V* x, const int64_t* ids, const float* w, const QStack& gu, const QStack& dn, V* out,
+              int64_t T, int64_t k, int64_t H, int64_t NE, int64_t I, int threads) {
+  const Groups g = group(ids, T * k, NE);
+  const int64_t U = g.experts.size(), R = g.rows.size();
+  const int64_t nb1 = I / HALF, nb2 = (H + HALF - 1) / HALF, hw = nb1 * BLOCK;
+  QRows xs(R, H), acts(R, I);
+  for (int64_t r = 0; r < R; ++r) xs.quantize<V>(x + g.rows[r] / k * H, r);
+  std::unique_ptr<V[]> h(new V[R * hw]), act(new V[R * I]), y(new V[R * H]);
+  const int64_t n1 = U * nb1, n2 = U * nb2;
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[U]), ready(new std::atomic<int64_t>[U]);
+  for (int64_t u = 0; u < U; ++u) {
+    done[u].store(0, std::memory_order_relaxed);
+    ready[u].store(0, std::memory_order_relaxed);
+  }
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t team = omp_get_num_threads();
+    std::vector<float> acc(2 * g.most * HALF);
+    for (int64_t i0, i1; take(taken, n1 + n2, team, &i0, &i1);)
+      for (int64_t i = i0; i < i1; ++i) {
+        const bool first = i < n1;
+        const int64_t nb = first ? nb1 : nb2, u = (first ? i : i - n1) / nb, b = (first ? i : i - n1) % nb;
+        const int64_t e = g.experts[u], r0 = g.start[u], rows = g.start[u + 1] - r0;
+        if (first) {
+          float *ga = acc.data(), *ua = acc.data() + rows * HALF;
+          qblock(gu, e, 2 * nb1, b, xs, r0, rows, ga);
+          qblock(gu, e, 2 * nb1, nb1 + b, xs, r0, rows, ua);
+          V* hr = h.get() + r0 * hw;
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < HALF; ++c) {
+              hr[r * hw + BLOCK * b + c] = from_float<V>(ga[r * HALF + c]);
+              hr[r * hw + BLOCK * b + HALF + c] = from_float<V>(ua[r * HALF + c]);
+            }
+          activate<V>(hr, act.get() + r0 * I, rows, hw, I, b);
+          if (done[u].fetch_add(1, std::memory_order_acq_rel) + 1 == nb1) {  // the expert's last gate_up item
+            for (int64_t r = r0; r < r0 + rows; ++r) acts.quantize<V>(act.get() + r * I, r);
+            ready[u].store(1, std::memory_order_release);
+          }
+        } else {
+          wait(ready[u], 1);
+          qblock(dn, e, nb2, b, acts, r0, rows, acc.data());
+          const int64_t n0 = b * HALF, cols = std::min(HALF, H - n0);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * H + n0 + c] = from_float<V>(acc[r * HALF + c]);
+        }
+      }
+  }
+  const bool wide = T * k * H >= SERIAL_MACS;
+#pragma omp parallel for num_threads(threads) if (wide && threads > 1) schedule(static)
+  for (int64_t t = 0; t < T; ++t) slot_sum<V>(y.get(), g.row_of.data() + t * k, w + t * k, out + t * H, k, H);
+}
+
 }  // namespace
 
 extern "C" {
@@ -181,5 +288,24 @@ void funcspec_experts_f32(const float* x, const int64_t* ids, const float* w, co
                           const float* down, float* out, int64_t T, int64_t k, int64_t H, int64_t E, int64_t I,
                           int threads) {
   experts<F32>(x, ids, w, gate_up, down, out, T, k, H, E, I, threads);
+}
+// x [T, H], ids [T, k] int64, w [T, k] fp32, experts quantized and stacked (moe.py: stack_quantized): gate_up
+// values / scales / offsets (null: symmetric) of `gu_bits` bits in groups of `gu_group` over H, down's over I
+// (a multiple of 32), out [T, H].
+void funcspec_qexperts_bf16(const uint16_t* x, const int64_t* ids, const float* w, const uint8_t* gu_q,
+                            const uint16_t* gu_s, const uint16_t* gu_o, const uint8_t* dn_q, const uint16_t* dn_s,
+                            const uint16_t* dn_o, uint16_t* out, int64_t T, int64_t k, int64_t H, int64_t E,
+                            int64_t I, int64_t gu_bits, int64_t gu_group, int64_t dn_bits, int64_t dn_group,
+                            int threads) {
+  qexperts<uint16_t>(x, ids, w, {gu_q, gu_s, gu_o, (int)gu_bits, gu_group, H},
+                     {dn_q, dn_s, dn_o, (int)dn_bits, dn_group, I}, out, T, k, H, E, I, threads);
+}
+
+void funcspec_qexperts_f32(const float* x, const int64_t* ids, const float* w, const uint8_t* gu_q,
+                           const uint16_t* gu_s, const uint16_t* gu_o, const uint8_t* dn_q, const uint16_t* dn_s,
+                           const uint16_t* dn_o, float* out, int64_t T, int64_t k, int64_t H, int64_t E, int64_t I,
+                           int64_t gu_bits, int64_t gu_group, int64_t dn_bits, int64_t dn_group, int threads) {
+  qexperts<float>(x, ids, w, {gu_q, gu_s, gu_o, (int)gu_bits, gu_group, H},
+                  {dn_q, dn_s, dn_o, (int)dn_bits, dn_group, I}, out, T, k, H, E, I, threads);
 }
 }

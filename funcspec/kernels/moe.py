@@ -17,6 +17,10 @@ tokens), not all E, and never a copy of them. The paths, one per device
   stream.py's column blocks), streamed once per call for all their tokens.
   A token's result does not depend on the tokens beside it, so AR and
   verification agree bit for bit.
+- :func:`qexperts_op`, the same CPU kernel on quantized experts
+  (:func:`stack_quantized`: the int8/int4 family of :mod:`funcspec.kernels.quant`,
+  which GGUF, GPTQ, AWQ and compressed-tensors experts are read into), with
+  :func:`quantized_reference` its math in torch.
 - :func:`grouped` (CUDA): the slots sorted by expert (:func:`sort_by_expert`,
   no host sync) through two ``torch._grouped_mm`` calls, then back in slot order.
 - :func:`npu_experts` (Ascend): torch_npu's routing, grouped matmul and
@@ -34,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import build, stream
+from funcspec.kernels import build, quant, stream
 
 DTYPES = stream.DTYPES
 HALF = stream.BLOCK // 2
@@ -141,6 +145,136 @@ def experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     with it.
     """
     return torch.ops.funcspec.routed_experts(x, ids, weights, gate_up, down)
+
+
+# ----------------------------------------------------------------------------- quantized experts
+
+
+def stack_quantized(gates: list, ups: list, downs: list) -> dict:
+    """Per-expert quantized linears (:mod:`funcspec.kernels.quant` params: gate and up [I, H], down [H, I])
+    stacked as :func:`qexperts_op` reads them: ``{"gate_up_proj": {...}, "down_proj": {...}}``, each
+    ``{"qweight", "scales", "offsets"?, "format"}`` with a leading expert dimension.
+
+    An expert's gate_up holds its gate's I/32 column blocks, then its up's; its ``format`` is the gate's (one
+    half). Gate and up must share one format, every down another; I must be a multiple of 32 (down reads it
+    in blocks of 32). ``ValueError`` otherwise, naming what differs.
+    """
+    if not gates or not len(gates) == len(ups) == len(downs):
+        raise ValueError(f"quantized experts: need one gate, up and down per expert, got {len(gates)}, {len(ups)} "
+                         f"and {len(downs)}")
+    for name, ps in (("gate", gates), ("up", ups), ("down", downs)):
+        extra = sorted({k for p in ps for k in p} - {"qweight", "scales", "offsets", "format"})
+        if extra:
+            raise ValueError(f"quantized experts: the {name} projections hold {extra} (act-order or a bias), "
+                             f"which routed experts do not read")
+    fmt, down_fmt = gates[0]["format"], downs[0]["format"]
+    if any(p["format"] != fmt for p in gates + ups) or any(p["format"] != down_fmt for p in downs):
+        raise ValueError(f"quantized experts: every expert's gate and up must share one format and every down "
+                         f"another; got {sorted({str(p['format']) for p in gates + ups + downs})}")
+    i, h = fmt.out_features, fmt.in_features
+    if i % quant.QB or (down_fmt.out_features, down_fmt.in_features) != (h, i):
+        raise ValueError(f"quantized experts: the intermediate size ({i}) must be a multiple of {quant.QB} and down "
+                         f"[{down_fmt.out_features}, {down_fmt.in_features}] must be [{h}, {i}]")
+
+    def stacked(parts, f):
+        out = {"qweight": torch.stack([torch.cat([p["qweight"] for p in ps]) for ps in parts]),
+               "scales": torch.stack([torch.cat([p["scales"] for p in ps]) for ps in parts]), "format": f}
+        if f.asym:
+            out["offsets"] = torch.stack([torch.cat([p["offsets"] for p in ps]) for ps in parts])
+        return out
+
+    return {"gate_up_proj": stacked(list(zip(gates, ups)), fmt), "down_proj": stacked([[d] for d in downs], down_fmt)}
+
+
+def quantized_expert(gate_up: dict, down: dict, e: int) -> tuple:
+    """Expert e's ``(gate, up, down)`` quantized linears (views into stacks made by :func:`stack_quantized`)."""
+    blocks = gate_up["qweight"].shape[1] // 2
+
+    def part(p, lo, hi):
+        return {**{k: p[k][e, lo:hi] for k in ("qweight", "scales", "offsets") if k in p}, "format": p["format"]}
+
+    return part(gate_up, 0, blocks), part(gate_up, blocks, 2 * blocks), part(down, 0, down["qweight"].shape[1])
+
+
+def quantized_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: dict, down: dict
+                        ) -> torch.Tensor:
+    """The routed experts of x [T, H] on stacked quantized experts, in torch: every expert on every token
+    (:func:`funcspec.kernels.quant.reference`'s math), each slot taking its expert's output, summed as
+    :func:`slot_sum`. Any device; a check of :func:`qexperts_op`."""
+    y = torch.zeros(*ids.shape, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, k, H]
+    for e in range(gate_up["qweight"].shape[0]):
+        gate, up, dn = quantized_expert(gate_up, down, e)
+        out = quant.reference(F.silu(quant.reference(x, gate)) * quant.reference(x, up), dn)  # [T, H]
+        y = torch.where((ids == e).unsqueeze(-1), out.unsqueeze(1), y)
+    return slot_sum(y, weights)
+
+
+def _check_quantized(x, ids, weights, gate_up: dict, down: dict) -> None:
+    """The kernel reads raw memory: a wrong dtype or shape must fail here, not read out of bounds."""
+    if x.dtype not in DTYPES or x.dim() != 2:
+        raise ValueError(f"qexperts: x must be bfloat16 or float32 [T, H], got {x.dtype} {list(x.shape)}")
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != x.shape[0] \
+            or tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"qexperts: ids must be int64 [{x.shape[0]}, k] and weights of their shape, got ids "
+                         f"{ids.dtype} {list(ids.shape)} and weights {list(weights.shape)}")
+    gf, df = gate_up["format"], down["format"]
+    e, (i, h) = gate_up["qweight"].shape[0], (gf.out_features, gf.in_features)
+    if h != x.shape[1] or (df.out_features, df.in_features) != (h, i) or i % quant.QB:
+        raise ValueError(f"qexperts: x [T, {x.shape[1]}] needs gate/up [I, {x.shape[1]}] and down [{x.shape[1]}, I] "
+                         f"with I a multiple of {quant.QB}; got {gf} and {df}")
+    for name, p, f, blocks in (("gate_up", gate_up, gf, 2 * i // quant.QB), ("down", down, df, -(-h // quant.QB))):
+        k = f.in_features
+        want = {"qweight": (torch.uint8, (e, blocks, k * f.bits // 32, quant.QB, 4)),
+                "scales": (torch.float16, (e, blocks, k // f.group, quant.QB))}
+        if f.asym:
+            want["offsets"] = want["scales"]
+        elif "offsets" in p:
+            raise ValueError(f"qexperts: {name} has offsets, unexpected for {f}")
+        for key, (dtype, shape) in want.items():
+            t = p.get(key)
+            if t is None or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise ValueError(f"qexperts: {name} {key} must be contiguous {dtype} {list(shape)} for {f}, got {got}")
+
+
+def _qexperts(x, ids, weights, gu_q, gu_s, gu_o, dn_q, dn_s, dn_o, gu_bits: int, gu_group: int, dn_bits: int,
+              dn_group: int) -> torch.Tensor:
+    x, ids = x.contiguous(), ids.contiguous()
+    w = weights.to(torch.float32).contiguous()  # [T, k]
+    out = torch.empty_like(x)  # [T, H]
+    (t, k), h, e, units = ids.shape, x.shape[1], gu_q.shape[0], gu_q.shape[1] * quant.QB // 2
+    lib = build.lib()
+    fn = lib.funcspec_qexperts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qexperts_f32
+    threads = 1 if t * k * 3 * units * h < quant.SERIAL_MACS else torch.get_num_threads()
+    ptr = (lambda a: None if a is None else a.data_ptr())
+    fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), gu_q.data_ptr(), gu_s.data_ptr(), ptr(gu_o), dn_q.data_ptr(),
+       dn_s.data_ptr(), ptr(dn_o), out.data_ptr(), t, k, h, e, units, gu_bits, gu_group, dn_bits, dn_group, threads)
+    return out
+
+
+def _qexperts_meta(x, ids, weights, *rest) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_LIB.define("routed_qexperts(Tensor x, Tensor ids, Tensor weights, Tensor gu_q, Tensor gu_s, Tensor? gu_o, "
+            "Tensor dn_q, Tensor dn_s, Tensor? dn_o, int gu_bits, int gu_group, int dn_bits, int dn_group) -> Tensor")
+_LIB.impl("routed_qexperts", _qexperts, "CPU")
+_LIB.impl("routed_qexperts", _qexperts_meta, "Meta")
+
+
+def qexperts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: dict, down: dict
+                ) -> torch.Tensor:
+    """The routed experts of x [T, H] (bf16 or fp32; ids int64 and weights [T, k]) through the CPU kernel, on
+    experts stacked by :func:`stack_quantized`. Returns [T, H]; ids outside [0, E) add nothing.
+
+    Each selected expert's quantized weights are read once per call; a token's result is bitwise the same
+    whatever tokens come with it. Needs :func:`funcspec.kernels.build.available`.
+    """
+    _check_quantized(x, ids, weights, gate_up, down)
+    gf, df = gate_up["format"], down["format"]
+    return torch.ops.funcspec.routed_qexperts(x, ids, weights, gate_up["qweight"], gate_up["scales"],
+                                              gate_up.get("offsets"), down["qweight"], down["scales"],
+                                              down.get("offsets"), gf.bits, gf.group, df.bits, df.group)
 
 
 # ----------------------------------------------------------------------------- CUDA: grouped GEMMs

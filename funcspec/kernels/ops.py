@@ -64,8 +64,9 @@ The row count is static, so every choice is made at trace time.
 A MoE layer's routed experts (``Ops.routed_experts``) take, wherever funcspec's
 CPU kernels are built, the kernel of :mod:`funcspec.kernels.moe`: it streams the
 experts a step selects, once, with the streaming products' tiles (AMX CPUs
-included, unmeasured there); on CUDA, ``torch._grouped_mm`` in bf16; on an
-Ascend NPU, torch_npu's MoE ops; else the reference, every expert on every token.
+included, unmeasured there), or the quantized products' tiles for quantized
+experts; on CUDA, ``torch._grouped_mm`` in bf16; on an Ascend NPU, torch_npu's
+MoE ops; else the reference, every expert on every token.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ class Ops:
         """A MoE layer's routed experts (:mod:`funcspec.kernels.moe`): x [T, H] routed to ``ids`` [T, k] int64
         with ``weights`` [T, k]; ``p`` holds the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
         [E, H, I] (each ``{"weight": ...}``, and the ``packed`` copy ``prepare_params`` made for the CPU
-        kernel). Returns [T, H]; x [..., H] with ids and weights [..., k] gives [..., H]. The path is
+        kernel), or the same experts quantized (:func:`moe.stack_quantized`). Returns [T, H]; x [..., H] with ids and weights [..., k] gives [..., H]. The path is
         :meth:`routed_path`'s."""
         gate_up, down = p["gate_up_proj"], p["down_proj"]
         path = self.routed_path(x, gate_up, down)
@@ -227,7 +228,10 @@ class Ops:
         shape = x.shape
         ids = ids.reshape(-1, ids.shape[-1])  # [T, k]
         x, weights = x.reshape(-1, shape[-1]), weights.reshape(ids.shape)  # [T, H], [T, k]
-        if path == "cpu_kernel":
+        if "qweight" in gate_up:  # quantized experts: the CPU kernel, else their math in torch
+            quantized = path == "cpu_kernel"
+            out = (moe.qexperts_op if quantized else moe.quantized_reference)(x, ids, weights, gate_up, down)
+        elif path == "cpu_kernel":
             out = moe.experts_op(x, ids, weights, gate_up["packed"], down["packed"])
         elif path == "grouped_mm":
             out = moe.grouped(x, ids, weights, gate_up["weight"], down["weight"])
@@ -240,6 +244,9 @@ class Ops:
     def routed_path(self, x: torch.Tensor, gate_up: dict, down: dict) -> str:
         """The path :meth:`experts` takes (static: device, dtypes, autograd, packed copies): :attr:`routed_experts`
         where it serves these operands, else ``"reference"``."""
+        if "qweight" in gate_up:  # quantized (stacked by moe.stack_quantized): the quantized products' kernel
+            fits = self.quantized and x.device.type == "cpu" and x.dtype in quant.DTYPES
+            return "cpu_kernel" if fits and not (torch.is_grad_enabled() and x.requires_grad) else "reference"
         w = gate_up["weight"]
         grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or down["weight"].requires_grad)
         if grad or x.dtype != w.dtype or x.device.type != ROUTED[self.routed_experts]:

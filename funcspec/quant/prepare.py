@@ -14,7 +14,9 @@ its LM head packs (or quantizes) like any linear. Tables read by row
 (:data:`INDEXED`) are never packed. A MoE layer's stacked experts
 (``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] side by side) gain
 ``packed`` copies in the routed-expert kernel's layout where ``ops`` has it
-(:meth:`funcspec.kernels.Ops.packs_experts`); they are not quantized.
+(:meth:`funcspec.kernels.Ops.packs_experts`), or, with a ``quantization``, are
+quantized expert by expert and stacked (:func:`quantized_experts`); the router
+(``gate``) and Qwen2-MoE's ``shared_expert_gate`` stay float, as vLLM keeps them.
 
 NOTE: the input is not modified: containers are rebuilt, tensors shared, and
 the packed copies are new tensors in the params. So a weight swapped for
@@ -35,6 +37,9 @@ from funcspec.quant import formats
 
 INDEXED = ("embed_tokens", "markov_w1")
 """Weights read by row (embeddings), never multiplied: not packed."""
+
+ROUTERS = ("gate", "shared_expert_gate")
+"""A MoE layer's router and Qwen2-MoE's shared-expert gate: packed, never quantized (vLLM keeps them float)."""
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """Fused groups of layers that read one input: the group's name -> its layers, in output order."""
@@ -99,7 +104,7 @@ def _prepare(node, ops: Ops, memo: dict, name, scheme):
 
 def _container(node: dict, ops: Ops, memo: dict, name, scheme) -> dict:
     if _is_linear(node) and name not in INDEXED:
-        return _linear(node, ops, memo, scheme)
+        return _linear(node, ops, memo, None if name in ROUTERS else scheme)
     if _is_experts(node):
         return _experts(node, ops, memo, scheme)
     groups = {g: ms for g, ms in FUSED.items() if all(isinstance(node.get(m), dict) for m in ms)}
@@ -124,14 +129,34 @@ def _is_experts(node: dict) -> bool:
 
 
 def _experts(node: dict, ops: Ops, memo: dict, scheme) -> dict:
-    """Stacked experts with their packed copies for the routed-expert kernel, where ``ops`` streams them (the
-    container's other entries prepared as usual)."""
+    """Stacked experts quantized to ``scheme`` (:func:`quantized_experts`) where they take it, else with their
+    packed copies for the routed-expert kernel where ``ops`` streams them (the container's other entries
+    prepared as usual)."""
     out = {k: v if k in EXPERTS else _prepare(v, ops, memo, k, scheme) for k, v in node.items()}
+    gate_up, down = node["gate_up_proj"]["weight"], node["down_proj"]["weight"]
+    if scheme is not None and quantizes_experts(gate_up, down, scheme):
+        return {**out, **_memo(memo, (node, "quantized_experts", id(node), scheme),
+                               lambda: quantized_experts(gate_up, down, scheme))}
     for name, pack in EXPERTS.items():
         w = node[name]["weight"]
         if ops.packs_experts(w):
             out[name] = {**node[name], "packed": _memo(memo, (w, "pack_experts", id(w)), lambda: pack(w))}
     return out
+
+
+def quantizes_experts(gate_up: torch.Tensor, down: torch.Tensor, scheme: str) -> bool:
+    """Whether stacked experts (gate_up [E, 2I, H], down [E, H, I]) take ``scheme``: gate, up and down each
+    take it as a linear, and I is whole blocks of 32 (:func:`funcspec.kernels.moe.stack_quantized`)."""
+    i = down.shape[2]
+    return i % 32 == 0 and formats.quantizes(gate_up[0, :i], scheme) and formats.quantizes(down[0], scheme)
+
+
+def quantized_experts(gate_up: torch.Tensor, down: torch.Tensor, scheme: str) -> dict:
+    """Stacked float experts quantized to ``scheme``, expert by expert, and stacked for the kernel:
+    ``{"gate_up_proj": ..., "down_proj": ...}`` (:func:`funcspec.kernels.moe.stack_quantized`)."""
+    i = down.shape[2]
+    one = (lambda w: formats.quantize({"weight": w}, scheme))
+    return moe.stack_quantized([one(w[:i]) for w in gate_up], [one(w[i:]) for w in gate_up], [one(w) for w in down])
 
 
 def _streams_together(ps, ops: Ops) -> bool:

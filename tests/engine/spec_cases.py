@@ -31,13 +31,14 @@ def _spec(method, k, draft=None, **extra):
     return cfg
 
 
-def assert_captured_lossless(target, spec, prompts, want, warm: int) -> "Engine":
-    """A lazily captured inductor engine on bucket (4, K) of ``target``: its greedy tokens equal ``want``, the
-    prompts after the first ``warm`` under ``fail_on_recompile``, and nothing recompiled; returns the engine."""
+def assert_captured_lossless(target, spec, prompts, want, warm: int, **engine) -> "Engine":
+    """A lazily captured inductor engine on bucket (4, K) of ``target`` (with ``engine``'s further arguments): its
+    greedy tokens equal ``want``, the prompts after the first ``warm`` under ``fail_on_recompile``, and nothing
+    recompiled; returns the engine."""
     from funcspec import Engine
 
     eng = Engine(target, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
-                 max_model_len=96, capture="lazy")
+                 max_model_len=96, capture="lazy", **engine)
     assert _ids(eng.generate(prompts[:warm], GREEDY)) == want[:warm]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[warm:], GREEDY)) == want[warm:]

@@ -162,8 +162,6 @@ def test_bad_moe_config_names_the_field(family, field, value, match):
 
 
 def test_unsupported_combinations_are_refused_naming_the_argument(qwen3_moe):
-    with pytest.raises(ValueError, match="quantization='int8': quantizing a mixture-of-experts target"):
-        Engine(qwen3_moe, quantization="int8")
     hf = {**BASE, **FAMILIES["qwen3_moe"][2], "num_key_value_heads": 4, "num_experts": 6,
           "architectures": ["Qwen3MoeForCausalLM"]}
     cfg = model_config(hf)
@@ -256,4 +254,41 @@ def test_tree_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_draft, heads, reference, method):
     eng = assert_captured_lossless(qwen3_moe, _config(method, heads, tiny_draft), *reference, warm=4)
+    assert eng.stats["graph_breaks"] == 0
+
+
+# ----------------------------------------------------------------------------- quantized on load
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_reference(request, qwen3_moe):
+    """The Qwen3-MoE target quantized on load: its AR greedy outputs of the 12 prompts."""
+    prompts = _prompts(12)
+    eng = Engine(qwen3_moe, quantization=request.param, max_batch_size=4, max_model_len=96)
+    return request.param, eng, prompts, _ids(eng.generate(prompts, GREEDY))
+
+
+def test_quantizing_a_moe_on_load_quantizes_the_experts_and_keeps_the_router_float(quantized_reference):
+    scheme, eng, _, _ = quantized_reference
+    layer = eng.params["target"]["model"]["layers"][0]["mlp"]
+    gate_up, down = layer["experts"]["gate_up_proj"], layer["experts"]["down_proj"]
+    assert "weight" not in gate_up and gate_up["format"].name == scheme and down["format"].name == scheme
+    assert gate_up["qweight"].shape[:2] == (8, 2)  # 8 experts, each gate's one block of 32 units then its up's
+    assert (gate_up["format"].out_features, gate_up["format"].in_features) == (32, 64)
+    assert layer["gate"]["weight"].dtype == torch.float32 and "qweight" not in layer["gate"]
+    dense = eng.params["target"]["model"]["layers"][1]["mlp"]  # mlp_only_layers=[1]
+    assert dense["gate_proj"]["format"].name == scheme
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_greedy_speculation_equals_ar_on_a_quantized_moe_target(qwen3_moe, tiny_draft, heads, quantized_reference,
+                                                                method):
+    scheme, _, prompts, want = quantized_reference
+    eng = Engine(qwen3_moe, quantization=scheme, speculative_config=_config(method, heads, tiny_draft),
+                 max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+
+
+def test_captured_quantized_moe_steps_are_lossless(qwen3_moe, tiny_draft, heads, quantized_reference):
+    scheme, _, prompts, want = quantized_reference
+    eng = assert_captured_lossless(qwen3_moe, _config("eagle3", heads, tiny_draft), prompts, want, warm=4,
+                                   quantization=scheme)
     assert eng.stats["graph_breaks"] == 0

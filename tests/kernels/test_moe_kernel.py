@@ -345,3 +345,101 @@ def test_routing_weights_that_need_a_gradient_get_one():
                                      for g, u in [F.linear(x[t], gate_up[e]).chunk(2)]])
                         for t, row in enumerate(ids.tolist())])
     torch.testing.assert_close(w.grad, want)
+
+
+# ----------------------------------------------------------------------------- quantized experts
+
+QKERNEL = Ops(routed_experts="cpu_kernel", quantized=True)
+QTOL = {torch.float32: {"atol": 2e-6, "rtol": 1e-5}, torch.bfloat16: {"atol": 4e-2, "rtol": 2 ** -7}}
+"""Against the quantized reference: the same int8 activations and integer block sums, fp32 sums over blocks in
+another order (fp32: a few ulps; bf16: a near-tie rounds gate, up or an expert's output one bf16 ulp apart, which
+the down product carries on)."""
+
+
+def quantized(p: dict, scheme: str) -> dict:
+    return prepare_params({"experts": p}, QKERNEL, quantization=scheme)["experts"]
+
+
+def qreference(x, ids, w, q):
+    return moe.quantized_reference(x, ids, w, q["gate_up_proj"], q["down_proj"])
+
+
+# (scheme, E, H, I, T, k, routing): per-channel and grouped, 8 and 4 bits; T = 1 and 33; H not a multiple of
+# 32 output columns of down (a partial block: 96 = 3 blocks, 80 = 2.5).
+QCASES = [("int8", 8, 64, 64, 1, 2, "random"), ("int8-g32", 16, 96, 32, 9, 4, "repeated"),
+          ("int4", 32, 64, 96, 33, 8, "random"), ("int4-g128", 8, 128, 128, 5, 8, "one"),
+          ("int4", 16, 160, 64, 7, 1, "one")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", QCASES, ids=["-".join(map(str, c)) for c in QCASES])
+def test_the_quantized_kernel_is_the_quantized_reference(case, dtype, two_threads):
+    """Experts quantized on load take the kernel (one call, no float weight left) and equal the quantized
+    reference within QTOL; a token's result has its bits alone in the batch."""
+    scheme, e, h, i, t, k, kind = case
+    q = quantized(layer(e, h, i, dtype, seed=e + i), scheme)
+    assert "weight" not in q["gate_up_proj"] and q["down_proj"]["format"].name == scheme
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype)
+    ids, w = routing(kind, t, k, e, seed=k)
+    ids[0, 0] = -1  # another rank's slot: adds nothing
+    with OpLog() as log:
+        got = QKERNEL.experts(x, ids, w, q)
+    assert [n for n in log.names if "expert" in n] == ["routed_qexperts"]
+    torch.testing.assert_close(got, qreference(x, ids, w, q), **QTOL[dtype])
+    alone = torch.cat([QKERNEL.experts(x[j:j + 1], ids[j:j + 1], w[j:j + 1], q) for j in range(t)])
+    assert torch.equal(got, alone)
+
+
+@needs_kernels
+def test_quantized_experts_stay_close_to_the_float_experts():
+    """The relative error (Frobenius) of the layer's output: int8 per channel within 2%, int4 in groups of 32
+    within 20% (round-to-nearest 4 bits: about 10% per product, through three products)."""
+    p = layer(16, 128, 64, torch.float32, seed=3)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+    ids, w = routing("random", 6, 4, 16, seed=2)
+    want = reference(x, ids, w, p)
+    for scheme, bound in (("int8", 0.02), ("int4", 0.2)):
+        err = (QKERNEL.experts(x, ids, w, quantized(p, scheme)) - want).norm() / want.norm()
+        assert err < bound, (scheme, err)
+
+
+@needs_kernels
+def test_compiled_quantized_experts_have_eager_bits_and_no_recompile():
+    q = quantized(layer(16, 64, 32, torch.bfloat16, seed=4), "int4")
+
+    def moe_layer(x, probs):  # x [T, H], probs [T, E]
+        weights, ids = probs.topk(2, -1)  # [T, 2] each
+        return QKERNEL.experts(x, ids, weights, q)
+
+    g = torch.Generator().manual_seed(5)
+    inputs = [(torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.rand(5, 16, generator=g)) for _ in range(3)]
+    compiled = torch.compile(moe_layer, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(*inputs[0]), moe_layer(*inputs[0]))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for x, probs in inputs[1:]:
+            assert torch.equal(compiled(x, probs), moe_layer(x, probs))
+
+
+def test_stacking_quantized_experts_checks_their_formats():
+    from funcspec.quant import formats
+
+    def lin(n, k, scheme="int8"):
+        return formats.quantize({"weight": torch.randn(n, k)}, scheme)
+
+    with pytest.raises(ValueError, match="share one format"):
+        moe.stack_quantized([lin(32, 64)], [lin(32, 64, "int4")], [lin(64, 32)])
+    with pytest.raises(ValueError, match=r"intermediate size \(48\) must be a multiple of 32"):
+        moe.stack_quantized([lin(48, 64)], [lin(48, 64)], [lin(64, 64)])
+    with pytest.raises(ValueError, match=r"act-order or a bias"):
+        moe.stack_quantized([{**lin(32, 64), "bias": torch.zeros(32)}], [lin(32, 64)], [lin(64, 32)])
+    q = moe.stack_quantized([lin(32, 64)] * 2, [lin(32, 64)] * 2, [lin(64, 32)] * 2)
+    with pytest.raises(ValueError, match=r"qexperts: down qweight must be contiguous torch.uint8 \[2, 2, 8, 32, 4\]"):
+        moe.qexperts_op(torch.randn(1, 64), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
+                        q["gate_up_proj"], {**q["down_proj"], "qweight": q["down_proj"]["qweight"][:, :1]})
+
+
+def test_i_not_a_multiple_of_32_keeps_the_experts_float():
+    """An intermediate size the kernel cannot block (I = 48) stays float, packed, under on-load quantization."""
+    q = quantized(layer(4, 64, 48, torch.float32), "int8")
+    assert "weight" in q["gate_up_proj"] and "qweight" not in q["gate_up_proj"]

@@ -1,0 +1,174 @@
+// The quantized products' tiles of quant.cpp, shared with the routed-expert kernel (moe.cpp).
+//
+// Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
+// weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
+// one fp32 accumulator over the blocks in order: quant.cpp's header says why.
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "bf16.h"
+
+namespace funcspec::quantized {
+
+constexpr int64_t QB = 32;    // outputs per column block: 2 zmm of fp32 accumulators
+constexpr int64_t AB = 32;    // k per activation block (one scale and one sum per row)
+constexpr int64_t STEP = 128;  // weight bytes per step (QB outputs x 4 bytes)
+
+using funcspec::from_float;
+using funcspec::to_float;
+
+// Row m of x [M, K] as int8 blocks of 32: xq [K], d [K/32], and the sums of each half block, sums [K/16].
+template <class T>
+void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
+  for (int64_t b = 0; b < K / AB; ++b) {
+    float v[AB], amax = 0.0f;
+    for (int64_t i = 0; i < AB; ++i) {
+      v[i] = to_float<T>(x[b * AB + i]);
+      amax = std::max(amax, fabsf(v[i]));
+    }
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum[2] = {0, 0};
+    for (int64_t i = 0; i < AB; ++i) {
+      const int32_t q = (int32_t)nearbyintf(v[i] * inv);  // round half to even, as torch.round
+      xq[b * AB + i] = (int8_t)std::min(127, std::max(-127, q));
+      sum[i / 16] += xq[b * AB + i];
+    }
+    d[b] = scale;
+    sums[2 * b] = sum[0];
+    sums[2 * b + 1] = sum[1];
+  }
+}
+
+inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
+// for 8-bit weights in groups of 16: GGUF's Q6_K), each one integer sum per row and output.
+template <int BITS, bool ASYM, int U, int MB>
+void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
+          const uint16_t* sb, const uint16_t* ob, float* acc) {
+  const int64_t units = K / U, per_group = G / U, blocks = K / AB;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int32_t zero = BITS == 8 ? 128 : 8;
+  __m512 af[MB][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+  for (int64_t u = 0; u < units; ++u) {
+    if (u % per_group == 0) {
+      const int64_t g = u / per_group;
+      s0 = load_half(sb + g * QB);
+      s1 = load_half(sb + g * QB + 16);
+      if (ASYM) {
+        o0 = load_half(ob + g * QB);
+        o1 = load_half(ob + g * QB + 16);
+      }
+    }
+    __m512i ai[MB][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) ai[m][0] = ai[m][1] = _mm512_setzero_si512();
+    if (BITS == 8) {
+      const uint8_t* w = wb + u * (U / 4) * STEP;
+#pragma GCC unroll 8
+      for (int q = 0; q < U / 4; ++q) {
+        const __m512i w0 = _mm512_loadu_si512(w + q * STEP), w1 = _mm512_loadu_si512(w + q * STEP + 64);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t v;
+          memcpy(&v, xq + m * K + u * U + q * 4, 4);
+          const __m512i xv = _mm512_set1_epi32(v);
+          ai[m][0] = _mm512_dpbusd_epi32(ai[m][0], w0, xv);
+          ai[m][1] = _mm512_dpbusd_epi32(ai[m][1], w1, xv);
+        }
+      }
+    } else {
+      const uint8_t* w = wb + u * 4 * STEP;
+#pragma GCC unroll 4
+      for (int o = 0; o < 4; ++o) {
+        const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t va, vb;
+          memcpy(&va, xq + m * K + u * U + o * 8, 4);
+          memcpy(&vb, xq + m * K + u * U + o * 8 + 4, 4);
+          const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
+          ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], lo0, xa), hi0, xb);
+          ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], lo1, xa), hi1, xb);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const float dm = d[m * blocks + u * U / AB];
+      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+      const int32_t sum = U == 16 ? half[0] : half[0] + half[1];
+      if (ASYM) {
+        const __m512 sx = _mm512_set1_ps((float)sum), dv = _mm512_set1_ps(dm);
+        const __m512 t0 = _mm512_fnmadd_ps(o0, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(ai[m][0]), s0));
+        const __m512 t1 = _mm512_fnmadd_ps(o1, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(ai[m][1]), s1));
+        af[m][0] = _mm512_fmadd_ps(t0, dv, af[m][0]);
+        af[m][1] = _mm512_fmadd_ps(t1, dv, af[m][1]);
+      } else {
+        const __m512i corr = _mm512_set1_epi32(zero * sum);
+        const __m512 dv = _mm512_set1_ps(dm);
+        af[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[m][0], corr)), _mm512_mul_ps(s0, dv),
+                                   af[m][0]);
+        af[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[m][1], corr)), _mm512_mul_ps(s1, dv),
+                                   af[m][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    _mm512_storeu_ps(acc + m * QB, af[m][0]);
+    _mm512_storeu_ps(acc + m * QB + 16, af[m][1]);
+  }
+}
+
+// Rows per pass: 6 x (2 int32 + 2 fp32) accumulators + weights and scales; 4-bit asymmetric weights also hold
+// their unpacked nibbles and offsets, so 4 rows. 5 rows (a K = 4 verify) then take one pass (3 + 2 took 1.5x the
+// time at 4 bits).
+template <int BITS, bool ASYM>
+constexpr int max_rows() {
+  return BITS == 4 && ASYM ? 4 : 6;
+}
+constexpr int MAX_MB = 6;
+
+// tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB].
+template <int BITS, bool ASYM, int U, int MB = max_rows<BITS, ASYM>()>
+inline void tile_rows(int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G,
+                      const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return tile_rows<BITS, ASYM, U, MB - 1>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+  }
+  tile<BITS, ASYM, U, MB>(xq, d, sums, K, G, wb, sb, ob, acc);
+}
+
+// Rows per pass of a weight of `bits` (asym: with offsets), at run time.
+inline int rows_per_pass(int bits, bool asym) { return bits == 4 && asym ? max_rows<4, true>() : max_rows<8, false>(); }
+
+// tile_rows for a weight's format known at run time: `bits` 8 or 4, offsets `ob` (null: symmetric), group G
+// (16: GGUF's Q6_K units of 16 k); mb <= rows_per_pass(bits, ob != null).
+inline void tile_any(int bits, int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K,
+                     int64_t G, const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
+  if (bits == 8 && G == 16) {
+    if (ob) tile_rows<8, true, 16>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+    else tile_rows<8, false, 16>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+  } else if (bits == 8) {
+    if (ob) tile_rows<8, true, 32>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+    else tile_rows<8, false, 32>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+  } else {
+    if (ob) tile_rows<4, true, 32>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+    else tile_rows<4, false, 32>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+  }
+}
+
+}  // namespace funcspec::quantized
