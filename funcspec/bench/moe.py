@@ -1,7 +1,8 @@
 """``funcspec bench moe``: the routed-expert kernel against the bytes it must stream, and against the reference.
 
 One MoE layer's routed experts (default: Qwen3-30B-A3B's, H = 2048, E = 128,
-top-8, I = 768, bf16) at each T of ``--tokens``: every call draws a fresh
+top-8, I = 768, bf16; ``--quantization int8|int4``: its experts quantized on load,
+through the quantized kernel) at each T of ``--tokens``: every call draws a fresh
 random routing (each token k distinct experts, uniform), so the experts it
 selects are not in the caches. Per T the result records
 
@@ -41,10 +42,17 @@ def expected_union(e: int, k: int, t: int) -> float:
     return e * (1 - (1 - k / e) ** t)
 
 
-def union_bytes(ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+def expert_bytes(p: dict) -> int:
+    """One expert's bytes in prepared params ``p``: its float gate_up and down, or their quantized blocks."""
+    gate_up, down = p["gate_up_proj"], p["down_proj"]
+    if "qweight" in gate_up:
+        return 2 * gate_up["format"].bytes + down["format"].bytes  # format: one half of gate_up
+    return sum(w["weight"][0].numel() * w["weight"].element_size() for w in (gate_up, down))
+
+
+def union_bytes(ids: torch.Tensor, p: dict) -> int:
     """The bytes of the experts ids [T, k] select: what a call streams at least."""
-    per_expert = gate_up[0].numel() * gate_up.element_size() + down[0].numel() * down.element_size()
-    return int(torch.unique(ids).numel()) * per_expert
+    return int(torch.unique(ids).numel()) * expert_bytes(p)
 
 
 def random_routing(t: int, k: int, e: int, g: torch.Generator) -> tuple:
@@ -67,16 +75,30 @@ def layer(o) -> tuple:
     raw = {"gate_up_proj": {"weight": (torch.randn(o.experts, 2 * o.intermediate, o.hidden, generator=g)
                                        * 0.02).to(dtype)},
            "down_proj": {"weight": (torch.randn(o.experts, o.hidden, o.intermediate, generator=g) * 0.02).to(dtype)}}
-    return raw, prepare_params({"experts": raw}, ops)["experts"], ops
+    quantization = getattr(o, "quantization", None)
+    p = prepare_params({"experts": raw}, ops, quantization=quantization)["experts"]
+    if quantization and "qweight" not in p["gate_up_proj"]:
+        raise SystemExit(f"funcspec bench moe: --quantization {quantization} does not take this shape (I must be a "
+                         f"multiple of 32 and of the group)")
+    return raw, p, ops
 
 
 def dense_bound(p: dict, u: int, start: int) -> float:
     """Seconds to stream experts ``start .. start + u - 1``'s packed gate_up and down blocks (the bytes of a union
     of u experts, contiguous) as two dense one-row products through the same tiles: the rate a union of u
     experts could be streamed at if it were one weight."""
-    from funcspec.kernels import stream
+    from funcspec.kernels import quant, stream
 
     t0 = time.perf_counter()
+    if "qweight" in p["gate_up_proj"]:  # the same union of quantized blocks as one quantized weight
+        for w in (p["gate_up_proj"], p["down_proj"]):
+            f = w["format"]
+            n = w["qweight"].shape[1] * quant.QB * u  # every block of u experts, as the rows of one weight
+            one = {k: w[k][start:start + u].reshape(-1, *w[k].shape[2:]) for k in ("qweight", "scales", "offsets")
+                   if k in w}
+            fmt = quant.QuantFormat(f.bits, f.group, n, f.in_features, f.asym, f.name)
+            quant.qlinear(torch.ones(1, f.in_features, dtype=torch.bfloat16), {**one, "format": fmt})
+        return time.perf_counter() - t0
     for packed in (p["gate_up_proj"]["packed"], p["down_proj"]["packed"]):
         w = packed[start:start + u].reshape(-1, *packed.shape[2:])  # [u·blocks, K/P, 64, P]: a view
         x = torch.ones(1, w.shape[1] * w.shape[3], dtype=w.dtype)
@@ -97,7 +119,6 @@ def measure(o, t: int, raw: dict, p: dict, ops) -> dict:
 
     g = torch.Generator().manual_seed(o.seed + 100 + t)
     dtype = DTYPES[o.dtype]
-    gate_up, down = raw["gate_up_proj"]["weight"], raw["down_proj"]["weight"]
     for _ in range(2):  # warm-up
         ids, w = random_routing(t, o.top_k, o.experts, g)
         ops.experts(torch.randn(t, o.hidden, generator=g).to(dtype), ids, w, p)
@@ -107,7 +128,7 @@ def measure(o, t: int, raw: dict, p: dict, ops) -> dict:
         ids, w = random_routing(t, o.top_k, o.experts, g)
         x = torch.randn(t, o.hidden, generator=g).to(dtype)
         s = timed(lambda: ops.experts(x, ids, w, p))
-        u, nbytes = int(torch.unique(ids).numel()), union_bytes(ids, gate_up, down)
+        u, nbytes = int(torch.unique(ids).numel()), union_bytes(ids, p)
         start = int(torch.randint(0, o.experts - u + 1, (), generator=g))
         calls.append({"union": u, "bytes": nbytes, "s": s, "bound_gbps": nbytes / dense_bound(p, u, start) / 1e9})
     others = _others_share(before, _cpu_seconds())
@@ -115,7 +136,7 @@ def measure(o, t: int, raw: dict, p: dict, ops) -> dict:
     for _ in range(o.reference_reps):
         ids, w = random_routing(t, o.top_k, o.experts, g)
         x = torch.randn(t, o.hidden, generator=g).to(dtype)
-        ref.append(timed(lambda: REFERENCE.experts(x, ids, w, raw)))
+        ref.append(timed(lambda: REFERENCE.experts(x, ids, w, p if "qweight" in p["gate_up_proj"] else raw)))
     ms = statistics.median(c["s"] for c in calls) * 1e3
     gbps = [c["bytes"] / c["s"] / 1e9 for c in calls]
     return {"tokens": t, "mean_union": statistics.mean(c["union"] for c in calls),
@@ -137,7 +158,8 @@ def run(o) -> dict:
     machine = {**machine_info(), "avx512_vnni": cpu.vnni()}  # the kernels need it beside AVX512-BF16
     result = {"bench": "moe", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine,
               "shape": {"hidden": o.hidden, "experts": o.experts, "top_k": o.top_k, "intermediate": o.intermediate,
-                        "dtype": o.dtype}, "threads": o.threads, "reps": o.reps, "reference_reps": o.reference_reps,
+                        "dtype": o.dtype, "quantization": getattr(o, "quantization", None),
+                        "expert_bytes": expert_bytes(p)}, "threads": o.threads, "reps": o.reps, "reference_reps": o.reference_reps,
               "load_average": os.getloadavg(), "rows": rows}
     path = write_result(result, o.out, markdown)
     print(markdown(result))
@@ -147,9 +169,11 @@ def run(o) -> dict:
 
 def markdown(r: dict) -> str:
     s, m = r["shape"], r["machine"]
-    per_expert = 3 * s["hidden"] * s["intermediate"] * DTYPES[s["dtype"]].itemsize
+    per_expert = s.get("expert_bytes", 3 * s["hidden"] * s["intermediate"] * DTYPES[s["dtype"]].itemsize)
+    weights = f"experts {s['quantization']} (quantized on load), activations {s['dtype']}" \
+        if s.get("quantization") else s["dtype"]
     lines = [f"# funcspec bench moe: routed experts, H={s['hidden']}, E={s['experts']}, top-{s['top_k']}, "
-             f"I={s['intermediate']}, {s['dtype']}", "",
+             f"I={s['intermediate']}, {weights}", "",
              f"One MoE layer's routed experts through the CPU kernel (`Ops.experts` on prepared params), "
              f"{r['threads']} threads. Every call draws a fresh random routing (each token {s['top_k']} distinct "
              f"experts, uniform); medians over {r['reps']} calls per T. The union is the experts a call selects, "
@@ -187,6 +211,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    p.add_argument("--quantization", choices=("int8", "int8-g32", "int4", "int4-g128"), default=None,
+                   help="quantize the experts on load (the quantized kernel); default: float")
     p.add_argument("--reps", type=int, default=40, help="kernel calls per T")
     p.add_argument("--reference-reps", type=int, default=3, help="reference calls per T")
     p.add_argument("--threads", type=int, default=2)
