@@ -66,7 +66,8 @@ def completion_seed(seed: int, index: int) -> int:
 
 def fold_in(key: torch.Tensor, data) -> torch.Tensor:
     """A new key derived from ``key`` and integer ``data`` (int or int64 tensor)."""
-    data = torch.as_tensor(data, dtype=torch.int64, device=key.device)
+    if not isinstance(data, int):  # NOTE: a Python int stays a scalar: a tensor of it would be a host-to-device
+        data = torch.as_tensor(data, dtype=torch.int64, device=key.device)  # copy, which CUDA graph capture forbids
     # NOTE: ``data`` is added to a *value* before any multiply. Inductor folds
     # ``arange(n) * const`` into an index expression whose vectorised int64
     # multiply saturates instead of wrapping (seen on torch 2.13 CPU), which

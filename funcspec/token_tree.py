@@ -25,6 +25,8 @@ import dataclasses
 
 import torch
 
+from funcspec.constants import constant
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenTree:
@@ -185,4 +187,4 @@ def root_path(anc: torch.Tensor, dep: torch.Tensor, node: torch.Tensor, depth: i
 
 def static_parents(tree: TokenTree | Chain, batch: int, device) -> torch.Tensor:
     """A static tree's (or a chain's) node parents as a [B, N] int64 tensor (a graph constant)."""
-    return torch.tensor(tree.parents, dtype=torch.int64, device=device).expand(batch, tree.size)
+    return constant(tree.parents, torch.int64, device).expand(batch, tree.size)

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from funcspec.constants import constant
 from funcspec.proposers import keep_state, no_prefill
 from funcspec.token_tree import Chain, TokenTree, static_parents
 from funcspec.types import PLACEHOLDER, Proposal
@@ -214,8 +215,8 @@ def _static_nodes(tree: TokenTree, cont, node, canon, rank):
     dev = cont.device
     # path[b, j, e]: the rank of match j's ancestor at depth e (its own rank at its canonical depths).
     path = torch.gather(rank.transpose(1, 2), 2, canon.transpose(1, 2)).transpose(1, 2)  # [B, M, D]
-    want = torch.tensor([p + (-1,) * (d - len(p)) for p in tree.paths], device=dev)  # [N, D]
-    last = torch.tensor([len(p) - 1 for p in tree.paths], device=dev)  # [N] each node's depth index
+    want = constant([p + (-1,) * (d - len(p)) for p in tree.paths], device=dev)  # [N, D]
+    last = constant([len(p) - 1 for p in tree.paths], device=dev)  # [N] each node's depth index
     upto = torch.arange(d, device=dev).view(1, d) <= last.view(-1, 1)  # [N, D]
     on_path = ((path.unsqueeze(1) == want.view(1, -1, 1, d)) | ~upto.view(1, -1, 1, d)).all(-1)  # [B, N, M]
     at_depth = node.gather(2, last.view(1, 1, -1).expand(B, m, -1)).transpose(1, 2)  # [B, N, M]

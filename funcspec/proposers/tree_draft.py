@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from funcspec.constants import constant
 from funcspec.nn.llama import TreeMask
 from funcspec.token_tree import ancestors, static_parents, tree_parents
 
@@ -70,13 +71,14 @@ def draft_static(cfg, tree, params, kv, g, slots, lens, window, read):
         local = [tree.parents[i] - prev.start for i in level]  # each node's parent within the previous level
         ranks = [tree.ranks[i] for i in level]
         top, _ = cfg.draft_top(cfg.head, params, feats, max(ranks) + 1)  # [B, n_{d-1}, r]
+        local, ranks = constant(local, device=g.device), constant(ranks, device=g.device)  # [n_d] each
         drafts.append(top[:, local, ranks])  # [B, n_d]
         if d < tree.depth:
             feats, kv = _run_level(cfg, params, kv, drafts[-1], feats[:, local], slots, lens, level.start, d,
                                    anc[:, level.start:level.stop], window, read)  # [B, n_d, H]
         prev = level
     ran = [i if len(p) < tree.depth else -1 for i, p in enumerate(tree.paths)]  # the last level never runs
-    written = torch.tensor(ran, dtype=torch.int64, device=g.device).expand(g.shape[0], tree.size)  # [B, N]
+    written = constant(ran, device=g.device).expand(g.shape[0], tree.size)  # [B, N]
     return torch.cat(drafts, 1), parents, kv, written
 
 
