@@ -19,6 +19,7 @@ import torch
 
 from funcspec import rng, sampling
 from funcspec.capture import capture
+from funcspec.capture.backends import graph_pool
 from funcspec.capture.window import Window
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
@@ -145,6 +146,7 @@ class Runner:
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
         self.compiled: dict[BucketKey, Any] = {}  # (plan.graph_batch(B), K, T, mode name) -> captured step
+        self.pool = graph_pool(self.backend)  # device graphs: one memory pool for this runner's buckets
         self.replay_ms: dict[BucketKey, Window] = collections.defaultdict(Window)  # per bucket: recent step wall ms
 
     def _init_state(self, dtype) -> EngineState:
@@ -208,7 +210,7 @@ class Runner:
                 bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
                 self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend, name=f"spec_step_{graph_name(gkey)}",
                                               symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else (),
-                                              donated=(1,))  # the state: updated in place
+                                              donated=(1,), pool=self.pool)  # donated: the state, updated in place
             self.graphs[key] = self.compiled[gkey]
         return self.graphs[key]
 

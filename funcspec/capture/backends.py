@@ -545,12 +545,20 @@ def resolve_backend(backend: str, device: torch.device | str = "cpu") -> str:
     return auto_backend(device) if backend == "auto" else backend
 
 
-_POOLS: dict[str, Any] = {}
+def graph_pool(backend: str):
+    """A memory pool that a group of device graphs may share (``None`` for the other backends).
+
+    NOTE: one pool per group whose graphs stay alive together (an engine's):
+    once every graph of a pool is freed the pool is released, and capturing
+    into its handle again fails inside the CUDA caching allocator. A
+    process-wide pool broke the second engine a process built."""
+    return _graph_module(backend).graph_pool_handle() if backend in ("cudagraph", "aclgraph") else None
 
 
 def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: str = "step",
             precompile: bool = False, npu_mode: str = "graph",
-            symbolic: Sequence[tuple[torch.Tensor, int]] = (), donated: Sequence[int] = ()) -> Captured:
+            symbolic: Sequence[tuple[torch.Tensor, int]] = (), donated: Sequence[int] = (),
+            pool=None) -> Captured:
     """Capture ``fn`` for the shapes of ``example_args`` with ``backend``.
 
     Args:
@@ -577,6 +585,8 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
             also refuses one at another address than at capture (a copy would
             lose its writes). ``()`` (the default): nothing is declared, and a
             device graph copies any argument at a new address.
+        pool: device graphs: the memory pool to capture into (:func:`graph_pool`, shared by graphs that live
+            together); ``None``: a pool of this graph's own.
     """
     donation = declare_donation(fn, example_args, donated, symbolic)
     stats = CaptureStats(backend)
@@ -596,7 +606,7 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
                                  options={"frozen_parameter": True, "capture_limit": 1})
             call(*example_args)
         else:
-            pool = _POOLS.setdefault(backend, mod.graph_pool_handle())
+            pool = mod.graph_pool_handle() if pool is None else pool
             call = DeviceGraph(inner, example_args, mod, pool, stats, donation=donation)
     else:
         raise ValueError(f"backend must be one of {BACKENDS[:-1]} here, got {backend!r}")

@@ -230,3 +230,24 @@ def test_gguf_file_round_trips(tmp_path):
     names = {t.name: t for t in reader.tensors}
     assert {"token_embd.weight", "output.weight", "blk.1.ffn_down.weight"} <= set(names)
     assert names["token_embd.weight"].shape.tolist() == [64, 512]  # GGUF lists dims innermost first
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_count_active_experts_and_no_untied_embedding(tmp_path, tied):
+    """A decode step streams the LM head (the embedding when tied; an untied embedding only by one row) and
+    top_k of E experts per sparse layer."""
+    import transformers
+
+    from funcspec.bench.scale.checkpoint import weight_bytes
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+                                      tie_word_embeddings=tied)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(str(tmp_path))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.model.embed_tokens.weight.numel()
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once by parameters()
+    want = total - experts + experts * 2 // 8 - (0 if tied else embed)
+    assert weight_bytes(tmp_path, "bfloat16") == (want, 2 * want)

@@ -4,6 +4,8 @@ copies per-step inputs. The device graph runs on CPU through a fake device modul
 
 import contextlib
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -86,6 +88,7 @@ class FakeDevice:
 
     def __init__(self):
         self.capturing = None
+        self.pools = {}  # handle -> weak refs of the graphs captured into it
 
     def stream(self, s):
         return contextlib.nullcontext()
@@ -100,10 +103,18 @@ class FakeDevice:
         return 0
 
     def graph_pool_handle(self):
-        return None
+        handle = (0, len(self.pools) + 1)
+        self.pools[handle] = []
+        return handle
 
     @contextlib.contextmanager
     def graph(self, g, pool=None):
+        # NOTE: as CUDA's caching allocator: a pool whose graphs were all freed is released, and capturing into
+        # its handle again fails (an internal assert there).
+        graphs = self.pools[pool]
+        if graphs and all(r() is None for r in graphs):
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a released pool)")
+        graphs.append(weakref.ref(g))
         self.capturing = g
         try:
             yield
@@ -124,10 +135,9 @@ class FakeDevice:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """``capture(..., "cudagraph")`` on the fake device, with a pool of its own."""
+    """``capture(..., "cudagraph")`` on the fake device."""
     dev = FakeDevice()
     monkeypatch.setattr(backends, "_graph_module", lambda backend: dev)
-    monkeypatch.setattr(backends, "_POOLS", {})
     return dev
 
 
@@ -209,7 +219,8 @@ def test_device_graph_binds_donated_leaves_at_their_flat_positions():
     dev = FakeDevice()
     args = ({"w": torch.tensor(1.0)}, new_state(), zero_inputs())
     fn = dev.recorded(step)
-    graph = DeviceGraph(fn, args, dev, None, CaptureStats("cudagraph"), donation=declare_donation(fn, args, (1,)))
+    graph = DeviceGraph(fn, args, dev, dev.graph_pool_handle(), CaptureStats("cudagraph"),
+                        donation=declare_donation(fn, args, (1,)))
     # params: leaf 0; state: leaves 1-3; inputs: leaves 4-5
     assert [(i, leaf.path) for i, leaf in graph.donated] == [(1, "state.cache.buf"), (2, "state.cache.lens"),
                                                               (3, "state.seen")]
@@ -298,3 +309,21 @@ def test_a_donated_leaf_cannot_be_symbolic():
                                          r"\(dim 0 was marked symbolic\)$"):
         capture(step, ({"w": torch.tensor(1.0)}, state, zero_inputs()), "eager", donated=(1,),
                 symbolic=[(state.seen, 0)])
+
+
+def test_graphs_share_a_pool_while_alive_and_a_new_group_gets_a_new_pool(fake_cuda):
+    """A runner's buckets share its pool; after they are freed (an engine dropped) the next engine's graphs
+    capture into a pool of their own, never the released one (which failed the second engine of a process)."""
+    params, state = {"w": torch.tensor(10.0)}, new_state()
+    fn = fake_cuda.recorded(step)
+    pool = backends.graph_pool("cudagraph")
+    first = [capture(fn, (params, state, zero_inputs()), "cudagraph", donated=(1,), pool=pool) for _ in range(2)]
+    assert len(fake_cuda.pools[pool]) == 2
+    del first
+    gc.collect()
+    with pytest.raises(RuntimeError, match="released pool"):
+        capture(fn, (params, state, zero_inputs()), "cudagraph", donated=(1,), pool=pool)
+    fresh = backends.graph_pool("cudagraph")
+    again = capture(fn, (params, state, zero_inputs()), "cudagraph", donated=(1,), pool=fresh)
+    alone = capture(fn, (params, state, zero_inputs()), "cudagraph", donated=(1,))
+    assert again is not None and alone is not None and backends.graph_pool("eager") is None

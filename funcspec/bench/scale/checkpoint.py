@@ -99,12 +99,16 @@ def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: i
 
 def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
     """(parameters, bytes) a decode step of one token streams: every funcspec param once (a tied lm_head is the
-    embedding), of a MoE layer's experts only the ``top_k`` of ``E`` the token is routed to (the active bytes)."""
+    embedding; an untied embedding is read by one row, which is left out), of a MoE layer's experts only the
+    ``top_k`` of ``E`` the token is routed to (the active bytes)."""
     from funcspec.checkpoints import expected_shapes, model_config, read_config
 
     cfg = model_config(read_config(path)[1])
     active = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe.num_experts else 1.0
-    n = int(sum(math.prod(s) * (active if ".experts." in k else 1) for k, s in expected_shapes(cfg).items()))
+    shapes = expected_shapes(cfg)
+    if "lm_head.weight" in shapes:  # untied: the step reads one row of the embedding, the LM head whole
+        shapes = {k: s for k, s in shapes.items() if k != "model.embed_tokens.weight"}
+    n = int(sum(math.prod(s) * (active if ".experts." in k else 1) for k, s in shapes.items()))
     return n, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()
 
 
