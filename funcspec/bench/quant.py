@@ -69,21 +69,33 @@ def quantized_gguf(ckpt: Path, kind: str, threads: int, where: Path) -> Path:
     return out
 
 
-def streamed_bytes(params) -> int:
-    """Bytes a decode step reads from ``params``: every linear once (quantized: values, scales, offsets; float: its
-    packed copy, or its weight), the norms; not the embeddings, read by row."""
+def streamed_bytes(params, top_k: int = 0) -> int:
+    """Bytes a decode step of one token reads from ``params``: every linear once (quantized: values, scales,
+    offsets; float: its packed copy, or its weight), the norms, and of a MoE layer's stacked experts the ``top_k``
+    a token is routed to; not the embeddings, read by row."""
     if isinstance(params, (list, tuple)):
-        return sum(streamed_bytes(p) for p in params)
+        return sum(streamed_bytes(p, top_k) for p in params)
     if not isinstance(params, dict):
         return 0
+    if _stacked_experts(params):
+        from funcspec.bench.moe import expert_bytes
+
+        return top_k * expert_bytes(params)
     if "qweight" in params:
         return params["format"].bytes
     if "packed" in params and isinstance(params.get("weight"), torch.Tensor):
         return params["weight"].numel() * params["weight"].element_size()
     fused = {m for group in ("qkv_proj", "gate_up_proj") if group in params
              for m in {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}[group]}
-    return sum(streamed_bytes(v) if isinstance(v, (dict, list)) else v.numel() * v.element_size()
+    return sum(streamed_bytes(v, top_k) if isinstance(v, (dict, list)) else v.numel() * v.element_size()
                for k, v in params.items() if k not in fused and k != "embed_tokens")
+
+
+def _stacked_experts(params: dict) -> bool:
+    """A MoE layer's routed experts: ``gate_up_proj`` and ``down_proj`` stacked over experts, float or quantized."""
+    parts = [params.get(m) for m in ("gate_up_proj", "down_proj")]
+    return all(isinstance(p, dict) and (p.get("weight") is not None and p["weight"].dim() == 3
+                                        or p.get("qweight") is not None and p["qweight"].dim() == 5) for p in parts)
 
 
 def gguf_file(model_dir, fmt: str, threads: int, where=None) -> Path:
@@ -146,7 +158,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
     backend, n, reps, k, alpha = o["sweep_backend"], ctx["n"], ctx["reps"], o["quant_k"], o["quant_alpha"]
     ar_eng = _engine(model, q, backend, 1, ctx["max_len"])
     ar = timing.timed_generate(ar_eng, [ctx["prompt"]], n, reps)
-    nbytes = streamed_bytes(ar_eng.params["target"])
+    nbytes = streamed_bytes(ar_eng.params["target"], ar_eng.model.cfg.moe.top_k)
     row = {"format": fmt, "source": FORMATS[fmt][0], "quantization": FORMATS[fmt][1], "streamed_bytes": nbytes,
            "llamacpp_file": None if gguf_path is None else gguf_path.name,
            "ms_per_token": ar["ms_per_token"], "step_ms": timing.step_ms(ar, 1, 0), "recompiles": ar["recompiles"],

@@ -6,6 +6,7 @@ import shutil
 from argparse import Namespace
 
 import pytest
+import torch
 
 from funcspec import zoo
 from funcspec.bench import quant, scale
@@ -103,3 +104,19 @@ def test_bench_quality_cli_writes_json_and_markdown(tmp_path, monkeypatch, capsy
     assert "## Quality: heldout (1 sequences of 32 tokens)" in next((tmp_path / "o").glob("quality-*.md")).read_text()
     with pytest.raises(SystemExit, match="formats \\['fp3'\\] unknown"):
         quant.run_quality(Namespace(**{**vars(args), "formats": "int8,fp3"}))
+
+
+def test_streamed_bytes_count_the_top_k_experts_a_token_reads():
+    """A MoE layer's stacked experts count top_k experts' bytes, float or quantized; the router counts whole."""
+    from funcspec.bench.quant import streamed_bytes
+    from funcspec.kernels import Ops
+    from funcspec.quant import prepare_params
+
+    e, h, i = 8, 64, 32
+    layer = {"gate": {"weight": torch.zeros(e, h)},
+             "experts": {"gate_up_proj": {"weight": torch.zeros(e, 2 * i, h)},
+                         "down_proj": {"weight": torch.zeros(e, h, i)}}}
+    assert streamed_bytes(layer, top_k=2) == 4 * (e * h + 2 * 3 * h * i)
+    q = prepare_params(layer, Ops(), quantization="int8")  # per channel: 1 byte a value, an fp16 scale per row
+    assert "qweight" in q["experts"]["gate_up_proj"] and "qweight" not in q["gate"]
+    assert streamed_bytes(q, top_k=2) == 4 * e * h + 2 * (3 * h * i + 2 * (2 * i + h))
