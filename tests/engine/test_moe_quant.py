@@ -96,3 +96,32 @@ def test_a_layer_with_some_experts_left_float_is_refused_naming_them(sources, tm
     with pytest.raises(ValueError, match=r"model.layers.0.mlp: some experts are quantized and others not "
                                          r"\(not quantized: \['up\[3\]'\]\)"):
         load_model(path)
+
+
+# ----------------------------------------------------------------------------- tensor and expert parallelism
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_of_a_quantized_moe_emit_one_ranks_greedy_tokens(tmp_path, expert_parallel):
+    """TP = 2 (each quantized expert's gate/up column blocks and down's input groups) and EP = 2 (whole quantized
+    experts) on a GPTQ int4 Qwen3-MoE: the engine emits one rank's tokens."""
+    make_moe(tmp_path / "src", "qwen3_moe", moe_intermediate_size=64, intermediate_size=128)
+    path = qw.write_gptq(tmp_path / "src", tmp_path / "gptq", group=32)
+    prompts = _prompts(2, seed=3)
+    args = dict(max_batch_size=2, max_model_len=64, backend="eager")
+    want = _ids(Engine(str(path), **args).generate(prompts, GREEDY))
+    eng = Engine(str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **args)
+    try:
+        assert _ids(eng.generate(prompts, GREEDY)) == want
+        gate_up = eng.params["target"]["model"]["layers"][0]["mlp"]["experts"]["gate_up_proj"]
+        assert gate_up["format"].name == "gptq-int4-g32"
+        assert (gate_up["qweight"].shape[0], gate_up["format"].out_features) == ((4, 64) if expert_parallel
+                                                                                 else (8, 32))
+    finally:
+        eng.close()
+
+
+def test_a_split_that_cuts_quantized_experts_blocks_is_refused_naming_the_sizes(sources, tmp_path):
+    path = qw.write_gptq(sources / "qwen3_moe", tmp_path / "gptq", group=32)  # I = 32: 16 a rank
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 cannot split model.layers.0.mlp.experts: its "
+                                         r"intermediate size 32 / 2 is not a whole number of blocks of 32"):
+        Engine(str(path), tensor_parallel_size=2, max_model_len=64)
