@@ -117,3 +117,54 @@ def test_experts_of_mixed_kinds_become_float(sources, tmp_path):
     experts = model.params["model"]["layers"][0]["mlp"]["experts"]
     assert experts["gate_up_proj"]["weight"].shape == (8, 64, 64)
     assert "qweight" in model.params["model"]["layers"][2]["mlp"]["experts"]["gate_up_proj"]
+
+
+def _random_k_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random Q4_K (144 bytes) or Q6_K (210 bytes) blocks of 256 values [rows, K/256 x bytes], small fp16 scales."""
+    g = np.random.default_rng(seed)
+    size = 144 if kind == "Q4_K" else 210
+    b = g.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    if kind == "Q4_K":
+        b[..., 0:2] = np.float16(0.002).reshape(1).view(np.uint8)
+        b[..., 2:4] = np.float16(0.001).reshape(1).view(np.uint8)
+    else:
+        b[..., 192:208] = g.integers(1, 8, (rows, k // 256, 16), dtype=np.uint8)  # small positive int8 scales
+        b[..., 208:210] = np.float16(0.002).reshape(1).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def test_q4_k_experts_with_q6_k_down_run_losslessly(tmp_path):
+    """A Q4_K_M-like qwen3moe (gate/up experts Q4_K, down experts Q6_K: random blocks, gguf-py has no K-quant
+    quantizer): they load quantized in those formats and ngram speculation equals AR."""
+    make_moe(tmp_path / "hf", "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+             num_hidden_layers=2, mlp_only_layers=[])
+    src = gguf.GGUFReader(str(gguf_write.write(tmp_path / "hf", tmp_path / "f32.gguf", "float32")))
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen3moe")
+    for key, field in src.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, field.contents())
+            else:
+                w.add_key_value(key, field.contents(), vtype)
+    for i, t in enumerate(src.tensors):
+        data = np.asarray(t.data)
+        kind = "Q6_K" if "ffn_down_exps" in t.name else "Q4_K" if "_exps" in t.name else None
+        if kind is None:
+            w.add_tensor(t.name, data)
+            continue
+        e, n, k = data.shape
+        raw = _random_k_blocks(kind, e * n, k, seed=i).reshape(e, n, -1)
+        w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = load_model(tmp_path / "k.gguf")
+    experts = model.params["model"]["layers"][0]["mlp"]["experts"]
+    assert experts["gate_up_proj"]["format"].name == "gguf-q4_k" and experts["gate_up_proj"]["format"].asym
+    assert (experts["down_proj"]["format"].name, experts["down_proj"]["format"].group) == ("gguf-q6_k", 16)
+    ar = [o.outputs[0].token_ids for o in Engine(model, max_batch_size=2, backend="eager").generate(PROMPTS, GREEDY)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    eng = Engine(model, spec, max_batch_size=2, backend="eager")
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar
