@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from funcspec import Engine, load_model
 from funcspec.checkpoints import quantized_write as qw
+from funcspec.checkpoints.quantized import layer_report
 from funcspec.nn.llama import forward, init_kv_cache
 
 from spec_cases import GREEDY, _ids, _prompts, _spec
@@ -61,6 +62,9 @@ def test_quantized_moe_checkpoints_load_their_experts_quantized_and_speculation_
     assert (gate_up["format"].out_features, gate_up["format"].in_features) == (32, 64)
     assert gate_up["qweight"].shape[:2] == (8, 2)  # 8 experts, each its gate's block of 32 units then its up's
     assert "qweight" not in mlp["gate"] and mlp["gate"]["weight"].is_floating_point()  # the router stays float
+    report = layer_report(model.params)  # funcspec inspect's table
+    assert any(m.startswith("model.layers.*.mlp.experts.gate_up_proj") for ms in report["quantized"].values()
+               for m in ms) and any(m.startswith("model.layers.*.mlp.gate") for m in report["float"])
     shared = mlp.get("shared_expert") or mlp.get("shared_experts")
     if shared is not None:
         assert shared["down_proj"]["format"].name.startswith(name.split("-g")[0])
