@@ -173,7 +173,8 @@ def stack_quantized(linears: dict[str, dict], m: MoEConfig, dtype, where: str) -
         by_layer.setdefault(hit.group(1), {}).setdefault(_ROLES[hit.group(3)], {})[int(hit.group(2))] = p
     stacked, floats = {}, {}
     for layer, roles in by_layer.items():
-        missing = [f"{r}[{e}]" for r in ("gate", "up", "down") for e in range(m.num_experts) if e not in roles.get(r, {})]
+        missing = [f"{r}[{e}]" for r in ("gate", "up", "down") for e in range(m.num_experts)
+                   if e not in roles.get(r, {})]
         if missing:
             raise ValueError(f"{where}: {layer}mlp: some experts are quantized and others not (not quantized: "
                              f"{missing[:8]}{' ...' if len(missing) > 8 else ''}); funcspec stacks a layer's experts "
