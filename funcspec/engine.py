@@ -168,7 +168,8 @@ class Engine:
                           "split)", stacklevel=2)
         cfg = self.model.cfg
         check_size(cfg, tensor_parallel_size)
-        check_quantized(self.model.params, tensor_parallel_size, self.quantization)
+        check_quantized(self.model.params, tensor_parallel_size, self.quantization,
+                        expert_parallel=cfg.moe.expert_parallel)
         spec = speculative_config
         if not (isinstance(spec, SpecConfig) or spec is None):
             spec = SpecConfig.from_vllm(spec, additional_config, target=None if isinstance(model, Model) else model)

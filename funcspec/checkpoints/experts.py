@@ -6,17 +6,23 @@ GLM-4.5) or ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` with the router a
 ``block_sparse_moe.gate`` (Mixtral). funcspec holds a layer's experts stacked, as
 transformers does in memory: ``mlp.experts.gate_up_proj.weight`` [E, 2I, H] and
 ``mlp.experts.down_proj.weight`` [E, H, I] (:mod:`funcspec.nn.moe`). :func:`stack`
-converts once, at load.
+converts once, at load. A checkpoint stored quantized (GPTQ, AWQ,
+compressed-tensors, vLLM-Ascend, GGUF) keeps its experts quantized: each is read
+as one quantized linear and the layer's are stacked by
+:func:`funcspec.kernels.moe.stack_quantized` (:func:`stack_quantized`).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
 
+from funcspec.kernels import moe as moe_kernels
 from funcspec.nn.moe import DENSE, MoEConfig, check
+from funcspec.quant import formats
 
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 
@@ -137,3 +143,56 @@ def stack(tensors: dict[str, torch.Tensor], m: MoEConfig, where: str) -> dict[st
         del gate, up
         out[layer + "mlp.experts.down_proj.weight"] = one("down")  # [E, H, I]
     return out
+
+
+def expert_linears(m: MoEConfig, hidden: int, keys) -> dict[str, tuple[int, int]]:
+    """Every routed expert's linear module under the names a file of ``keys`` uses (Mixtral's
+    ``block_sparse_moe.experts.<e>.w1/w3/w2``, else ``mlp.experts.<e>.{gate,up,down}_proj``) -> its (N, K)."""
+    mixtral = any(".block_sparse_moe." in k for k in keys)
+    part, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
+                                                                                     "down_proj"))
+    i = m.intermediate_size
+    return {f"model.layers.{layer}.{part}.experts.{e}.{name}": shape for layer in m.sparse_layers
+            for e in range(m.num_experts) for name, shape in zip(names, ((i, hidden), (i, hidden), (hidden, i)))}
+
+
+def stack_quantized(linears: dict[str, dict], m: MoEConfig, dtype, where: str) -> tuple[dict, dict]:
+    """The quantized experts among ``linears`` (module path -> quantized params, as
+    :func:`expert_linears` names them) stacked per layer: ``({"model.layers.<i>.mlp.experts": {"gate_up_proj":
+    ..., "down_proj": ...}}, {stacked float key: tensor})``.
+
+    A layer whose experts the kernel cannot stack as stored (GPTQ's act-order
+    gives each expert its own input order; an intermediate size not a multiple
+    of 32) is dequantized to float experts instead, with a warning, as their
+    exact values: vLLM loads such files, so funcspec does too, at float's memory.
+    A layer with only some experts quantized is a ``ValueError`` naming them.
+    """
+    by_layer: dict[str, dict] = {}
+    for module, p in linears.items():
+        hit = _PER_EXPERT.fullmatch(module + ".weight")
+        by_layer.setdefault(hit.group(1), {}).setdefault(_ROLES[hit.group(3)], {})[int(hit.group(2))] = p
+    stacked, floats = {}, {}
+    for layer, roles in by_layer.items():
+        missing = [f"{r}[{e}]" for r in ("gate", "up", "down") for e in range(m.num_experts)
+                   if e not in roles.get(r, {})]
+        if missing:
+            raise ValueError(f"{where}: {layer}mlp: some experts are quantized and others not (not quantized: "
+                             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}); funcspec stacks a layer's experts "
+                             f"in one format")
+        gates, ups, downs = ([roles[r][e] for e in range(m.num_experts)] for r in ("gate", "up", "down"))
+        why = ("act-order (GPTQ desc_act / g_idx): each expert reads its inputs in its own order"
+               if any("perm" in p for p in gates + ups + downs) else
+               f"the intermediate size {m.intermediate_size} is not a multiple of 32"
+               if m.intermediate_size % 32 else None)
+        if why is None:
+            try:
+                stacked[layer + "mlp.experts"] = moe_kernels.stack_quantized(gates, ups, downs)
+            except ValueError as e:
+                raise ValueError(f"{where}: {layer}mlp.experts: {e}") from e
+            continue
+        warnings.warn(f"{where}: {layer}mlp.experts are dequantized to float ({why}); the routed-expert kernel "
+                      f"runs them at float's memory", RuntimeWarning, stacklevel=3)
+        one = (lambda ps: torch.stack([formats.dequantize(p, dtype) for p in ps]))  # noqa: E731
+        floats[layer + "mlp.experts.gate_up_proj.weight"] = torch.cat([one(gates), one(ups)], dim=1)
+        floats[layer + "mlp.experts.down_proj.weight"] = one(downs)
+    return stacked, floats

@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp's format) as funcspec models: config from the metadata, weights block for block.
 
 ``load_model("model.gguf")`` (and ``LLM(model="model.gguf")``) reads a Llama /
-Qwen2 / Qwen3 GGUF with the ``gguf`` package. Its blocks become funcspec's
-quantized linears (:mod:`funcspec.kernels.quant`) without dequantizing:
+Qwen2 / Qwen3 GGUF, and the mixtures of experts llama.cpp's converter writes as
+``qwen3moe``, ``qwen2moe``, ``glm4moe`` and ``llama`` with experts (Mixtral), with
+the ``gguf`` package. Its blocks become funcspec's quantized linears
+(:mod:`funcspec.kernels.quant`) without dequantizing:
 
 =======  ==========================================================================  ================
 GGUF     block (llama.cpp's ``ggml-quants.c``)                                       funcspec format
@@ -26,6 +28,16 @@ Token embeddings stay floats (they are read by row); a model without
 ``output.weight`` (tied embeddings) projects through the quantized
 ``token_embd`` as its LM head.
 
+A MoE's experts are 3-D tensors, ``blk.N.ffn_{gate,up,down}_exps`` ([E, I, H] /
+[E, H, I]): each expert's slice of a quantized one is read as one quantized
+linear and the layer's are stacked (:func:`funcspec.kernels.moe.stack_quantized`);
+float ones (or a layer whose three types differ in kind) become the float stack.
+The router (``ffn_gate_inp``), Qwen2-MoE's ``ffn_gate_inp_shexp`` and GLM's
+``exp_probs_b`` are float, as the converter keeps them; shared experts
+(``ffn_*_shexp``) are ordinary linears. The MoE config comes from the
+``{arch}.expert_*`` keys; GLM's MTP blocks (``nextn_predict_layers``, after the
+decoder's) are skipped.
+
 The tokenizer is transformers' conversion of the GGUF's own vocabulary
 (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), or a directory given as
 ``tokenizer``.
@@ -42,8 +54,24 @@ import torch
 
 from funcspec.quant import formats
 
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-"""GGUF ``general.architecture`` values funcspec runs, and their HF architectures."""
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+"""GGUF ``general.architecture`` values funcspec runs, and their HF architectures (``llama`` with
+``llama.expert_count``: Mixtral)."""
+
+FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
+          "glm4moe": "glm4_moe"}
+"""GGUF architecture -> funcspec's decoder family (``ModelConfig.arch``)."""
+
+MOE_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+             "exp_probs_b": "mlp.gate.e_score_correction"}
+"""A MoE layer's router tensors (GLM's ``exp_probs_b.bias`` is HF's ``gate.e_score_correction_bias``)."""
+
+SHARED = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj", "ffn_down_shexp": "down_proj"}
+"""A shared expert's linears, under ``mlp.shared_expert`` (Qwen2-MoE) or ``mlp.shared_experts`` (GLM)."""
+
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+"""A MoE layer's 3-D expert tensors: gate and up [E, I, H], down [E, H, I] (numpy order)."""
 
 LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
@@ -86,8 +114,9 @@ def config(reader, where: str) -> dict:
         return value
 
     heads = int(get("attention.head_count"))
-    hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
-          "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+    layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
+    hf = {"architectures": [ARCHS[arch]], "model_type": FAMILY[arch], "vocab_size": vocab, "hidden_size": hidden,
+          "intermediate_size": int(get("feed_forward_length", 0)), "num_hidden_layers": layers,
           "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
           "head_dim": int(get("attention.key_length", hidden // heads)),
           "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
@@ -103,11 +132,39 @@ def config(reader, where: str) -> dict:
     if "rope_freqs.weight" in names:  # Llama-3.1's RoPE scaling, stored as one factor per frequency
         factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32)
         hf["rope_scaling"] = {"rope_type": "factors", "factors": [float(f) for f in factors]}
+    if int(get("expert_count", 0)):
+        hf.update(_moe_config(arch, get, names, layers, hf))
     return hf
 
 
-def _hf_name(name: str) -> Optional[str]:
-    """The HF name of a GGUF tensor, or ``None`` for tensors that are not weights (rope_freqs)."""
+def _moe_config(arch: str, get, names: dict, layers: int, hf: dict) -> dict:
+    """The HF MoE fields of a GGUF's ``{arch}.expert_*`` metadata (sparse layers: those with a router)."""
+    e, k = int(get("expert_count")), int(get("expert_used_count"))
+    size = int(get("expert_feed_forward_length", hf["intermediate_size"]))
+    norm = bool(get("expert_weights_norm", arch != "qwen2moe"))  # llama.cpp's defaults: qwen2moe keeps raw weights
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": e,
+                "num_experts_per_tok": k, "intermediate_size": size}
+    if arch == "glm4moe":
+        head_dim = hf["head_dim"]
+        return {"n_routed_experts": e, "num_experts_per_tok": k, "moe_intermediate_size": size,
+                "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+                "n_shared_experts": int(get("expert_shared_count", 1)),
+                "routed_scaling_factor": float(get("expert_weights_scale", 1.0)), "norm_topk_prob": norm,
+                "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+                "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+                "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim}
+    out = {"num_experts": e, "num_experts_per_tok": k, "moe_intermediate_size": size, "norm_topk_prob": norm,
+           "decoder_sparse_step": 1, "mlp_only_layers": dense}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+    return out
+
+
+def _hf_name(name: str, arch: str = "llama") -> Optional[str]:
+    """The HF name of a GGUF tensor of architecture ``arch``, or ``None`` for tensors that are not weights
+    (rope_freqs)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -117,8 +174,17 @@ def _hf_name(name: str) -> Optional[str]:
     if name == "rope_freqs.weight":
         return None
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
-        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4:
+        if parts[2] in LAYER:
+            return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+        if parts[2] == "post_attention_norm" and arch == "glm4moe":  # GLM's post_attention_layernorm
+            return f"model.layers.{parts[1]}.post_attention_layernorm.{parts[3]}"
+        if parts[2] in MOE_LAYER:
+            return f"model.layers.{parts[1]}.{MOE_LAYER[parts[2]]}_{parts[3]}" if parts[2] == "exp_probs_b" \
+                else f"model.layers.{parts[1]}.{MOE_LAYER[parts[2]]}.{parts[3]}"
+        if parts[2] in SHARED:
+            shared = "shared_experts" if arch == "glm4moe" else "shared_expert"
+            return f"model.layers.{parts[1]}.mlp.{shared}.{SHARED[parts[2]]}.{parts[3]}"
     raise ValueError(f"GGUF tensor {name!r} has no funcspec counterpart")
 
 
@@ -190,11 +256,18 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
     except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
         raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     hf = config(reader, where)
+    arch = _field(reader, "general.architecture")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-    permute = hf["model_type"] == "llama"
-    floats, quantized = {}, {}
+    permute = hf["model_type"] in ("llama", "mixtral")
+    floats, quantized, experts = {}, {}, {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        parts = t.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= hf["num_hidden_layers"]:
+            continue  # GLM's MTP blocks (nextn_predict_layers): a draft head's, not the decoder's
+        if parts[0] == "blk" and parts[2] in EXPERTS:
+            experts.setdefault(int(parts[1]), {})[parts[2]] = t
+            continue
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         kind = t.tensor_type.name
@@ -214,7 +287,16 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
             w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
         if permute and rows is not None:
             w = torch.from_numpy(unpermute(w.float().numpy(), rows))
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp holds it as [H]
         floats[name] = w.to(device=device, dtype=dtype)
+    for layer, ts in experts.items():
+        prefix = f"model.layers.{layer}.mlp.experts"
+        stacked = _experts(ts, f"{where}: blk.{layer}", gguf)
+        if "gate_up_proj" in stacked:
+            quantized[prefix] = stacked
+        else:
+            floats.update({f"{prefix}.{k}": v.to(device=device, dtype=dtype) for k, v in stacked.items()})
     if hf["tie_word_embeddings"]:  # the LM head is token_embd: keep its blocks for the product
         t = next(x for x in reader.tensors if x.name == "token_embd.weight")
         if t.tensor_type.name in QUANTIZED:
@@ -222,6 +304,40 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
             quantized["lm_head"] = quantized_linear(q, s, o, QUANTIZED[t.tensor_type.name],
                                                     f"gguf-{t.tensor_type.name.lower()}")
     return hf, floats, quantized
+
+
+def _experts(ts: dict, where: str, gguf) -> dict:
+    """A layer's expert tensors (:data:`EXPERTS`) stacked: quantized where all three are a block type with a
+    kernel (:func:`funcspec.kernels.moe.stack_quantized`), else ``{"gate_up_proj.weight", "down_proj.weight"}``
+    floats."""
+    from funcspec.kernels import moe
+
+    missing = [n for n in EXPERTS if n not in ts]
+    if missing:
+        raise ValueError(f"{where}: missing {missing} (a MoE layer needs gate, up and down experts)")
+    gate, up, down = (ts[n] for n in EXPERTS)
+    if all(t.tensor_type.name in QUANTIZED for t in (gate, up, down)):
+        def each(t):
+            kind = t.tensor_type.name
+            e, n, k = (int(x) for x in t.shape[::-1])
+            data = np.asarray(t.data).reshape(e, n, -1)
+            return [quantized_linear(*blocks(data[i], kind, n, k), QUANTIZED[kind], f"gguf-{kind.lower()}")
+                    for i in range(e)]
+        try:
+            return moe.stack_quantized(each(gate), each(up), each(down))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+
+    def dense(t):
+        shape = tuple(int(x) for x in t.shape[::-1])
+        if t.tensor_type.name == "BF16":
+            raw = np.ascontiguousarray(t.data).view(np.int16).reshape(shape).copy()
+            return torch.from_numpy(raw).view(torch.bfloat16).float()
+        if t.tensor_type.name in ("F32", "F16"):
+            return torch.from_numpy(np.array(t.data).reshape(shape)).float()
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+
+    return {"gate_up_proj.weight": torch.cat([dense(gate), dense(up)], dim=1), "down_proj.weight": dense(down)}
 
 
 def load_tokenizer(path, tokenizer=None):

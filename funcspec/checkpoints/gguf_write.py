@@ -6,6 +6,11 @@ Llama-3 RoPE factors as ``rope_freqs``, norms in f32, and a placeholder
 SentencePiece vocabulary (the weights are random; llama.cpp needs a vocabulary
 to load). Quantized files come from ``gguf``'s own Q8_0 / Q4_0 quantizers, or
 from llama.cpp's ``llama_model_quantize`` (Q4_K_M and the rest) on the bf16 file.
+A mixture of experts is written as the converter writes ``qwen3moe``,
+``qwen2moe``, ``glm4moe`` and Mixtral (``llama`` with experts): its
+``{arch}.expert_*`` keys, each layer's experts as 3-D ``ffn_{gate,up,down}_exps``
+tensors, shared experts as ``ffn_*_shexp``, and the router (``ffn_gate_inp``)
+in f32, as the converter keeps it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from pathlib import Path
 
 import torch
 
+from funcspec.checkpoints import experts
 from funcspec.checkpoints.files import read_config, read_weights
-from funcspec.checkpoints.gguf import LAYER
+from funcspec.checkpoints.gguf import EXPERTS, LAYER, MOE_LAYER, SHARED
 from funcspec.checkpoints.llama import model_config
+
+GGUF_ARCH = {"llama": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe",
+             "mixtral": "llama"}
+"""funcspec's decoder family -> the GGUF architecture the writer writes it as (dense families as ``llama``)."""
+
+FLOAT = ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b")
+"""Tensors the converter keeps in f32 whatever the file type: MoE routers."""
 
 WRITE_KINDS = ("float32", "bfloat16", "q8_0", "q4_0")
 """What :func:`write` stores the 2-D weights as (norms and RoPE factors stay f32, as llama.cpp's converter keeps
@@ -37,6 +50,8 @@ def tensors(cfg, hf: dict) -> dict[str, torch.Tensor]:
     out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = hf["lm_head.weight"]
+    if cfg.moe.num_experts:
+        return {**out, **_moe_tensors(cfg, hf)}
     names = {v: k for k, v in LAYER.items() if k not in ("attn_q_norm", "attn_k_norm")}
     for i in range(cfg.num_layers):
         for name, gg in names.items():
@@ -52,6 +67,39 @@ def tensors(cfg, hf: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _moe_tensors(cfg, hf: dict) -> dict[str, torch.Tensor]:
+    """A MoE decoder's layer tensors (``hf``: experts stacked, :func:`funcspec.checkpoints.experts.stack`) under
+    the converter's names; q/k rows permuted for Mixtral (``llama``) only."""
+    gguf_name = {v: k for k, v in LAYER.items()}
+    gguf_name.update({v: k for k, v in MOE_LAYER.items() if k != "exp_probs_b"})
+    if cfg.arch == "glm4_moe":
+        gguf_name["post_attention_layernorm"] = "post_attention_norm"
+    out = {}
+    for key, w in hf.items():
+        if not key.startswith("model.layers."):
+            continue
+        _, _, i, rest = key.split(".", 3)
+        module, leaf = rest.rsplit(".", 1)
+        blk = f"blk.{i}."
+        if rest == "mlp.experts.gate_up_proj.weight":
+            half = w.shape[1] // 2
+            out[blk + EXPERTS[0] + ".weight"], out[blk + EXPERTS[1] + ".weight"] = w[:, :half], w[:, half:]
+        elif rest == "mlp.experts.down_proj.weight":
+            out[blk + EXPERTS[2] + ".weight"] = w
+        elif rest == "mlp.gate.e_score_correction_bias":
+            out[blk + "exp_probs_b.bias"] = w
+        elif module.startswith(("mlp.shared_expert.", "mlp.shared_experts.")):
+            out[blk + {v: k for k, v in SHARED.items()}[module.split(".")[-1]] + "." + leaf] = w
+        elif module == "mlp.shared_expert_gate":
+            out[blk + "ffn_gate_inp_shexp." + leaf] = w.flatten()  # llama.cpp holds it as [H]
+        else:
+            name = gguf_name[module]
+            if cfg.arch == "mixtral" and name in ("attn_q", "attn_k"):
+                w = rope_permute(w, cfg.num_heads if name == "attn_q" else cfg.num_kv_heads)
+            out[blk + name + "." + leaf] = w
+    return out
+
+
 def write(ckpt: Path, path: Path, kind: str) -> Path:
     """HF Llama checkpoint ``ckpt`` as GGUF file ``path`` (llama arch, a placeholder SentencePiece vocabulary), its
     2-D weights stored as ``kind`` (:data:`WRITE_KINDS`); an existing file is kept."""
@@ -62,7 +110,8 @@ def write(ckpt: Path, path: Path, kind: str) -> Path:
     if path.exists():
         return path
     cfg = model_config(read_config(ckpt)[1])
-    w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
+    arch = GGUF_ARCH.get(cfg.arch, "llama")
+    w = gguf.GGUFWriter(str(path) + ".tmp", arch)
     w.add_name(Path(ckpt).name)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -70,8 +119,10 @@ def write(ckpt: Path, path: Path, kind: str) -> Path:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+    w.add_rope_dimension_count(cfg.rotary_dim or cfg.head_dim)
+    if cfg.moe.num_experts:
+        _add_moe(w, gguf, cfg, arch)
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size or cfg.moe.num_experts:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
@@ -81,8 +132,11 @@ def write(ckpt: Path, path: Path, kind: str) -> Path:
                   "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
     w.add_file_type(file_types[kind])
     _add_vocab(w, gguf, cfg)
-    for name, t in tensors(cfg, read_weights(ckpt)).items():
-        if kind == "float32" or t.dim() == 1:
+    weights = read_weights(ckpt)
+    if cfg.moe.num_experts:
+        weights = experts.stack(weights, cfg.moe, str(ckpt))
+    for name, t in tensors(cfg, weights).items():
+        if kind == "float32" or t.dim() == 1 or name.split(".")[-2] in FLOAT:
             w.add_tensor(name, t.float().contiguous().numpy())
         elif kind == "bfloat16":  # bf16 bits as int16, tagged BF16
             w.add_tensor(name, t.to(torch.bfloat16).contiguous().view(torch.int16).numpy(),
@@ -96,6 +150,27 @@ def write(ckpt: Path, path: Path, kind: str) -> Path:
     w.close()
     Path(str(path) + ".tmp").replace(path)
     return path
+
+
+def _add_moe(w, gguf, cfg, arch: str) -> None:
+    """The converter's ``{arch}.expert_*`` keys of ``cfg.moe``."""
+    m = cfg.moe
+    w.add_expert_count(m.num_experts)
+    w.add_expert_used_count(m.top_k)
+    if arch == "llama":  # Mixtral: the experts' size is feed_forward_length
+        return
+    w.add_expert_feed_forward_length(m.intermediate_size)
+    w.add_expert_weights_norm(m.norm_topk_prob)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(m.shared_intermediate_size)
+    if arch == "glm4moe":
+        w.add_leading_dense_block_count(min(m.sparse_layers, default=0))
+        w.add_expert_shared_count(m.shared_intermediate_size // m.intermediate_size)
+        w.add_expert_weights_scale(m.routed_scaling_factor)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(m.n_group)
+        w.add_expert_group_used_count(m.topk_group)
+        w.add_nextn_predict_layers(0)
 
 
 def _add_vocab(w, gguf, cfg) -> None:

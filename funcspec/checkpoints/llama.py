@@ -232,7 +232,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
 
     A directory quantized as published (GPTQ, AWQ, compressed-tensors,
     vLLM-Ascend W8A8: :mod:`funcspec.checkpoints.quantized`) keeps its
-    quantized linears, read as they are stored. ``quantization``: a stored
+    quantized linears, read as they are stored; a MoE's quantized experts are
+    stacked per layer (:func:`funcspec.checkpoints.experts.stack_quantized`). ``quantization``: a stored
     format's vLLM name (``"gptq"``, ``"awq"``, ``"gguf"``, ...) the checkpoint
     must be in; ``None`` reads whatever it declares.
 
@@ -259,14 +260,21 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
         keys.remove("lm_head.weight")  # some exporters save the tied copy
     tensors = weights.read(keys)
-    if cfg.moe.num_experts:
-        if scheme is not None:
-            raise ValueError(f"{path}: a quantized mixture-of-experts checkpoint ({scheme.method}) is not supported "
-                             f"yet; load its float weights (quantization=None)")
-        tensors = experts.stack(tensors, cfg.moe, str(weights))
-    linears = {}
+    linears, stacked = {}, {}
     if scheme is not None:
         quantized.check_description(scheme, every)
+    if cfg.moe.num_experts:
+        if scheme is not None:  # quantized experts, one linear each, stacked per layer
+            per_expert, used = quantized.read(tensors, scheme, experts.expert_linears(cfg.moe, cfg.hidden_size, keys),
+                                              dtype, str(weights))
+            tensors = {k: v for k, v in tensors.items() if k not in used}
+            stacked, floats = experts.stack_quantized(per_expert, cfg.moe, dtype, str(weights))
+            tensors.update(floats)
+            for module in stacked:
+                for name in ("gate_up_proj", "down_proj"):
+                    shapes.pop(f"{module}.{name}.weight")
+        tensors = experts.stack(tensors, cfg.moe, str(weights))
+    if scheme is not None:
         linears, used = quantized.read(tensors, scheme, _linear_shapes(shapes), dtype, str(weights))
         tensors = {k: v for k, v in tensors.items() if k not in used}
         for module, p in linears.items():
@@ -275,14 +283,26 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
                 shapes.pop(module + ".bias", None)
     check_keys(tensors, shapes, str(weights))
     params = _with_linears(nest({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}), linears, device)
+    params = _with_linears(params, {m: {name: _to(p, device) for name, p in e.items()} for m, e in stacked.items()},
+                           device)
     return Model(cfg, params, load_tokenizer(Path(tokenizer)) if tokenizer else load_tokenizer(path), str(path), hf,
                  scheme)
 
 
+ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+"""A MoE layer's router and Qwen2-MoE's shared-expert gate: float whatever the file's format (vLLM builds them
+without a quantization method)."""
+
+
 def _linear_shapes(shapes: dict) -> dict[str, tuple]:
-    """Every linear module of a decoder's ``shapes`` (the embedding is read by row, not multiplied) -> (N, K)."""
-    return {k[:-len(".weight")]: s for k, s in shapes.items()
-            if k.endswith(".weight") and len(s) == 2 and k != "model.embed_tokens.weight"}
+    """Every linear module of a decoder's ``shapes`` that a quantized file may store quantized (not the embedding,
+    read by row, nor a MoE router) -> (N, K)."""
+    return {k[:-len(".weight")]: s for k, s in shapes.items() if k.endswith(".weight") and len(s) == 2
+            and k != "model.embed_tokens.weight" and not k.endswith(ROUTERS)}
+
+
+def _to(p: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
 
 
 def _with_linears(params: dict, linears: dict, device) -> dict:
@@ -303,14 +323,25 @@ def _load_gguf(path: Path, dtype, device, tokenizer) -> Model:
     hf, floats, linears = gguf.read(path, dtype, device)
     cfg = model_config(hf, str(path))
     shapes = expected_shapes(cfg)
+    names = set()
     for module, p in linears.items():
+        if module.endswith(".experts"):  # stacked quantized experts: gate_up [I, H] and down [H, I] per expert
+            want = [shapes.pop(f"{module}.{n}.weight", None) for n in ("gate_up_proj", "down_proj")]
+            gf, df = p["gate_up_proj"]["format"], p["down_proj"]["format"]
+            got = [(p["gate_up_proj"]["qweight"].shape[0], 2 * gf.out_features, gf.in_features),
+                   (p["down_proj"]["qweight"].shape[0], df.out_features, df.in_features)]
+            if want != got:
+                raise ValueError(f"{path}: {module}: expected {want}, got quantized experts {got}")
+            linears[module] = {n: _to(q, device) for n, q in p.items()}
+            names |= {gf.name, df.name}
+            continue
         want = shapes.pop(module + ".weight", (cfg.vocab_size, cfg.hidden_size) if module == "lm_head" else None)
         f = p["format"]
         if want != (f.out_features, f.in_features):
             raise ValueError(f"{path}: {module}: expected {want}, got a quantized [{f.out_features}, "
                              f"{f.in_features}]")
+        names.add(f.name)
     check_keys(floats, shapes, str(path))
-    scheme = quantized.Scheme("gguf", "GGUF " + ", ".join(sorted({p["format"].name for p in linears.values()})),
-                              {}, str(path)) if linears else None
+    scheme = quantized.Scheme("gguf", "GGUF " + ", ".join(sorted(names)), {}, str(path)) if linears else None
     return Model(cfg, _with_linears(nest(floats), linears, device), gguf.load_tokenizer(path, tokenizer), str(path),
                  hf, scheme)

@@ -460,8 +460,8 @@ def layer_report(params: dict) -> dict[str, Any]:
         if isinstance(w, torch.Tensor) and w.dim() == 2 and not name.endswith("embed_tokens"):
             floats[name] = floats.get(name, 0) + 1
             return
-        for key, v in node.items():
-            if key not in ("qkv_proj", "gate_up_proj"):
+        for key, v in node.items():  # a fused group is its members again; stacked experts' gate_up_proj is not
+            if not (key in ("qkv_proj", "gate_up_proj") and ("q_proj" in node or "gate_proj" in node)):
                 walk(v, f"{path}.{key}")
 
     walk(params, "")

@@ -4,13 +4,18 @@ For tests and benchmarks: the linears of every decoder layer are quantized by
 round-to-nearest (not by GPTQ's or AWQ's calibration: the layout is the point,
 not the rounding) and stored exactly as :mod:`funcspec.checkpoints.quantized`
 documents each format; the embeddings, norms and ``lm_head`` stay float, as the
-published files keep them. ``LLM(out)`` then reads the directory as it would a
-downloaded one.
+published files keep them. A mixture of experts is written as GPTQModel,
+AutoAWQ, llm-compressor and msmodelslim write one: every expert's linears
+(``mlp.experts.<e>.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2``)
+and shared experts quantized, the router (``gate``) and Qwen2-MoE's
+``shared_expert_gate`` float (compressed-tensors lists them in ``ignore``).
+``LLM(out)`` then reads the directory as it would a downloaded one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -66,8 +71,21 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.T
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim)
 
 
-def _layers(hf: dict):
-    return [f"model.layers.{i}.{m}" for i in range(hf["num_hidden_layers"]) for m in LINEARS]
+ROUTERS = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:gate|shared_expert_gate)")
+"""A MoE layer's router and Qwen2-MoE's shared-expert gate: kept float by every producer."""
+
+ROUTERS_IGNORED = ("re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$")
+"""llm-compressor's ``ignore`` entries for them (as RedHatAI's MoE checkpoints list them)."""
+
+
+def _layers(hf: dict, tensors: dict) -> list[str]:
+    """The decoder layers' linears a producer quantizes: a dense layer's :data:`LINEARS`, and in a MoE every
+    expert's and shared expert's 2-D weights, not the routers."""
+    out = [f"model.layers.{i}.{m}" for i in range(hf["num_hidden_layers"]) for m in LINEARS]
+    out = [m for m in out if m + ".weight" in tensors]
+    return out + [k[:-len(".weight")] for k, v in tensors.items() if k.startswith("model.layers.")
+                  and k.endswith(".weight") and v.dim() == 2 and k[:-len(".weight")] not in out
+                  and ".self_attn." not in k and not ROUTERS.fullmatch(k[:-len(".weight")])]
 
 
 def _save(src: Path, out: Path, hf: dict, tensors: dict, extra_files: Optional[dict] = None) -> Path:
@@ -96,7 +114,7 @@ def write_gptq(src, out, bits: int = 4, group: int = 128, sym: bool = True, desc
     src, out = Path(src), Path(out)
     _, hf = read_config(src)
     tensors = read_weights(src)
-    layers = _layers(hf)
+    layers = _layers(hf, tensors)
     gen = torch.Generator().manual_seed(seed)
     new = _floats(tensors, layers, torch.float16)
     for m in layers:
@@ -126,7 +144,7 @@ def write_awq(src, out, group: int = 128) -> Path:
     src, out = Path(src), Path(out)
     _, hf = read_config(src)
     tensors = read_weights(src)
-    layers = _layers(hf)
+    layers = _layers(hf, tensors)
     new = _floats(tensors, layers, torch.float16)
     for m in layers:
         q, s, z = rtn(tensors[m + ".weight"], 4, group, sym=False)
@@ -147,7 +165,7 @@ def write_compressed_tensors(src, out, scheme: str = "w4a16", group: int = 128, 
     src, out = Path(src), Path(out)
     _, hf = read_config(src)
     tensors = read_weights(src)
-    layers = _layers(hf)
+    layers = _layers(hf, tensors)
     bits = 4 if scheme == "w4a16" else 8
     packed = scheme != "w8a8"
     gen = torch.Generator().manual_seed(seed)
@@ -187,7 +205,8 @@ def write_compressed_tensors(src, out, scheme: str = "w4a16", group: int = 128, 
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                       "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None}}
+        "ignore": ["lm_head", *(ROUTERS_IGNORED if any(ROUTERS.fullmatch(k[:-len(".weight")]) for k in tensors)
+                                else ())], "kv_cache_scheme": None}}
     return _save(src, out, hf, new)
 
 
@@ -199,7 +218,7 @@ def write_ascend(src, out, kind: str = "W8A8", input_offset: int = 3) -> Path:
     src, out = Path(src), Path(out)
     _, hf = read_config(src)
     tensors = read_weights(src)
-    layers = _layers(hf)
+    layers = _layers(hf, tensors)
     new = _floats(tensors, layers, torch.bfloat16)
     desc = {"model_quant_type": kind, "version": "1.0.0", **{k: "FLOAT" for k in new}}
     for m in layers:

@@ -13,6 +13,10 @@ A MoE layer's stacked experts are split by expert under expert parallelism
 (``MoEConfig.expert_parallel``: rank r holds experts ``[r·E/n, (r+1)·E/n)``
 whole), else like an MLP: each expert's gate/up rows and down columns of its
 ``[r·I/n, (r+1)·I/n)`` block. Its shared expert is an MLP, split as one.
+Quantized experts (:func:`funcspec.kernels.moe.stack_quantized`) split the same
+way: whole experts, or each expert's gate and up column blocks and down's
+input groups, refused by :func:`check_quantized` where I/n is not whole
+groups and blocks of 32.
 
 Query head j belongs to KV head ``j // G`` (G = H / H_kv), so the query
 heads of a contiguous block of KV heads are a contiguous block too: every
@@ -36,6 +40,8 @@ from typing import Optional
 import torch
 
 from funcspec.checkpoints.llama import Model
+from funcspec.kernels import moe
+from funcspec.kernels import quant as qk
 from funcspec.nn.llama import ModelConfig
 from funcspec.parallel import TPGroup
 from funcspec.quant import formats, shard
@@ -110,12 +116,19 @@ def _format(p: Optional[dict], scheme):
     return formats.scheme_format(p["weight"], scheme) if scheme and formats.quantizes(p["weight"], scheme) else None
 
 
-def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_parallel_size") -> None:
+def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_parallel_size",
+                    expert_parallel: bool = False) -> None:
     """Refuse a ``size`` (the ``field``) that would cut a quantization group of a row-parallel layer of ``params``
-    (quantized, or quantized to ``scheme`` on load): a ``ValueError`` naming the layer and the sizes."""
+    (quantized, or quantized to ``scheme`` on load), or quantized experts' blocks: a ``ValueError`` naming the
+    layer and the sizes."""
     if size == 1:
         return
     for i, block in enumerate(params["model"]["layers"]):
+        experts = block.get("mlp", {}).get("experts")
+        why = None if expert_parallel or experts is None else experts_split_error(experts, size)
+        if why is not None:
+            raise ValueError(f"{field}={size} cannot split model.layers.{i}.mlp.experts: {why} (each expert's "
+                             f"intermediate size is split; enable_expert_parallel=True splits whole experts)")
         for part in ("self_attn", "mlp"):
             for name in ROW:
                 p = block.get(part, {}).get(name)
@@ -125,9 +138,39 @@ def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_p
                     raise ValueError(f"{field}={size} cannot split model.layers.{i}.{part}.{name}: {why}")
 
 
+def experts_split_error(experts: dict, size: int) -> Optional[str]:
+    """Why quantized stacked experts cannot have each expert's intermediate size I split into ``size`` (gate and
+    up in whole column blocks of 32, down's inputs in whole groups), or ``None`` (float experts: always)."""
+    gate_up, down = experts["gate_up_proj"], experts["down_proj"]
+    if "qweight" not in gate_up:
+        return None
+    i = gate_up["format"].out_features
+    if i % size or (i // size) % qk.QB:
+        return f"its intermediate size {i} / {size} is not a whole number of blocks of {qk.QB}"
+    return shard.input_split_error(down["format"], size)
+
+
+def _shard_quantized_experts(experts: dict, tp: TPGroup, expert_parallel: bool) -> dict:
+    """:func:`shard_experts` of quantized experts (exact: a shard dequantizes to the slice of the whole)."""
+    gate_up, down = experts["gate_up_proj"], experts["down_proj"]
+    if expert_parallel:
+        def whole(p):
+            return {k: _slice(v, 0, tp) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+        return {"gate_up_proj": whole(gate_up), "down_proj": whole(down)}
+    why = experts_split_error(experts, tp.size)
+    if why is not None:
+        raise ValueError(f"cannot split quantized experts over {tp.size} ranks: {why}")
+    parts = [moe.quantized_expert(gate_up, down, e) for e in range(gate_up["qweight"].shape[0])]
+    return moe.stack_quantized([shard.split_outputs(g, tp.rank, tp.size) for g, _, _ in parts],
+                               [shard.split_outputs(u, tp.rank, tp.size) for _, u, _ in parts],
+                               [shard.split_inputs(d, tp.rank, tp.size) for _, _, d in parts])
+
+
 def shard_experts(experts: dict, tp: TPGroup, expert_parallel: bool) -> dict:
     """A MoE layer's stacked experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) for rank ``tp.rank``:
     its whole experts under expert parallelism, else its block of every expert's intermediate size."""
+    if "qweight" in experts["gate_up_proj"]:
+        return _shard_quantized_experts(experts, tp, expert_parallel)
     gate_up, down = experts["gate_up_proj"]["weight"], experts["down_proj"]["weight"]
     if expert_parallel:
         return {"gate_up_proj": {"weight": _slice(gate_up, 0, tp)}, "down_proj": {"weight": _slice(down, 0, tp)}}
