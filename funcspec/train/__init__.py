@@ -33,13 +33,15 @@ target and its head."""
 
 
 def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | None = None,
-             stop_after: int | None = None, device: str = "cpu") -> dict:
-    """Train one role into ``models/<role>`` on ``device`` and write its ``train.json``."""
+             stop_after: int | None = None, device: str = "cpu", time_budget: float | None = None) -> dict:
+    """Train one role into ``models/<role>`` on ``device`` and write its ``train.json``; ``time_budget``
+    (seconds) shortens its schedule to what fits (:func:`funcspec.train.loop.train`)."""
     from funcspec.train import data
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    common = dict(out=models / role, work=work, seed=seed, steps=steps, stop_after=stop_after, device=device)
+    common = dict(out=models / role, work=work, seed=seed, steps=steps, stop_after=stop_after, device=device,
+                  time_budget=time_budget)
     if role == "target":
         from funcspec.train.target import run as recipe
 
@@ -76,6 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--stop-after", type=int, default=None, help="end this run after N total steps (resumable)")
     ap.add_argument("--device", default="cpu", help="where the recipes train (cpu, cuda, cuda:1, ...)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds a role may train: its schedule is shortened to what fits at the pace measured")
     ap.add_argument("--corpus-cache", type=Path, default=None,
                     help="read the token stream, manifests and tokenizer from this prepared folder, not the stdlib")
     ap.add_argument("--out", type=Path, default=None, help="'prepare': the folder to write (default .gpu)")
@@ -95,5 +99,6 @@ def main(argv=None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     data.use_corpus_cache(args.corpus_cache)
     for role in ROLES if "all" in args.roles else args.roles:
-        facts = run_role(role, args.models, args.work, args.seed, args.steps, args.stop_after, args.device)
+        facts = run_role(role, args.models, args.work, args.seed, args.steps, args.stop_after, args.device,
+                         args.time_budget)
         print(role, json.dumps({k: facts[k] for k in ("steps", "final_loss", "wall_s")}))

@@ -138,8 +138,10 @@ def _device_text(facts: dict) -> str:
     """The card's line on where a role trained, when not on the CPU machine (``device`` in train.json)."""
     if facts.get("device", "cpu") == "cpu":
         return ""
-    return f" Trained on an {facts.get('device_name') or facts['device']} (`--device {facts['device']}`), " \
-           "not the 2-core CPU."
+    cut = (f" Its {facts['planned_steps']}-step schedule was shortened to {facts['steps']} steps to fit its time "
+           "budget (`--time-budget`)." if facts.get("planned_steps") else "")
+    return (f" Trained on an {facts.get('device_name') or facts['device']} (`--device {facts['device']}`), "
+            "not the 2-core CPU." + cut)
 
 
 def _load_text(facts: dict) -> str:

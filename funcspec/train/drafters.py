@@ -337,7 +337,8 @@ def publish(stage: Path, out: Path) -> None:
 
 
 def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: int | None = None,
-        stop_after: int | None = None, recipe: str | None = None, device: str = "cpu") -> dict:
+        stop_after: int | None = None, recipe: str | None = None, device: str = "cpu",
+        time_budget: float | None = None) -> dict:
     """Distil ``role`` from the target at ``target`` into ``out`` by ``recipe`` (a key of :data:`SETUPS`;
     default ``role``), on ``device``; returns the model card's facts."""
     from funcspec.train.target import device_facts
@@ -363,7 +364,8 @@ def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: in
         p, hid = target_pass(tgt, x.to(device), layers)
         return loss_of(x.to(device), p, hid, seed, step)
 
-    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after)
+    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after,
+                    time_budget=time_budget)
     save()
     publish(stage, out)
     return {**summary, "params": sum(v.numel() for v in trainable.values()),

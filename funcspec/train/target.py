@@ -47,7 +47,7 @@ def train_tokenizer(out: Path, vocab_size: int, files: list[Path]) -> None:
 
 
 def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
-        stop_after: int | None = None, device: str = "cpu") -> dict:
+        stop_after: int | None = None, device: str = "cpu", time_budget: float | None = None) -> dict:
     """Train tokenizer + target into ``out``; returns the model card's facts."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -67,7 +67,7 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
         return model(input_ids=x, labels=x).loss, {}
 
     summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "target", "target", BATCH * SEQ,
-                    stop_after=stop_after)
+                    stop_after=stop_after, time_budget=time_budget)
     model.save_pretrained(str(out))
     return {**summary, "params": sum(p.numel() for p in model.parameters()), "train_stream_tokens": len(stream),
             "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": SIZES,
@@ -75,7 +75,8 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
 
 
 def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | None = None,
-            stop_after: int | None = None, device: str = "cpu", sizes: dict | None = None) -> dict:
+            stop_after: int | None = None, device: str = "cpu", sizes: dict | None = None,
+            time_budget: float | None = None) -> dict:
     """Train the Qwen3-MoE target into ``out`` with the tokenizer at ``tokenizer`` (copied, never retrained);
     saved in bfloat16, in shards of at most ``MOE_SHARD``. ``sizes`` overrides :data:`MOE_SIZES` (tests)."""
     import shutil
@@ -103,7 +104,7 @@ def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | 
         return o.loss, {"aux": o.aux_loss.detach(), "load_min": expert_load(o.router_logits, k).min()}
 
     summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "moe_target", "moe_target",
-                    BATCH * SEQ, stop_after=stop_after)
+                    BATCH * SEQ, stop_after=stop_after, time_budget=time_budget)
     with torch.no_grad():  # the load of each expert on a fixed batch (fraction of the top-k picks; 1/E when even)
         x = data.batch(stream, seed + 7, 0, BATCH, SEQ).to(device)
         load = expert_load(model(input_ids=x).router_logits, k)
