@@ -38,8 +38,8 @@ ROLE_TEXT = {
               "argmax is the target's); blocks of 1-7 rows, the Markov head teacher-forced on the previous token, "
               "on the target's own greedy text with DFlash's row weights. Saved in bfloat16.",
     "moe_target": "Qwen3-MoE (HF `Qwen3MoeForCausalLM`), trained from scratch on the target's token stream with its "
-                  "tokenizer: next-token cross-entropy plus the router's load-balancing loss (`router_aux_loss_coef`), "
-                  "so every expert keeps a share. Saved in bfloat16, in shards of at most 8 MB.",
+                  "tokenizer: next-token cross-entropy plus each layer's Switch load-balancing loss (weight "
+                  "`router_aux_loss_coef`), so every expert of every layer keeps a share. Saved in bfloat16, in shards of at most 8 MB.",
     "moe_eagle3": "The eagle3 recipe (same layout, draft vocabulary and training-time test) distilled from moe_target: "
                   "its aux layers [1, 2, 3] are MoE layers.",
 }

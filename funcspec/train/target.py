@@ -25,7 +25,7 @@ MOE_SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, nu
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
                  intermediate_size=768, max_position_embeddings=2048)  # intermediate_size: unused, every layer is sparse
 MOE_AUX = 0.01
-"""``router_aux_loss_coef``: the Switch load-balancing loss's weight, so that every expert keeps its share."""
+"""``router_aux_loss_coef``: the weight of each layer's Switch load-balancing loss (:func:`balance_loss`)."""
 MOE_SCHEDULE = Schedule(steps=3000, lr=2e-3, warmup=50, weight_decay=0.1)
 MOE_SHARD = "8MB"
 
@@ -98,10 +98,15 @@ def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | 
     schedule = Schedule(**{**MOE_SCHEDULE.__dict__, "steps": steps or MOE_SCHEDULE.steps})
     k = cfg.num_experts_per_tok
 
-    def loss_fn(step):  # NOTE: with labels and output_router_logits, HF's .loss already holds coef * aux_loss
+    def loss_fn(step):
+        # NOTE: HF's own aux loss (in .loss when labels are given) pools every layer's router logits, so it
+        # balances the experts' total load only: a GPU run so trained left experts with no tokens in two layers.
         x = data.batch(stream, seed, step, BATCH, SEQ).to(device)
-        o = model(input_ids=x, labels=x)
-        return o.loss, {"aux": o.aux_loss.detach(), "load_min": expert_load(o.router_logits, k).min()}
+        o = model(input_ids=x)
+        ce = torch.nn.functional.cross_entropy(o.logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+        aux = torch.stack([balance_loss(r, k) for r in o.router_logits])  # [L]
+        return ce + MOE_AUX * aux.sum(), {"ce": ce.detach(), "aux": aux.detach().mean(),
+                                         "load_min": expert_load(o.router_logits, k).min()}
 
     summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "moe_target", "moe_target",
                     BATCH * SEQ, stop_after=stop_after, time_budget=time_budget)
@@ -114,6 +119,14 @@ def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | 
             "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": sizes,
             "router_aux_loss_coef": MOE_AUX, "expert_load": [[round(float(v), 4) for v in row] for row in load],
             "batch": [BATCH, SEQ], "seed": seed, **device_facts(device)}
+
+
+def balance_loss(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """One layer's Switch load-balancing loss from its router logits [T, E], as transformers computes it
+    (E · Σ_e picks_e · mean p_e, over the top-``k`` slots; ``k`` when balanced)."""
+    probs = logits.float().softmax(-1)
+    picks = torch.nn.functional.one_hot(probs.topk(k, -1).indices, logits.shape[-1]).float().mean(0)  # [k, E]
+    return logits.shape[-1] * (picks * probs.mean(0)).sum()
 
 
 def expert_load(router_logits, k: int) -> torch.Tensor:

@@ -67,6 +67,18 @@ def test_a_prepared_folder_stands_in_for_the_stdlib(prepared, tmp_path, monkeypa
     data.use_corpus_cache(None)
 
 
+def test_each_layers_balance_loss_is_transformers_on_that_layer_alone():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    logits = torch.randn(3, 40, 8, generator=torch.Generator().manual_seed(0))
+    for r in logits:
+        want = load_balancing_loss_func((r,), num_experts=8, top_k=2)
+        torch.testing.assert_close(target.balance_loss(r, 2), want)
+    even = torch.zeros(16, 4)
+    even[torch.arange(16), torch.arange(16) % 4] = 5.0  # each expert first for a quarter of the tokens
+    assert float(target.balance_loss(even, 1)) == pytest.approx(1.0, abs=1e-3)
+
+
 def test_moe_recipe_writes_a_checkpoint_funcspec_runs_as_transformers(tiny_recipes, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
