@@ -81,7 +81,8 @@ def read_text(path: Path) -> str:
 
 def stream_key(tokenizer, split: str) -> str:
     """The cache key of a split's token stream: its manifest and the tokenizer."""
-    return hashlib.sha256((json.dumps(manifest(split)) + tokenizer.backend_tokenizer.to_str()).encode()).hexdigest()[:16]
+    text = json.dumps(manifest(split)) + tokenizer.backend_tokenizer.to_str()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def token_stream(tokenizer, split: str, cache: Path) -> np.ndarray:

@@ -96,7 +96,8 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
             if fits < schedule.steps:
                 schedule = dataclasses.replace(schedule, steps=max(fits, step + 1))
                 end, bar.total = min(end, schedule.steps), schedule.steps
-            bar.write(f"{desc}: {pace * 1e3:.1f} ms a step; {schedule.steps} of {planned} steps fit {time_budget:.0f} s")
+            bar.write(f"{desc}: {pace * 1e3:.1f} ms a step; {schedule.steps} of {planned} steps fit "
+                      f"{time_budget:.0f} s")
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, step)
         loss, metrics = loss_fn(step)

@@ -23,7 +23,7 @@ SCHEDULE = Schedule(steps=1200, lr=2e-3, warmup=50, weight_decay=0.1)
 BATCH, SEQ = 16, 256
 MOE_SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
-                 intermediate_size=768, max_position_embeddings=2048)  # intermediate_size: unused, every layer is sparse
+                 intermediate_size=768, max_position_embeddings=2048)  # intermediate_size: unused (all sparse)
 MOE_AUX = 0.01
 """``router_aux_loss_coef``: the weight of each layer's Switch load-balancing loss (:func:`balance_loss`)."""
 MOE_SCHEDULE = Schedule(steps=3000, lr=2e-3, warmup=50, weight_decay=0.1)

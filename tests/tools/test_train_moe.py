@@ -109,7 +109,8 @@ def test_the_moe_pair_trains_from_a_prepared_folder_on_the_device_given(prepared
     folder, want, _ = prepared
     devices = []
     real = drafters.load_model
-    monkeypatch.setattr(drafters, "load_model", lambda path, device: devices.append(device) or real(path, device=device))
+    monkeypatch.setattr(drafters, "load_model",
+                        lambda path, device: devices.append(device) or real(path, device=device))
     models = tmp_path / "models"
     main(["moe_target", "moe_eagle3", "--steps", "2", "--device", "cpu", "--corpus-cache", str(folder),
           "--models", str(models), "--work", str(tmp_path / "work")])
