@@ -1,10 +1,12 @@
 """The model zoo under ``models/``: the manifest, and a speculative config per method.
 
 ``models/zoo.json`` maps each role (``target``, ``draft_model``, ``eagle3``,
-``medusa``, ``mtp``, ``dflash``, ``dspark``) to its directory. The zoo is
-trained on this machine from the Python standard library by the recipes in
-:mod:`funcspec.train` (``funcspec train all``); ``models/README.md`` holds the
-model cards.
+``medusa``, ``mtp``, ``dflash``, ``dspark``, and the MoE pair ``moe_target`` /
+``moe_eagle3``) to its directory. The zoo is trained from the Python standard
+library by the recipes in :mod:`funcspec.train` (``funcspec train all``; the
+MoE pair on a GPU, ``tools/train_moe_zoo.sh``); ``models/README.md`` holds the
+model cards. A role's directory may be absent until its recipe has run
+(:func:`trained`).
 
 ``build_default`` keeps the small *random* Llama that tests use as a cheap
 stand-in (``python -m funcspec.zoo build-default``).
@@ -48,6 +50,12 @@ def model_path(role: str = "default") -> Path:
     if role not in m["roles"]:
         raise ValueError(f"role {role!r} is not in {MANIFEST} (roles: {sorted(m['roles'])})")
     return MODELS / m["roles"][role]
+
+
+def trained(role: str) -> bool:
+    """Whether the zoo holds ``role``'s checkpoint (its weights and ``train.json``), not only its name."""
+    path = model_path(role)
+    return (path / "train.json").exists() and any(path.glob("*.safetensors"))
 
 
 def speculative_config(method: str, k: int = 4, model=None, **extra) -> dict:

@@ -9,7 +9,9 @@ straight run would.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import lzma
 import platform
 import sysconfig
 from pathlib import Path
@@ -19,6 +21,19 @@ import torch
 
 HELDOUT_PERCENT = 5
 SKIP_PARTS = ("site-packages", "test", "tests", "idlelib", "lib2to3")
+
+CORPUS_CACHE: Path | None = None
+"""A prepared folder (:func:`prepare_cache`) that stands in for the stdlib, or ``None`` (read the stdlib).
+
+Why: a machine without this interpreter's stdlib (a GPU box) trains on the
+token stream made here; its manifests keep the cache keys and the cards' facts.
+"""
+
+
+def use_corpus_cache(folder: Path | None) -> None:
+    """Read manifests, token streams and the tokenizer from ``folder`` (``None``: from the stdlib again)."""
+    global CORPUS_CACHE
+    CORPUS_CACHE = None if folder is None else Path(folder)
 
 
 def stdlib_root() -> Path:
@@ -42,11 +57,16 @@ def split_files(split: str) -> list[Path]:
     """``"train"`` or ``"heldout"`` files, sorted."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if CORPUS_CACHE is not None:
+        raise RuntimeError(f"the corpus is the prepared folder {CORPUS_CACHE}, which holds no source files")
     return [p for p in stdlib_files() if is_heldout(p) == (split == "heldout")]
 
 
 def manifest(split: str) -> dict:
-    """What a recipe read: the stdlib root, file count, bytes and a digest of the sorted relative paths."""
+    """What a recipe read: the stdlib root, file count, bytes and a digest of the sorted relative paths
+    (the prepared folder's copy under :data:`CORPUS_CACHE`)."""
+    if CORPUS_CACHE is not None:
+        return json.loads((CORPUS_CACHE / f"manifest-{split}.json").read_text())
     files = split_files(split)
     rels = [p.relative_to(stdlib_root()).as_posix() for p in files]
     return {"split": split, "stdlib": str(stdlib_root()), "python": platform.python_version(), "files": len(files),
@@ -59,11 +79,25 @@ def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def stream_key(tokenizer, split: str) -> str:
+    """The cache key of a split's token stream: its manifest and the tokenizer."""
+    text = json.dumps(manifest(split)) + tokenizer.backend_tokenizer.to_str()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def token_stream(tokenizer, split: str, cache: Path) -> np.ndarray:
     """All files of ``split`` as one int32 stream: ``BOS file EOS BOS file EOS ...`` (cached as .npy)."""
+    if CORPUS_CACHE is not None:  # NOTE: by name, not key: another `tokenizers` may serialise the same BPE apart
+        found = sorted((CORPUS_CACHE / "tokens").glob(f"{split}-*.npy.xz"))
+        if len(found) != 1:
+            raise FileNotFoundError(f"{CORPUS_CACHE / 'tokens'}: want one {split}-<key>.npy.xz, found {len(found)} "
+                                    "(make the folder with `funcspec train prepare` where the stdlib is)")
+        arr = np.load(io.BytesIO(lzma.decompress(found[0].read_bytes()))).astype(np.int32)
+        if arr.size and int(arr.max()) >= len(tokenizer):
+            raise ValueError(f"{found[0]}: token id {int(arr.max())} is outside the tokenizer ({len(tokenizer)})")
+        return arr
     cache.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256((json.dumps(manifest(split)) + tokenizer.backend_tokenizer.to_str()).encode()).hexdigest()[:16]
-    out = cache / f"{split}-{key}.npy"
+    out = cache / f"{split}-{stream_key(tokenizer, split)}.npy"
     if out.exists():
         return np.load(out)
     ids = []
@@ -73,6 +107,46 @@ def token_stream(tokenizer, split: str, cache: Path) -> np.ndarray:
     arr = np.asarray(ids, dtype=np.int32)
     np.save(out, arr)
     return arr
+
+
+def tokenizer_dir(default: Path) -> Path:
+    """Where the zoo's tokenizer is read: the prepared folder's copy, else ``default`` (``models/target``)."""
+    return default if CORPUS_CACHE is None else CORPUS_CACHE / "tokenizer"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def prepare_cache(tokenizer_path: Path, work: Path, out: Path) -> Path:
+    """Write into ``out`` what training needs without the stdlib: the training token stream
+    (``tokens/train-<key>.npy.xz``), the train and held-out manifests and the tokenizer's files.
+
+    The stream is stored as uint16 and xz-compressed (about 2 MB, not 13): the folder travels with a
+    working tree whose size is capped.
+    """
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    if CORPUS_CACHE is not None:
+        raise ValueError("prepare_cache reads the stdlib: call it without a corpus cache")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    stream = token_stream(tok, "train", work / "tokens")
+    (out / "tokens").mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer").mkdir(exist_ok=True)
+    for split in ("train", "heldout"):
+        (out / f"manifest-{split}.json").write_text(json.dumps(manifest(split), indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        if (tokenizer_path / f).exists():
+            shutil.copyfile(tokenizer_path / f, out / "tokenizer" / f)
+    if len(tok) > 1 << 16:
+        raise ValueError(f"a vocabulary of {len(tok)} does not fit the folder's uint16 stream")
+    for old in (out / "tokens").glob("train-*.npy*"):
+        old.unlink()
+    buf = io.BytesIO()
+    np.save(buf, stream.astype(np.uint16))
+    (out / "tokens" / f"train-{stream_key(tok, 'train')}.npy.xz").write_bytes(lzma.compress(buf.getvalue()))
+    return out
 
 
 def batch(stream: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -125,15 +199,17 @@ def greedy_continue(target, prompts: torch.Tensor, new: int) -> torch.Tensor:
 
     n, p = prompts.shape
     cfg, params = target.cfg, target.params
-    kv = llama.init_kv_cache(cfg, n, p + new)
-    slots = torch.arange(n)
-    logits, _, kv = llama.forward(cfg, params, kv, prompts, slots, torch.zeros(n, dtype=torch.int64))
+    dev = llama.activation_ref(params).device  # the target's device; the rows come back on the CPU
+    kv = llama.init_kv_cache(cfg, n, p + new, device=dev)
+    slots, prompts = torch.arange(n, device=dev), prompts.to(dev)
+    logits, _, kv = llama.forward(cfg, params, kv, prompts, slots, torch.zeros(n, dtype=torch.int64, device=dev))
     out = [prompts, logits[:, -1:].argmax(-1)]
     for t in range(p, p + new - 1):  # position t holds the token just drawn
         kv = llama.KVCache(kv.k, kv.v, torch.full_like(kv.lens, t))
-        logits, _, kv = llama.forward(cfg, params, kv, out[-1], slots, torch.full((n,), t, dtype=torch.int64))
+        logits, _, kv = llama.forward(cfg, params, kv, out[-1], slots,
+                                      torch.full((n,), t, dtype=torch.int64, device=dev))
         out.append(logits[:, -1:].argmax(-1))
-    return torch.cat(out, 1)
+    return torch.cat(out, 1).cpu()
 
 
 def greedy_rows(target, stream: np.ndarray, seed: int, num_rows: int, cache: Path) -> np.ndarray:

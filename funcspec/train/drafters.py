@@ -83,7 +83,7 @@ def soft_ce_rows(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def decayed(losses: torch.Tensor) -> torch.Tensor:
     """Block rows' losses [N, K] averaged with weights exp(-k / BLOCK_DECAY) over the K rows."""
-    w = torch.exp(-torch.arange(losses.shape[1], dtype=losses.dtype) / BLOCK_DECAY)
+    w = torch.exp(-torch.arange(losses.shape[1], dtype=losses.dtype, device=losses.device) / BLOCK_DECAY)
     return (losses * w).sum(1).mean() / w.sum()
 
 
@@ -92,17 +92,18 @@ def agree(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (logits.argmax(-1) == p.argmax(-1)).float().mean()
 
 
-def fresh_kv(cfg: llama.ModelConfig, rows: int, max_len: int) -> llama.KVCache:
+def fresh_kv(cfg: llama.ModelConfig, rows: int, max_len: int, device=None) -> llama.KVCache:
     """An empty KV cache for ``rows`` slots of ``max_len`` positions."""
-    return llama.init_kv_cache(cfg, rows, max_len)
+    return llama.init_kv_cache(cfg, rows, max_len, device=device)
 
 
 def target_pass(target, x: torch.Tensor, layers: tuple[int, ...]):
     """The target over x [B, T]: next-token probs [B, T, V] and hidden states of ``layers`` (no grad)."""
     b, t = x.shape
-    slots, starts = torch.arange(b), torch.zeros(b, dtype=torch.int64)
+    slots, starts = torch.arange(b, device=x.device), torch.zeros(b, dtype=torch.int64, device=x.device)
     with torch.no_grad():
-        logits, hid, _ = llama.forward(target.cfg, target.params, fresh_kv(target.cfg, b, t), x, slots, starts, layers)
+        logits, hid, _ = llama.forward(target.cfg, target.params, fresh_kv(target.cfg, b, t, x.device), x, slots,
+                                       starts, layers)
     return torch.softmax(logits, -1), hid
 
 
@@ -114,7 +115,7 @@ def origins(seed: int, step: int, b: int, lo: int, hi: int, n: int) -> torch.Ten
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, T, ...] at idx [B, N] -> [B·N, ...]."""
-    return x[torch.arange(x.shape[0]).unsqueeze(1), idx].flatten(0, 1)
+    return x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), idx].flatten(0, 1)
 
 
 def shipped(out: Path, role: str) -> dict[str, str]:
@@ -151,7 +152,7 @@ def draft_model_setup(target, out: Path, seed: int, stream):
     hf.update(num_hidden_layers=1)
     for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
         hf.pop(key, None)
-    model = LlamaForCausalLM(LlamaConfig(**hf))
+    model = LlamaForCausalLM(LlamaConfig(**hf)).to(target.params["model"]["embed_tokens"]["weight"].device)
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(target.params["model"]["embed_tokens"]["weight"])
         model.model.norm.weight.copy_(target.params["model"]["norm"]["weight"])
@@ -205,9 +206,9 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
     names = shipped(out, role)
     vocab = None
     if role == "eagle3":
-        vocab = eagle3_vocab(stream, target.cfg.vocab_size)
+        vocab = eagle3_vocab(stream, target.cfg.vocab_size).to(params["d2t"].device)
         with torch.no_grad():
-            params["d2t"].copy_(vocab - torch.arange(EAGLE3_VOCAB))
+            params["d2t"].copy_(vocab - torch.arange(EAGLE3_VOCAB, device=vocab.device))
             params["t2d"].zero_().index_fill_(0, vocab, True)
             params["lm_head"]["weight"].copy_(llama.lm_head(target.cfg, target.params)["weight"][vocab])
             params["norm"]["weight"].copy_(target.params["model"]["norm"]["weight"])
@@ -216,11 +217,11 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
         return p if vocab is None else p[..., vocab]
 
     def loss_fn(x, p, hid, seed, step):
-        a = origins(seed, step, x.shape[0], 0, x.shape[1] - TTT_STEPS - 1, ORIGINS)  # [B, N]
+        a = origins(seed, step, x.shape[0], 0, x.shape[1] - TTT_STEPS - 1, ORIGINS).to(x.device)  # [B, N]
         outs = chain_unroll(net, cfg, params, x, torch.cat(hid, -1), a, TTT_STEPS)
         loss, metrics = 0.0, {}
         for j, (logits, pos) in enumerate(outs):  # step j at origin t guesses x_{t+j+2}: the target's p at t+j+1
-            target_p = labels(p[torch.arange(x.shape[0]).unsqueeze(1), pos + 1] if j else p[:, 1:-1])
+            target_p = labels(p[torch.arange(x.shape[0], device=x.device).unsqueeze(1), pos + 1] if j else p[:, 1:-1])
             loss = loss + 0.8 ** j * soft_ce(logits, target_p)
             metrics[f"agree{j}"] = agree(logits, target_p)
         return loss, metrics
@@ -247,14 +248,15 @@ def chain_unroll(net, cfg, params, x: torch.Tensor, raw: torch.Tensor, a: torch.
     step 0 at every t < T-2, step j at the origins (its label is the target's p at a+j+1).
     """
     b, t = x.shape
-    n = a.shape[1]
-    slots, starts = torch.arange(b), torch.zeros(b, dtype=torch.int64)
+    n, dev = a.shape[1], x.device
+    slots, starts = torch.arange(b, device=dev), torch.zeros(b, dtype=torch.int64, device=dev)
     feats = net.target_features(cfg, params, raw)  # [B, T, H]
-    g, kv = net.forward(cfg, params, fresh_kv(cfg.model, b, t), x[:, 1:], feats[:, :-1], slots, starts)  # [B, T-1, H]
+    g, kv = net.forward(cfg, params, fresh_kv(cfg.model, b, t, dev), x[:, 1:], feats[:, :-1], slots,
+                        starts)  # [B, T-1, H]
     outs = [(net.draft_logits(cfg, params, g[:, :-1]), None)]
-    src = torch.cat([torch.arange(b).repeat_interleave(n), torch.tensor([b])])  # each origin's slot, + scratch
+    src = torch.cat([torch.arange(b, device=dev).repeat_interleave(n), torch.tensor([b], device=dev)])  # + scratch
     kv = llama.KVCache(kv.k[:, src], kv.v[:, src], kv.lens[src])
-    rows, pos = torch.arange(b * n), a.flatten()
+    rows, pos = torch.arange(b * n, device=dev), a.flatten()
     g_prev = gather_rows(g, a)  # [B·N, H]
     xs = x.repeat_interleave(n, 0)  # [B·N, T]
     for j in range(1, steps):
@@ -280,11 +282,11 @@ def block_setup(role: str, target, out: Path, seed: int, stream):
         # see each other; cycling the block length over K = 1..block_size-shift trains every K it allows.
         rows = 1 + shift + step % (rows_per_block - shift)
         # anchors from the last prompt token on: the block's labels are then the target's own continuation
-        a = origins(seed, step, x.shape[0], data.GREEDY_PROMPT - 1, x.shape[1] - rows, ORIGINS)  # [B, N]
+        a = origins(seed, step, x.shape[0], data.GREEDY_PROMPT - 1, x.shape[1] - rows, ORIGINS).to(x.device)
         h = block_rows(cfg, params, x, torch.cat(hid, -1), a, rows).flatten(0, 1)  # [B·N, R, H]
         a = a.flatten()
-        r = torch.arange(x.shape[0]).repeat_interleave(ORIGINS).unsqueeze(1)  # [B·N, 1] each block's sequence
-        cols = torch.arange(shift, rows)
+        r = torch.arange(x.shape[0], device=x.device).repeat_interleave(ORIGINS).unsqueeze(1)  # [B·N, 1] its row
+        cols = torch.arange(shift, rows, device=x.device)
         base = dflash.logits(cfg, params, h[:, shift:])  # [N', K, V]: the row at position a+c guesses x_{a+c+1-shift}
         target_p = p[r, a.unsqueeze(1) + cols - shift]  # [N', K, V]
         if role == "dflash":
@@ -309,15 +311,15 @@ def block_rows(cfg, params, x: torch.Tensor, raw: torch.Tensor, a: torch.Tensor,
     Returns normed hidden states [B, N, rows, H].
     """
     b, t = x.shape
-    n = a.shape[1]
-    slots, starts = torch.arange(b), torch.zeros(b, dtype=torch.int64)
+    n, dev = a.shape[1], x.device
+    slots, starts = torch.arange(b, device=dev), torch.zeros(b, dtype=torch.int64, device=dev)
     kv = dflash.write_context(cfg, params, dflash.init_context_kv(cfg, b, t, raw.dtype, raw.device), raw, slots,
                               starts)
-    src = torch.cat([torch.arange(b).repeat_interleave(n), torch.tensor([b])])  # each block's slot, + scratch
+    src = torch.cat([torch.arange(b, device=dev).repeat_interleave(n), torch.tensor([b], device=dev)])  # + scratch
     kv = dflash.ContextKV(kv.k[:, src], kv.v[:, src])
-    block = torch.full((b * n, rows), cfg.mask_token_id, dtype=torch.int64)
+    block = torch.full((b * n, rows), cfg.mask_token_id, dtype=torch.int64, device=dev)
     block[:, 0] = gather_rows(x, a)
-    h, _ = dflash.block_forward(cfg, params, kv, block, torch.arange(b * n), a.flatten())
+    h, _ = dflash.block_forward(cfg, params, kv, block, torch.arange(b * n, device=dev), a.flatten())
     return h.view(b, n, rows, -1)
 
 
@@ -335,18 +337,23 @@ def publish(stage: Path, out: Path) -> None:
 
 
 def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: int | None = None,
-        stop_after: int | None = None) -> dict:
-    """Distil ``role`` from the target at ``target`` into ``out``; returns the model card's facts."""
-    tgt = load_model(target)
+        stop_after: int | None = None, recipe: str | None = None, device: str = "cpu",
+        time_budget: float | None = None) -> dict:
+    """Distil ``role`` from the target at ``target`` into ``out`` by ``recipe`` (a key of :data:`SETUPS`;
+    default ``role``), on ``device``; returns the model card's facts."""
+    from funcspec.train.target import device_facts
+
+    recipe = recipe or role
+    tgt = load_model(target, device=device)
     stream = data.token_stream(tgt.tokenizer, "train", work / "tokens")
     # NOTE: a setup writes a freshly initialised head before the trained state is loaded; staging it under
     # ``work`` keeps ``out`` (the committed zoo) whole while a resumed run trains.
     stage = work / role / "checkpoint"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    trainable, layers, loss_of, save = SETUPS[role](tgt, stage, seed, stream)
-    schedule = dataclasses.replace(SCHEDULES[role], steps=steps or SCHEDULES[role].steps)
-    rows = data.greedy_rows(tgt, stream, seed + 1, GREEDY_ROWS, work / "greedy") if role in ON_TARGET_TEXT else None
+    trainable, layers, loss_of, save = SETUPS[recipe](tgt, stage, seed, stream)
+    schedule = dataclasses.replace(SCHEDULES[recipe], steps=steps or SCHEDULES[recipe].steps)
+    rows = data.greedy_rows(tgt, stream, seed + 1, GREEDY_ROWS, work / "greedy") if recipe in ON_TARGET_TEXT else None
 
     def loss_fn(step):
         # NOTE: seed + 1: not the target's own batches
@@ -354,11 +361,14 @@ def run(role: str, target: Path, out: Path, work: Path, seed: int = 0, steps: in
             x = data.batch(stream, seed + 1, step, BATCH, SEQ)
         else:
             x = data.row_batch(rows, seed + 1, step, BATCH)
-        p, hid = target_pass(tgt, x, layers)
-        return loss_of(x, p, hid, seed, step)
+        p, hid = target_pass(tgt, x.to(device), layers)
+        return loss_of(x.to(device), p, hid, seed, step)
 
-    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after)
+    summary = train(trainable, loss_fn, schedule, work / role, role, BATCH * SEQ, stop_after=stop_after,
+                    time_budget=time_budget)
     save()
     publish(stage, out)
     return {**summary, "params": sum(v.numel() for v in trainable.values()),
-            "corpus": data.manifest("train"), "batch": [BATCH, SEQ], "seed": seed, "distilled_from": "target"}
+            "corpus": data.manifest("train"), "batch": [BATCH, SEQ], "seed": seed,
+            "distilled_from": Path(target).name, **({"recipe": recipe} if recipe != role else {}),
+            **device_facts(device)}

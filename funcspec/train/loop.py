@@ -39,8 +39,13 @@ def lr_at(s: Schedule, step: int) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+PROBE = (5, 15)
+"""Steps whose pace a time budget is judged by (after the first few, which warm caches up), inside the warmup."""
+
+
 def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule, work: Path,
-          desc: str = "train", tokens_per_step: int = 0, stop_after: int | None = None) -> dict:
+          desc: str = "train", tokens_per_step: int = 0, stop_after: int | None = None,
+          time_budget: float | None = None) -> dict:
     """Minimise ``loss_fn(step)`` over ``params`` (name -> leaf tensor, trained in place).
 
     ``work/state.pt`` holds the resumable state; ``work/log.jsonl`` the loss curve.
@@ -48,6 +53,12 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
     written), as an interruption would; the schedule is unchanged. Returns a
     summary: final loss (mean of the last ``log_every`` steps), the last logged
     row (``final_metrics``), steps, tokens and wall seconds (summed over resumed runs).
+
+    ``time_budget`` (seconds, this run): the pace of steps ``PROBE`` sets the
+    schedule's length to what fits, if less (``planned_steps`` in the summary).
+    Those steps are in the warmup, whose rates do not depend on the length, so
+    the run is the one a schedule of that length would have made. Why: a
+    lent GPU runs for a fixed time on a machine nobody timed beforehand.
     """
     work.mkdir(parents=True, exist_ok=True)
     leaves = list(params.values())
@@ -72,8 +83,21 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
         (work / "state.tmp").replace(ckpt)
 
     end = schedule.steps if stop_after is None else min(stop_after, schedule.steps)
+    planned, probe_t = schedule.steps, None
     bar = tqdm(range(start, end), desc=desc, initial=start, total=schedule.steps, mininterval=5)
     for step in bar:
+        if step >= end:
+            break
+        if time_budget is not None and step == start + PROBE[0]:
+            probe_t = time.perf_counter()
+        if probe_t is not None and step == start + PROBE[1] and step < schedule.warmup:
+            pace = (time.perf_counter() - probe_t) / (PROBE[1] - PROBE[0])
+            fits = step + int((time_budget - (time.perf_counter() - t0)) / pace)
+            if fits < schedule.steps:
+                schedule = dataclasses.replace(schedule, steps=max(fits, step + 1))
+                end, bar.total = min(end, schedule.steps), schedule.steps
+            bar.write(f"{desc}: {pace * 1e3:.1f} ms a step; {schedule.steps} of {planned} steps fit "
+                      f"{time_budget:.0f} s")
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, step)
         loss, metrics = loss_fn(step)
@@ -96,4 +120,5 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
     return {"steps": max(start, end), "tokens": max(start, end) * tokens_per_step,
             "final_loss": rows[-1]["loss"] if rows else (sum(recent) / len(recent) if recent else float("nan")),
             "final_metrics": rows[-1] if rows else {},
-            "wall_s": round(wall + time.perf_counter() - t0, 1)}
+            "wall_s": round(wall + time.perf_counter() - t0, 1),
+            **({"planned_steps": planned} if schedule.steps < planned else {})}

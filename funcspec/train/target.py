@@ -1,8 +1,9 @@
-"""Recipe: the zoo's BPE tokenizer and its Llama target, trained from scratch on the stdlib.
+"""Recipes: the zoo's BPE tokenizer and its targets, trained from scratch on the stdlib.
 
-The target is trained with HF ``LlamaForCausalLM`` (next-token cross-entropy),
-so the committed checkpoint is plain HF format that both transformers and
-funcspec load.
+``target`` is trained with HF ``LlamaForCausalLM`` and ``moe_target`` with HF
+``Qwen3MoeForCausalLM`` (next-token cross-entropy, plus the router's
+load-balancing loss for the MoE), so both checkpoints are plain HF format that
+transformers and funcspec load. ``moe_target`` reuses ``target``'s tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ SIZES = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_at
              num_key_value_heads=2, max_position_embeddings=2048)
 SCHEDULE = Schedule(steps=1200, lr=2e-3, warmup=50, weight_decay=0.1)
 BATCH, SEQ = 16, 256
+MOE_SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+                 intermediate_size=768, max_position_embeddings=2048)  # intermediate_size: unused (all sparse)
+MOE_AUX = 0.01
+"""``router_aux_loss_coef``: the weight of each layer's Switch load-balancing loss (:func:`balance_loss`)."""
+MOE_SCHEDULE = Schedule(steps=3000, lr=2e-3, warmup=50, weight_decay=0.1)
+MOE_SHARD = "8MB"
 
 
 def train_tokenizer(out: Path, vocab_size: int, files: list[Path]) -> None:
@@ -39,7 +47,7 @@ def train_tokenizer(out: Path, vocab_size: int, files: list[Path]) -> None:
 
 
 def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
-        stop_after: int | None = None) -> dict:
+        stop_after: int | None = None, device: str = "cpu", time_budget: float | None = None) -> dict:
     """Train tokenizer + target into ``out``; returns the model card's facts."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -51,19 +59,90 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **SIZES)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device)
     schedule = Schedule(**{**SCHEDULE.__dict__, "steps": steps or SCHEDULE.steps})
 
     def loss_fn(step):
-        x = data.batch(stream, seed, step, BATCH, SEQ)
+        x = data.batch(stream, seed, step, BATCH, SEQ).to(device)
         return model(input_ids=x, labels=x).loss, {}
 
     summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "target", "target", BATCH * SEQ,
-                    stop_after=stop_after)
+                    stop_after=stop_after, time_budget=time_budget)
     model.save_pretrained(str(out))
     return {**summary, "params": sum(p.numel() for p in model.parameters()), "train_stream_tokens": len(stream),
             "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": SIZES,
-            "batch": [BATCH, SEQ], "seed": seed}
+            "batch": [BATCH, SEQ], "seed": seed, **device_facts(device)}
+
+
+def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | None = None,
+            stop_after: int | None = None, device: str = "cpu", sizes: dict | None = None,
+            time_budget: float | None = None) -> dict:
+    """Train the Qwen3-MoE target into ``out`` with the tokenizer at ``tokenizer`` (copied, never retrained);
+    saved in bfloat16, in shards of at most ``MOE_SHARD``. ``sizes`` overrides :data:`MOE_SIZES` (tests)."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    sizes = {**MOE_SIZES, **(sizes or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    for f in data.TOKENIZER_FILES:
+        if (tokenizer / f).exists():
+            shutil.copyfile(tokenizer / f, out / f)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    stream = data.token_stream(tok, "train", work / "tokens")
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True, router_aux_loss_coef=MOE_AUX,
+                         output_router_logits=True, **sizes)
+    model = Qwen3MoeForCausalLM(cfg).to(device)
+    schedule = Schedule(**{**MOE_SCHEDULE.__dict__, "steps": steps or MOE_SCHEDULE.steps})
+    k = cfg.num_experts_per_tok
+
+    def loss_fn(step):
+        # NOTE: HF's own aux loss (in .loss when labels are given) pools every layer's router logits, so it
+        # balances the experts' total load only: a GPU run so trained left experts with no tokens in two layers.
+        x = data.batch(stream, seed, step, BATCH, SEQ).to(device)
+        o = model(input_ids=x)
+        ce = torch.nn.functional.cross_entropy(o.logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+        aux = torch.stack([balance_loss(r, k) for r in o.router_logits])  # [L]
+        return ce + MOE_AUX * aux.sum(), {"ce": ce.detach(), "aux": aux.detach().mean(),
+                                         "load_min": expert_load(o.router_logits, k).min()}
+
+    summary = train(dict(model.named_parameters()), loss_fn, schedule, work / "moe_target", "moe_target",
+                    BATCH * SEQ, stop_after=stop_after, time_budget=time_budget)
+    with torch.no_grad():  # the load of each expert on a fixed batch (fraction of the top-k picks; 1/E when even)
+        x = data.batch(stream, seed + 7, 0, BATCH, SEQ).to(device)
+        load = expert_load(model(input_ids=x).router_logits, k)
+    model.config.output_router_logits = False  # NOTE: inference needs no router logits; the coefficient stays
+    model.to(torch.bfloat16).save_pretrained(str(out), max_shard_size=MOE_SHARD)
+    return {**summary, "params": sum(p.numel() for p in model.parameters()), "train_stream_tokens": len(stream),
+            "corpus": data.manifest("train"), "heldout": data.manifest("heldout"), "sizes": sizes,
+            "router_aux_loss_coef": MOE_AUX, "expert_load": [[round(float(v), 4) for v in row] for row in load],
+            "batch": [BATCH, SEQ], "seed": seed, **device_facts(device)}
+
+
+def balance_loss(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """One layer's Switch load-balancing loss from its router logits [T, E], as transformers computes it
+    (E · Σ_e picks_e · mean p_e, over the top-``k`` slots; ``k`` when balanced)."""
+    probs = logits.float().softmax(-1)
+    picks = torch.nn.functional.one_hot(probs.topk(k, -1).indices, logits.shape[-1]).float().mean(0)  # [k, E]
+    return logits.shape[-1] * (picks * probs.mean(0)).sum()
+
+
+def expert_load(router_logits, k: int) -> torch.Tensor:
+    """Per layer, each expert's share of the top-``k`` picks: router logits ([T, E] per layer) -> [L, E]."""
+    rows = []
+    for logits in router_logits:
+        ids = logits.topk(k, -1).indices.flatten()
+        rows.append(torch.bincount(ids, minlength=logits.shape[-1]).float() / ids.numel())
+    return torch.stack(rows)
+
+
+def device_facts(device: str) -> dict:
+    """Where a recipe ran, for its card: ``device`` (``cpu``, ``cuda``) and the accelerator's name."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    return {"device": dev.type, **({"device_name": name} if name else {})}
 
 
 def heldout_loss(path: Path, seq: int = SEQ, batch: int = 16) -> float:

@@ -57,3 +57,16 @@ def test_the_corpus_is_named_by_version_never_by_the_training_machine_path():
     assert any(line.startswith(f"- {name}:") for line in (root / "README.md").read_text().splitlines())
     assert card.corpus_name({"stdlib": "/x/lib/python3.12", "python": "3.12.1"}).startswith(
         "The standard library of CPython 3.12.1,")
+
+
+def test_a_gpu_role_card_names_its_device_and_expert_load(tmp_path):
+    models = tmp_path / "models"
+    (models / "moe_eagle3").mkdir(parents=True)
+    (models / "moe_eagle3" / "train.json").write_text(json.dumps(
+        {"params": 1e6, "steps": 500, "planned_steps": 600, "tokens": 1e6, "final_loss": 1.0, "wall_s": 60,
+         "device": "cuda", "device_name": "NVIDIA H200",
+         "expert_load": [[0.25, 0.3, 0.2, 0.25], [0.1, 0.4, 0.25, 0.25]]}))
+    text = card.render(models)
+    assert "Trained on an NVIDIA H200 (`--device cuda`), not the 2-core CPU." in text
+    assert "Its 600-step schedule was shortened to 500 steps" in text
+    assert "0.250 when even): 0.100 to 0.400 over 2 layers × 4 experts." in text

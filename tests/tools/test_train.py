@@ -199,3 +199,31 @@ def test_a_drafter_run_leaves_the_zoo_whole_until_it_saves(target4, tmp_path, mo
     name = "medusa_head.0.1.weight"
     assert torch.equal(params["medusa_head"][0][1]["weight"], state["params"][name].to(torch.bfloat16).float())
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_time_budget_shortens_the_schedule_to_what_fits(tmp_path, monkeypatch):
+    import types
+
+    from funcspec.train import loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def run(work, steps, budget):
+        w = {"w": torch.zeros(4)}
+
+        def loss_fn(step):
+            clock[0] += 1.0  # one second a step
+            return ((w["w"] - 1.0) ** 2).sum(), {}
+
+        clock[0] = 0.0
+        out = train(w, loss_fn, Schedule(steps=steps, lr=0.05, warmup=20, log_every=5, save_every=50), work,
+                    time_budget=budget)
+        return w["w"], out
+
+    cut, summary = run(tmp_path / "a", 100, 40.0)
+    assert summary["steps"] == 40 and summary["planned_steps"] == 100  # 15 s spent, 25 steps of 1 s left
+    straight, plain = run(tmp_path / "b", 40, None)
+    assert torch.equal(cut, straight) and "planned_steps" not in plain
+    _, roomy = run(tmp_path / "c", 30, 1000.0)
+    assert roomy["steps"] == 30 and "planned_steps" not in roomy
