@@ -99,9 +99,9 @@ def test_the_guard_catches_a_python_list_index_and_a_host_scalar():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
-@pytest.mark.parametrize("case", sorted(set(CASES) - {"ar"}))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"ar", "synthetic"}))  # synthetic accepts by rate: not lossless
 def test_cudagraph_greedy_speculation_equals_eager_ar_on_cuda(case, tiny_llama, tiny_draft, heads):
-    """Every case above captured as CUDA graphs on a real GPU: greedy tokens equal eager greedy AR's there."""
+    """Every lossless case above captured as CUDA graphs on a real GPU: greedy tokens equal eager greedy AR's."""
     kw = dict(max_batch_size=2, max_model_len=64, device="cuda")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in Engine(tiny_llama, **kw).generate(_prompts(4), params)]
