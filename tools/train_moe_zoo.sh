@@ -7,7 +7,7 @@
 #   OUT       receives train.log and moe_zoo.tar.part-0, -1, ...: one tar of models/moe_target and
 #             models/moe_eagle3, split below 16 MB a part. Unpack: cat OUT/moe_zoo.tar.part-* | tar -x -C models
 # Environment: DEVICE (default cuda), MOE_TARGET_STEPS / MOE_EAGLE3_STEPS (default: the recipes' own),
-# MOE_TARGET_BUDGET / MOE_EAGLE3_BUDGET (seconds of training each, default 240 / 100: a schedule that
+# MOE_TARGET_BUDGET / MOE_EAGLE3_BUDGET (seconds of training each, default 240 / 120: a schedule that
 # would not fit is shortened at the pace of its first steps, so the whole run stays under 8 minutes),
 # PYTHON (default python3). Why a script: the GPU machine has no network and no copy of this stdlib.
 set -euo pipefail
@@ -29,7 +29,7 @@ common=(--device "${DEVICE:-cuda}" --corpus-cache "$prep" --models "$tmp/models"
     "$py" -m funcspec.train moe_target "${common[@]}" --time-budget "${MOE_TARGET_BUDGET:-240}" \
         ${MOE_TARGET_STEPS:+--steps "$MOE_TARGET_STEPS"}
     echo "moe_target done after ${SECONDS}s"
-    "$py" -m funcspec.train moe_eagle3 "${common[@]}" --time-budget "${MOE_EAGLE3_BUDGET:-100}" \
+    "$py" -m funcspec.train moe_eagle3 "${common[@]}" --time-budget "${MOE_EAGLE3_BUDGET:-120}" \
         ${MOE_EAGLE3_STEPS:+--steps "$MOE_EAGLE3_STEPS"}
     echo "moe_eagle3 done after ${SECONDS}s"
     for role in moe_target moe_eagle3; do  # the checkpoint and the loss curve (log.jsonl: every 25 steps)
