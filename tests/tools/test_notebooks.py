@@ -18,7 +18,7 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TIMEOUT = 300  # seconds per cell
 
-# NOTE: CI runs 01 and 05 on the zoo (target, EAGLE-3 and DSpark heads) and the others on
+# NOTE: CI runs 01, 05 and 06 on the zoo (target, EAGLE-3 and DSpark heads; the MoE pair) and the others on
 # the random default model (built on first use), all on eager backends, so no
 # notebook compiles with inductor.
 CI_PARAMS = {
@@ -88,6 +88,19 @@ DYNAMIC_PARAMS = {"initial_verify_budget_per_req": 2, "budget_update_interval": 
 DYNAMIC_RANDOM_HEAD = True
 THREADS = 1
 """,
+    "06_moe_routing.ipynb": """
+MODEL = None
+HEAD = None
+KS = (0, 2)
+TOKENS = 256
+STEP_REPS = 2
+METHODS = ("ngram", "eagle3")
+SPEC_KS = (2,)
+NUM_PROMPTS = 2
+MAX_TOKENS = 12
+BACKEND = "eager"
+THREADS = 1
+""",
     "05_token_trees.ipynb": """
 MODEL = None
 METHOD = "eagle3"
@@ -119,6 +132,9 @@ EXPECTED = {
     "04_dynamic_k.ipynb": (["per-position acceptance a_i:", "verify length per row:", "dynamic greedy == AR: True"],
                            4),
     "05_token_trees.ipynb": (["tree greedy == AR: True", "| dynamic | 3 |", "| static | 3 |"], 1),
+    "06_moe_routing.ipynb": (["8 experts, top-2, sparse layers [0, 1, 2, 3]",
+                              "routed 256 tokens of held-out stdlib text", "| 2 |",
+                              "MoE speculation greedy == AR: True"], 1),
 }
 
 
