@@ -92,20 +92,34 @@ def test_other_moe_architectures_load_quantized(sources, family):
 def test_experts_of_mixed_kinds_become_float(sources, tmp_path):
     """A layer whose expert tensors are not all block types with a kernel (F32 gate here) loads as float experts,
     the quantized ones dequantized."""
-    src = gguf.GGUFReader(str(gguf_write.write(sources / "qwen3_moe", sources / "qwen3_moe-q8_0.gguf", "q8_0")))
-    w = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "qwen3moe")
+    floats = load_model(sources / "qwen3_moe").params["model"]["layers"][0]["mlp"]["experts"]
+    gate = floats["gate_up_proj"]["weight"][:, :32].contiguous().numpy()  # [E, I, H]: layer 0's gate as F32
+    _rewrite(gguf_write.write(sources / "qwen3_moe", sources / "qwen3_moe-q8_0.gguf", "q8_0"), tmp_path / "mixed.gguf",
+             lambda i, t: gate if t.name == "blk.0.ffn_gate_exps.weight" else None)
+    model = load_model(tmp_path / "mixed.gguf")
+    experts = model.params["model"]["layers"][0]["mlp"]["experts"]
+    assert experts["gate_up_proj"]["weight"].shape == (8, 64, 64)
+    assert "qweight" in model.params["model"]["layers"][2]["mlp"]["experts"]["gate_up_proj"]
+
+
+def _rewrite(src_path, out_path, replace) -> None:
+    """A qwen3moe GGUF file copied from ``src_path`` to ``out_path``, its metadata as it is and tensor i (``t``)
+    replaced by ``replace(i, t)``: ``None`` (kept), an array (written as it is), or ``(raw blocks, block type)``."""
+    src = gguf.GGUFReader(str(src_path))
+    w = gguf.GGUFWriter(str(out_path), "qwen3moe")
     for key, field in src.fields.items():
         if not key.startswith(("GGUF.", "general.architecture")):
-            value = field.contents()
             vtype = field.types[0]
             if vtype == gguf.GGUFValueType.ARRAY:
-                w.add_array(key, value)
+                w.add_array(key, field.contents())
             else:
-                w.add_key_value(key, value, vtype)
-    floats = load_model(sources / "qwen3_moe").params["model"]["layers"][0]["mlp"]["experts"]
-    for t in src.tensors:
-        if t.name == "blk.0.ffn_gate_exps.weight":
-            w.add_tensor(t.name, floats["gate_up_proj"]["weight"][:, :32].contiguous().numpy())
+                w.add_key_value(key, field.contents(), vtype)
+    for i, t in enumerate(src.tensors):
+        new = replace(i, t)
+        if isinstance(new, tuple):
+            w.add_tensor(t.name, new[0], raw_shape=new[0].shape, raw_dtype=new[1])
+        elif new is not None:
+            w.add_tensor(t.name, new)
         else:
             w.add_tensor(t.name, np.asarray(t.data), raw_shape=None if t.tensor_type.name == "F32" else t.data.shape,
                          raw_dtype=t.tensor_type)
@@ -113,10 +127,6 @@ def test_experts_of_mixed_kinds_become_float(sources, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    model = load_model(tmp_path / "mixed.gguf")
-    experts = model.params["model"]["layers"][0]["mlp"]["experts"]
-    assert experts["gate_up_proj"]["weight"].shape == (8, 64, 64)
-    assert "qweight" in model.params["model"]["layers"][2]["mlp"]["experts"]["gate_up_proj"]
 
 
 def _random_k_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -138,28 +148,15 @@ def test_q4_k_experts_with_q6_k_down_run_losslessly(tmp_path):
     quantizer): they load quantized in those formats and ngram speculation equals AR."""
     make_moe(tmp_path / "hf", "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
              num_hidden_layers=2, mlp_only_layers=[])
-    src = gguf.GGUFReader(str(gguf_write.write(tmp_path / "hf", tmp_path / "f32.gguf", "float32")))
-    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen3moe")
-    for key, field in src.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            vtype = field.types[0]
-            if vtype == gguf.GGUFValueType.ARRAY:
-                w.add_array(key, field.contents())
-            else:
-                w.add_key_value(key, field.contents(), vtype)
-    for i, t in enumerate(src.tensors):
-        data = np.asarray(t.data)
+    def k_blocks(i, t):
         kind = "Q6_K" if "ffn_down_exps" in t.name else "Q4_K" if "_exps" in t.name else None
         if kind is None:
-            w.add_tensor(t.name, data)
-            continue
-        e, n, k = data.shape
+            return None
+        e, n, k = np.asarray(t.data).shape
         raw = _random_k_blocks(kind, e * n, k, seed=i).reshape(e, n, -1)
-        w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        return raw, gguf.GGMLQuantizationType[kind]
+
+    _rewrite(gguf_write.write(tmp_path / "hf", tmp_path / "f32.gguf", "float32"), tmp_path / "k.gguf", k_blocks)
     model = load_model(tmp_path / "k.gguf")
     experts = model.params["model"]["layers"][0]["mlp"]["experts"]
     assert experts["gate_up_proj"]["format"].name == "gguf-q4_k" and experts["gate_up_proj"]["format"].asym
