@@ -33,6 +33,7 @@ import torch
 from funcspec.bench.capture import write_result
 from funcspec.bench.runtime import _cpu_seconds, _others_share
 from funcspec.bench.scale import machine_info
+from funcspec.kernels import moe
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -42,17 +43,9 @@ def expected_union(e: int, k: int, t: int) -> float:
     return e * (1 - (1 - k / e) ** t)
 
 
-def expert_bytes(p: dict) -> int:
-    """One expert's bytes in prepared params ``p``: its float gate_up and down, or their quantized blocks."""
-    gate_up, down = p["gate_up_proj"], p["down_proj"]
-    if "qweight" in gate_up:
-        return 2 * gate_up["format"].bytes + down["format"].bytes  # format: one half of gate_up
-    return sum(w["weight"][0].numel() * w["weight"].element_size() for w in (gate_up, down))
-
-
 def union_bytes(ids: torch.Tensor, p: dict) -> int:
     """The bytes of the experts ids [T, k] select: what a call streams at least."""
-    return int(torch.unique(ids).numel()) * expert_bytes(p)
+    return int(torch.unique(ids).numel()) * moe.expert_bytes(p)
 
 
 def random_routing(t: int, k: int, e: int, g: torch.Generator) -> tuple:
@@ -159,7 +152,8 @@ def run(o) -> dict:
     result = {"bench": "moe", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine,
               "shape": {"hidden": o.hidden, "experts": o.experts, "top_k": o.top_k, "intermediate": o.intermediate,
                         "dtype": o.dtype, "quantization": getattr(o, "quantization", None),
-                        "expert_bytes": expert_bytes(p)}, "threads": o.threads, "reps": o.reps, "reference_reps": o.reference_reps,
+                        "expert_bytes": moe.expert_bytes(p)},
+              "threads": o.threads, "reps": o.reps, "reference_reps": o.reference_reps,
               "load_average": os.getloadavg(), "rows": rows}
     path = write_result(result, o.out, markdown)
     print(markdown(result))

@@ -78,7 +78,7 @@ def streamed_bytes(params, top_k: int = 0) -> int:
     if not isinstance(params, dict):
         return 0
     if _stacked_experts(params):
-        from funcspec.bench.moe import expert_bytes
+        from funcspec.kernels.moe import expert_bytes
 
         return top_k * expert_bytes(params)
     if "qweight" in params:

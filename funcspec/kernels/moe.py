@@ -186,6 +186,16 @@ def stack_quantized(gates: list, ups: list, downs: list) -> dict:
     return {"gate_up_proj": stacked(list(zip(gates, ups)), fmt), "down_proj": stacked([[d] for d in downs], down_fmt)}
 
 
+def expert_bytes(p: dict) -> int:
+    """One expert's bytes in a MoE layer's prepared experts ``p`` (``gate_up_proj``, ``down_proj``): its float
+    weights, or its quantized blocks (a stack's ``format`` is one half of gate_up): what a step that selects it
+    streams."""
+    gate_up, down = p["gate_up_proj"], p["down_proj"]
+    if "qweight" in gate_up:
+        return 2 * gate_up["format"].bytes + down["format"].bytes
+    return sum(w["weight"][0].numel() * w["weight"].element_size() for w in (gate_up, down))
+
+
 def quantized_expert(gate_up: dict, down: dict, e: int) -> tuple:
     """Expert e's ``(gate, up, down)`` quantized linears (views into stacks made by :func:`stack_quantized`)."""
     blocks = gate_up["qweight"].shape[1] // 2

@@ -36,8 +36,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "funcspec"
 # "__init__" is funcspec/__init__.py, the public facade (load_model, Engine, LLM).
 LAYERS: list[tuple[str, set[str]]] = [
     # pytrees, token-tree shapes, keys, sentinels, outputs, the method registry, the host suffix tree,
-    # the tensor-parallel group and its all-reduce
-    ("base", {"tree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel"}),
+    # the tensor-parallel group and its all-reduce, host-made constant tables
+    ("base", {"tree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel", "constants"}),
     ("kernels", {"kernels"}),  # every device- and ISA-specific piece, and Ops
     ("nn", {"nn"}),  # math only, over cfg.ops
     ("formats", {"checkpoints", "quant"}),  # HF formats: config, weight files, layouts; prepare_params
