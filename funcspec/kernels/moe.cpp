@@ -199,6 +199,11 @@ struct QRows {
   void quantize(const T* x, int64_t r) {  // row r from x [K]
     funcspec::quantized::quantize_row<T>(x, K, xq.data() + r * K, d.data() + r * K / 32, sums.data() + r * K / 16);
   }
+  void copy_row(const QRows& from, int64_t s, int64_t r) {  // row r = row s of `from` (same K)
+    memcpy(xq.data() + r * K, from.xq.data() + s * K, K);
+    memcpy(d.data() + r * K / 32, from.d.data() + s * K / 32, K / 32 * sizeof(float));
+    memcpy(sums.data() + r * K / 16, from.sums.data() + s * K / 16, K / 16 * sizeof(int32_t));
+  }
 };
 
 // acc [rows][32] = rows r0.. of `in` times column block `blk` of stacked weight w's expert e, in passes.
@@ -224,8 +229,9 @@ void qexperts(const V* x, const int64_t* ids, const float* w, const QStack& gu, 
   const Groups g = group(ids, T * k, NE);
   const int64_t U = g.experts.size(), R = g.rows.size();
   const int64_t nb1 = I / HALF, nb2 = (H + HALF - 1) / HALF, hw = nb1 * BLOCK;
-  QRows xs(R, H), acts(R, I);
-  for (int64_t r = 0; r < R; ++r) xs.quantize<V>(x + g.rows[r] / k * H, r);
+  QRows tokens(T, H), xs(R, H), acts(R, I);  // each token's input quantized once, then one row per slot
+  for (int64_t t = 0; t < T; ++t) tokens.quantize<V>(x + t * H, t);
+  for (int64_t r = 0; r < R; ++r) xs.copy_row(tokens, g.rows[r] / k, r);
   std::unique_ptr<V[]> h(new V[R * hw]), act(new V[R * I]), y(new V[R * H]);
   const int64_t n1 = U * nb1, n2 = U * nb2;
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[U]), ready(new std::atomic<int64_t>[U]);
