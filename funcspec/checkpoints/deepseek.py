@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from funcspec.nn.llama import GQA, MLAConfig, yarn_mscale
+from funcspec.quant import formats
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+
+ABSORBED = ".self_attn.kv_b_proj"
+"""The linear MLA absorbs per head (its ``W_UK`` / ``W_UV`` views): float whatever a file stores."""
 
 
 def _positive(hf: dict, key: str, where: str, default: Any = None) -> int:
@@ -78,3 +84,19 @@ def attention_shapes(m: MLAConfig, heads: int, hidden: int, prefix: str) -> dict
                        i + "wk.weight": (m.index_head_dim, hidden), i + "k_norm.weight": (m.index_head_dim,),
                        i + "k_norm.bias": (m.index_head_dim,), i + "weights_proj.weight": (m.index_n_heads, hidden)})
     return shapes
+
+
+def dequantize_absorbed(linears: dict[str, dict], dtype, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``linears`` (module -> quantized params, as read from a file) without the ``kv_b_proj`` ones, and those as
+    float weights ``{"<module>.weight": W [N, K]}`` in ``dtype``: MLA reads each head of ``kv_b_proj`` as a matrix
+    (``W_UK`` / ``W_UV``), so a file that stores it quantized is dequantized at load, as vLLM does after loading.
+    A bias there is a ``ValueError`` naming it (MLA's absorbed products take none)."""
+    out, floats = {}, {}
+    for module, p in linears.items():
+        if not module.endswith(ABSORBED):
+            out[module] = p
+            continue
+        if p.get("bias") is not None:
+            raise ValueError(f"{where}: {module} has a bias; MLA absorbs kv_b_proj per head and takes none")
+        floats[module + ".weight"] = formats.dequantize(p, dtype)
+    return out, floats

@@ -287,7 +287,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         tensors = experts.stack(tensors, cfg.moe, str(weights))
     if scheme is not None:
         linears, used = quantized.read(tensors, scheme, _linear_shapes(shapes), dtype, str(weights))
-        tensors = {k: v for k, v in tensors.items() if k not in used}
+        linears, absorbed = deepseek.dequantize_absorbed(linears, dtype, str(weights))
+        tensors = {**{k: v for k, v in tensors.items() if k not in used}, **absorbed}
         for module, p in linears.items():
             shapes.pop(module + ".weight")
             if "bias" in p or module + ".bias" in used:

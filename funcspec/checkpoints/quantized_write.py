@@ -9,6 +9,10 @@ AutoAWQ, llm-compressor and msmodelslim write one: every expert's linears
 (``mlp.experts.<e>.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2``)
 and shared experts quantized, the router (``gate``) and Qwen2-MoE's
 ``shared_expert_gate`` float (compressed-tensors lists them in ``ignore``).
+A DeepSeek (MLA) checkpoint is written by :func:`write_ascend` as msmodelslim
+writes its W8A8 (:data:`MLA_LINEARS`; ``kv_b_proj`` and the indexer's ``wk`` and
+``weights_proj`` float, :data:`MLA_FLOAT`); the other writers quantize only its
+``o_proj`` (and V2-Lite's ``q_proj``) among the attention's linears.
 ``LLM(out)`` then reads the directory as it would a downloaded one.
 """
 
@@ -29,6 +33,19 @@ from funcspec.checkpoints.quantized import AWQ_ORDER, DESCRIPTION
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 """The linears of a decoder layer that published files quantize."""
+
+MLA_LINEARS = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+               "self_attn.o_proj", "self_attn.indexer.wq_b")
+"""An MLA layer's linears that msmodelslim quantizes in its DeepSeek W8A8 (V2-Lite's ``q_proj`` in place of
+``q_a_proj`` / ``q_b_proj``; ``indexer.wq_b``: V3.2's)."""
+
+MLA_FLOAT = ("self_attn.kv_b_proj", "self_attn.indexer.wk", "self_attn.indexer.weights_proj")
+"""An MLA layer's linears msmodelslim keeps float: ``kv_b_proj``, whose heads MLA absorbs into the query and the
+output, and the indexer's key and head-weight projections."""
+
+DEEPSEEK_MIX = dict(kind="W8A8_DYNAMIC", attention="W8A8")
+"""msmodelslim's DeepSeek W8A8 (its "mixed" quantization): the attention's linears W8A8 with static
+activations, the MLPs' and experts' W8A8_DYNAMIC, the routers float (:func:`write_ascend`'s arguments)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -74,18 +91,26 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.T
 ROUTERS = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:gate|shared_expert_gate)")
 """A MoE layer's router and Qwen2-MoE's shared-expert gate: kept float by every producer."""
 
+MTP_TABLES = (".embed_tokens.weight", ".shared_head.head.weight")
+"""An MTP layer's own embedding and LM head (DeepSeek's layout): read by row or as the head, kept float."""
+
 ROUTERS_IGNORED = ("re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$")
 """llm-compressor's ``ignore`` entries for them (as RedHatAI's MoE checkpoints list them)."""
 
 
-def _layers(hf: dict, tensors: dict) -> list[str]:
-    """The decoder layers' linears a producer quantizes: a dense layer's :data:`LINEARS`, and in a MoE every
-    expert's and shared expert's 2-D weights, not the routers."""
-    out = [f"model.layers.{i}.{m}" for i in range(hf["num_hidden_layers"]) for m in LINEARS]
+def _layers(hf: dict, tensors: dict, attention: tuple = LINEARS, mtp: bool = True) -> list[str]:
+    """The decoder layers' linears a producer quantizes: a dense layer's :data:`LINEARS` (``attention``: the
+    attention's among them), and in a MoE every expert's and shared expert's 2-D weights, not the routers.
+    ``mtp``: an MTP layer's too (a layer at index ``num_hidden_layers`` or above), else they stay float."""
+    n = hf["num_hidden_layers"]
+    every = sorted({int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.")})
+    out = [f"model.layers.{i}.{m}" for i in every for m in dict.fromkeys(attention + LINEARS)]
     out = [m for m in out if m + ".weight" in tensors]
-    return out + [k[:-len(".weight")] for k, v in tensors.items() if k.startswith("model.layers.")
-                  and k.endswith(".weight") and v.dim() == 2 and k[:-len(".weight")] not in out
-                  and ".self_attn." not in k and not ROUTERS.fullmatch(k[:-len(".weight")])]
+    out += [k[:-len(".weight")] for k, v in tensors.items() if k.startswith("model.layers.")
+            and k.endswith(".weight") and v.dim() == 2 and k[:-len(".weight")] not in out
+            and ".self_attn." not in k and not ROUTERS.fullmatch(k[:-len(".weight")])
+            and not k.endswith(MTP_TABLES)]
+    return [m for m in out if mtp or int(m.split(".")[2]) < n]
 
 
 def _save(src: Path, out: Path, hf: dict, tensors: dict, extra_files: Optional[dict] = None) -> Path:
@@ -210,21 +235,30 @@ def write_compressed_tensors(src, out, scheme: str = "w4a16", group: int = 128, 
     return _save(src, out, hf, new)
 
 
-def write_ascend(src, out, kind: str = "W8A8", input_offset: int = 3) -> Path:
+def write_ascend(src, out, kind: str = "W8A8", input_offset: int = 3, attention: Optional[str] = None,
+                 absorbed: bool = False, mtp: bool = False) -> Path:
     """``src`` as ModelSlim saves it for vLLM-Ascend: int8 ``weight`` per channel with ``weight_scale`` /
     ``weight_offset``; ``W8A8`` adds the static ``input_scale`` / ``input_offset`` (``input_offset`` here),
     ``deq_scale`` = input_scale weight_scale and ``quant_bias`` = round(b / deq_scale) - input_offset sum_k q;
-    and ``quant_model_description.json`` naming every tensor's type."""
+    and ``quant_model_description.json`` naming every tensor's type.
+
+    ``kind``: every quantized linear's type, or (``attention`` given) the MLPs' and experts', with the
+    attention's in ``attention`` (:data:`DEEPSEEK_MIX`). An MLA model's attention linears are
+    :data:`MLA_LINEARS`, its :data:`MLA_FLOAT` float, but for ``kv_b_proj`` where ``absorbed`` (a file that
+    stores it quantized, as some producers do). ``mtp``: an MTP layer quantized too (msmodelslim's
+    ``quant_mtp mix``; by default it stays float, as msmodelslim writes it)."""
     src, out = Path(src), Path(out)
     _, hf = read_config(src)
     tensors = read_weights(src)
-    layers = _layers(hf, tensors)
+    mla = MLA_LINEARS + (("self_attn.kv_b_proj",) if absorbed else ())
+    layers = _layers(hf, tensors, mla if hf.get("kv_lora_rank") else LINEARS, mtp)
     new = _floats(tensors, layers, torch.bfloat16)
     desc = {"model_quant_type": kind, "version": "1.0.0", **{k: "FLOAT" for k in new}}
     for m in layers:
+        kind_m = attention if attention and ".self_attn." in m else kind
         q, s, _ = rtn(tensors[m + ".weight"], 8, tensors[m + ".weight"].shape[1], True, torch.bfloat16)
         part = {"weight": (q - 128).to(torch.int8), "weight_scale": s, "weight_offset": torch.zeros_like(s)}
-        if kind == "W8A8":
+        if kind_m == "W8A8":
             in_scale = torch.tensor([0.05], dtype=torch.bfloat16)
             deq = in_scale.float() * s.float().flatten()  # [N]
             b = tensors.get(m + ".bias", torch.zeros(q.shape[0])).double()
@@ -233,8 +267,8 @@ def write_ascend(src, out, kind: str = "W8A8", input_offset: int = 3) -> Path:
                         deq_scale=deq, quant_bias=(torch.round(b / deq.double()) - input_offset * rowsum).to(torch.int32))
         for name, t in part.items():
             new[f"{m}.{name}"] = t
-            desc[f"{m}.{name}"] = kind
-        desc[f"{m}.weight"] = kind
+            desc[f"{m}.{name}"] = kind_m
+        desc[f"{m}.weight"] = kind_m
         if f"{m}.bias" in new:
-            desc[f"{m}.bias"] = kind
+            desc[f"{m}.bias"] = kind_m
     return _save(src, out, {**hf, "torch_dtype": "bfloat16"}, new, {DESCRIPTION: json.dumps(desc, indent=2)})

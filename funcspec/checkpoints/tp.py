@@ -9,6 +9,18 @@ Per decoder layer, rank r of n keeps::
     down_proj               the matching input columns; its bias whole
     everything else         replicated (embeddings, LM head, norms, q/k norms, MoE routers)
 
+An MLA layer (DeepSeek, :mod:`funcspec.nn.deepseek`) splits as vLLM splits it, by heads::
+
+    q_proj / q_b_proj       rows of its heads h in [r·H/n, (r+1)·H/n) (each head's nope + rope rows)
+    kv_b_proj               rows of the same heads (each head's W_UK and W_UV), float always
+    o_proj                  the matching input columns
+    q_a_proj, kv_a_proj_with_mqa, their norms, V3.2's indexer   replicated
+
+so every rank computes the whole latent and its latent cache holds all of it
+(the cache has no head axis to split); only the absorbed per-head products and
+o_proj are divided. ``kv_b_proj`` is never quantized on load: its heads are
+read as ``W_UK`` / ``W_UV`` views (:data:`funcspec.quant.prepare.INDEXED`).
+
 A MoE layer's stacked experts are split by expert under expert parallelism
 (``MoEConfig.expert_parallel``: rank r holds experts ``[r·E/n, (r+1)·E/n)``
 whole), else like an MLP: each expert's gate/up rows and down columns of its
@@ -45,9 +57,10 @@ from funcspec.kernels import quant as qk
 from funcspec.nn.llama import ModelConfig
 from funcspec.parallel import TPGroup
 from funcspec.quant import formats, shard
+from funcspec.quant.prepare import INDEXED, quantized_experts, quantizes_experts
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-"""Output-sharded layers: weight rows and bias sliced."""
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+"""Output-sharded layers: weight rows and bias sliced (MLA's ``q_b_proj`` and ``kv_b_proj`` by heads)."""
 
 ROW = ("o_proj", "down_proj")
 """Input-sharded layers: weight columns sliced, bias replicated."""
@@ -57,9 +70,10 @@ def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = 
     """Refuse a ``size`` (the ``field``) that ``model`` cannot be split by (``ValueError`` naming the field)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{field} must be an int >= 1, got {size!r}")
-    m = cfg.moe
-    sizes = [("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
-             ("intermediate_size", cfg.intermediate_size)]
+    m, mla = cfg.moe, cfg.mla.kv_lora_rank > 0
+    heads = [("num_attention_heads", cfg.num_heads)] if mla else \
+        [("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads)]
+    sizes = heads + [("intermediate_size", cfg.intermediate_size)]
     if m.num_experts:
         sizes += [("num_experts" if m.expert_parallel else "moe_intermediate_size",
                    m.num_experts if m.expert_parallel else m.intermediate_size),
@@ -67,16 +81,18 @@ def check_size(cfg: ModelConfig, size: int, model: str = "target", field: str = 
     for name, n in sizes:
         if n % size:
             raise ValueError(f"{field}={size} must divide the {model}'s {name}={n} "
-                             f"(each rank holds whole KV heads)")
+                             f"(each rank holds whole {'heads' if mla else 'KV heads'})")
 
 
 def shard_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
-    """Rank ``tp.rank``'s config: its share of heads, KV heads and the MLP's intermediate size."""
+    """Rank ``tp.rank``'s config: its share of heads, KV heads and the MLP's intermediate size. An MLA model
+    keeps its ``num_kv_heads`` (unread: its cache is the one replicated latent)."""
     check_size(cfg, tp.size)
     m = cfg.moe
     moe = dataclasses.replace(m, shared_intermediate_size=m.shared_intermediate_size // tp.size,
                               intermediate_size=m.intermediate_size // (1 if m.expert_parallel else tp.size))
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=cfg.num_kv_heads // tp.size,
+    kv_heads = cfg.num_kv_heads if cfg.mla.kv_lora_rank else cfg.num_kv_heads // tp.size
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=kv_heads,
                                intermediate_size=cfg.intermediate_size // tp.size, tp=tp, moe=moe)
 
 
@@ -125,29 +141,45 @@ def check_quantized(params: dict, size: int, scheme=None, field: str = "tensor_p
         return
     for i, block in enumerate(params["model"]["layers"]):
         experts = block.get("mlp", {}).get("experts")
-        why = None if expert_parallel or experts is None else experts_split_error(experts, size)
+        why = None if expert_parallel or experts is None else experts_split_error(experts, size, scheme)
         if why is not None:
             raise ValueError(f"{field}={size} cannot split model.layers.{i}.mlp.experts: {why} (each expert's "
                              f"intermediate size is split; enable_expert_parallel=True splits whole experts)")
-        for part in ("self_attn", "mlp"):
-            for name in ROW:
-                p = block.get(part, {}).get(name)
-                fmt = _format(p, scheme)
-                why = None if fmt is None else shard.input_split_error(fmt, size, "perm" in p)
-                if why is not None:
-                    raise ValueError(f"{field}={size} cannot split model.layers.{i}.{part}.{name}: {why}")
+        for path, p in _row_layers(block):
+            fmt = _format(p, scheme)
+            why = None if fmt is None else shard.input_split_error(fmt, size, "perm" in p)
+            if why is not None:
+                raise ValueError(f"{field}={size} cannot split model.layers.{i}.{path}: {why}")
 
 
-def experts_split_error(experts: dict, size: int) -> Optional[str]:
-    """Why quantized stacked experts cannot have each expert's intermediate size I split into ``size`` (gate and
-    up in whole column blocks of 32, down's inputs in whole groups), or ``None`` (float experts: always)."""
+SHARED = ("shared_expert", "shared_experts")
+"""A MoE layer's shared expert (Qwen2-MoE's, and GLM-4.5's and DeepSeek's): a dense MLP, split as one."""
+
+
+def _row_layers(block: dict):
+    """``(path, params)`` of each row-parallel linear of decoder block ``block``, a shared expert's included."""
+    parts = [(part, block.get(part, {})) for part in ("self_attn", "mlp")]
+    parts += [(f"mlp.{name}", block["mlp"][name]) for name in SHARED if name in block.get("mlp", {})]
+    for part, layers in parts:
+        for name in ROW:
+            if name in layers:
+                yield f"{part}.{name}", layers[name]
+
+
+def experts_split_error(experts: dict, size: int, scheme=None) -> Optional[str]:
+    """Why quantized stacked experts (or float ones that ``scheme`` quantizes on load) cannot have each expert's
+    intermediate size I split into ``size`` (gate and up in whole column blocks of 32, down's inputs in whole
+    groups), or ``None`` (float experts: always)."""
     gate_up, down = experts["gate_up_proj"], experts["down_proj"]
-    if "qweight" not in gate_up:
+    if "qweight" in gate_up:
+        i, fmt = gate_up["format"].out_features, down["format"]
+    elif scheme and quantizes_experts(gate_up["weight"], down["weight"], scheme):
+        i, fmt = down["weight"].shape[2], formats.scheme_format(down["weight"][0], scheme)
+    else:
         return None
-    i = gate_up["format"].out_features
     if i % size or (i // size) % qk.QB:
         return f"its intermediate size {i} / {size} is not a whole number of blocks of {qk.QB}"
-    return shard.input_split_error(down["format"], size)
+    return shard.input_split_error(fmt, size)
 
 
 def _shard_quantized_experts(experts: dict, tp: TPGroup, expert_parallel: bool) -> dict:
@@ -166,9 +198,15 @@ def _shard_quantized_experts(experts: dict, tp: TPGroup, expert_parallel: bool) 
                                [shard.split_inputs(d, tp.rank, tp.size) for _, _, d in parts])
 
 
-def shard_experts(experts: dict, tp: TPGroup, expert_parallel: bool) -> dict:
+def shard_experts(experts: dict, tp: TPGroup, expert_parallel: bool, scheme=None) -> dict:
     """A MoE layer's stacked experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) for rank ``tp.rank``:
-    its whole experts under expert parallelism, else its block of every expert's intermediate size."""
+    its whole experts under expert parallelism, else its block of every expert's intermediate size, quantized
+    to ``scheme`` first where it takes them (a per-channel scale of ``down_proj`` spans all of I: quantized
+    after the split, a rank's scales would not be one rank's)."""
+    gate_up, down = experts["gate_up_proj"], experts["down_proj"]
+    if scheme and not expert_parallel and "qweight" not in gate_up \
+            and quantizes_experts(gate_up["weight"], down["weight"], scheme):
+        experts = quantized_experts(gate_up["weight"], down["weight"], scheme)
     if "qweight" in experts["gate_up_proj"]:
         return _shard_quantized_experts(experts, tp, expert_parallel)
     gate_up, down = experts["gate_up_proj"]["weight"], experts["down_proj"]["weight"]
@@ -191,12 +229,12 @@ def shard_layer(block: dict, tp: TPGroup, scheme=None, expert_parallel: bool = F
         out[part] = {}
         for name, p in layers.items():
             if name == "experts":
-                out[part][name] = shard_experts(p, tp, expert_parallel)
+                out[part][name] = shard_experts(p, tp, expert_parallel, scheme)
                 continue
-            if name in ("shared_expert", "shared_experts"):  # a dense MLP
+            if name in SHARED:  # a dense MLP
                 out[part][name] = shard_layer({"mlp": p}, tp, scheme)["mlp"]
                 continue
-            if name in COLUMN + ROW:
+            if name in COLUMN + ROW and name not in INDEXED:  # MLA's kv_b_proj stays float
                 p = _quantized(p, scheme)
             if name in COLUMN:
                 out[part][name] = shard.split_outputs(p, tp.rank, tp.size, order) if "qweight" in p else \
