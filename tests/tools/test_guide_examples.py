@@ -15,10 +15,15 @@ proves it: it asserts funcspec's refusal of the value as written, then runs the
 example scaled down to the zoo (the other values as the guide has them):
 
 - 4, 5: ``tensor_parallel_size`` 4: the zoo target has 2 KV heads (run at 2);
-- 6, 7: DeepSeek-V3.2 (MLA, MoE, tensor-parallel 16, ``quantization="ascend"``):
-  funcspec cannot run that architecture until issues 41 (mixture of experts)
-  and 42 (the DeepSeek family) land; the MTP example runs on the zoo target and
-  its MTP head;
+- 6, 7: DeepSeek-V3.2-Exp-W8A8: a tiny random DeepSeek (:func:`make_deepseek`:
+  MLA, DeepSeekMoE, 4 heads, a context above the guide's 36768, the zoo's
+  tokenizer) written as msmodelslim writes its W8A8 (attention W8A8, MLPs
+  W8A8_DYNAMIC, ``kv_b_proj`` float), run with ``quantization="ascend"`` and
+  expert parallelism at tensor-parallel 2 (16 would cut its 4 heads), on gloo,
+  and equal to one rank (:func:`test_example_6_on_two_ranks_equals_one_rank`,
+  example 7 served). It is a DeepSeek-V3 without MTP layers until V3.2's
+  indexer and native MTP run: an EAGLE-3 head drafts K = 2 in MTP's place, and
+  ``mtp`` on it is refused with its reason;
 - 8-11, 16: ``max_model_len`` 4096 is above the zoo's 2048 (run at 2048; 9 at
   256, since its 256 slots of 2048 positions would hold 2 GB of KV cache);
 - 14, 15: hidden-state layers 18 and 34 of a 36-layer model: the zoo target has
@@ -33,13 +38,18 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from safetensors import safe_open
 
 from funcspec import LLM, SamplingParams, zoo
 from funcspec.checkpoints import init_draft_head
+from funcspec.checkpoints import quantized_write as qw
 from funcspec.config import CompilationConfig
 from funcspec.serve.args import build_parser, engine_kwargs, extra_engine_args
 from served import Served, post
@@ -304,17 +314,18 @@ SCHEMA_17 = '''--speculative-config '{
 
 
 DEEPSEEK = ("deepseek-ai/DeepSeek-V3.2-Exp-W8A8", "/deepseek-ai/DeepSeek-V3.2-Exp-W8A8")
+DEEPSEEK_EAGLE3 = "deepseek-eagle3"  # a random EAGLE-3 head for the tiny DeepSeek (names)
 LAYERS = ("speculative_config", "draft_model_config", "hf_config", "eagle_aux_hidden_state_layer_ids")
 DROP = object()  # an argument the zoo's run leaves out
 _ABOVE = r"^max_model_len={} is above this model's maximum context of 2048 tokens"
 _TP = r"^tensor_parallel_size={} must divide the target's num_key_value_heads=2"
 _LAYERS = r"eagle_aux_hidden_state_layer_ids: \[18, 34\] outside \[0, 4\] for this target$"
 _DEEPSEEK = [
-    (("model",), "target", r"unsupported architecture \(architectures=\['DeepseekV32ForCausalLM'\]"),
-    (("tensor_parallel_size",), 1, _TP.format(16)),
-    (("max_model_len",), 2048, _ABOVE.format(36768)),
-    (("quantization",), DROP, r"^quantization='ascend', but .* declares no quantization"),
-    (("speculative_config", "model"), "mtp", None),  # the zoo target has no MTP layers in it: its head does
+    (("tensor_parallel_size",), 2, r"^tensor_parallel_size=16 must divide the target's num_attention_heads=4 "
+                                   r"\(each rank holds whole heads\)"),
+    # NOTE: until native MTP layers run (test_deepseek_mtp_is_refused_with_its_reason), an EAGLE-3 head drafts
+    (("speculative_config", "method"), "eagle3", None),
+    (("speculative_config", "model"), DEEPSEEK_EAGLE3, None),
 ]
 SCALED = {  # example -> (argument path, the zoo's value, the refusal of the guide's value on the zoo) each
     4: [(("tensor_parallel_size",), 2, _TP.format(4))],
@@ -331,10 +342,10 @@ SCALED = {  # example -> (argument path, the zoo's value, the refusal of the gui
 }
 WARNED = {  # example -> pieces of the warnings building it gives: what it asks for that funcspec does not do
     4: ["'distributed_executor_backend'"],
-    6: ["compilation_config.cudagraph_mode", "enable_expert_parallel=True has no effect: the target is dense",
-        "'trust_remote_code'",
+    6: ["compilation_config.cudagraph_mode", "'gpu_memory_utilization'", "'trust_remote_code'",
         "speculative_config.disable_padded_drafter_batch"],
-    7: ["compilation_config.cudagraph_mode", "'data_parallel_size'", "'max_num_batched_tokens'"],
+    7: ["compilation_config.cudagraph_mode", "'data_parallel_size'", "'gpu_memory_utilization'",
+        "'max_num_batched_tokens'", "'trust_remote_code'", "speculative_config.disable_padded_drafter_batch"],
     8: ["compilation_config.cudagraph_mode (funcspec captures each bucket's whole step", "'enable_prefix_caching'"],
     9: ["compilation_config.cudagraph_mode", "'gpu_memory_utilization'"],
     10: ["compilation_config.cudagraph_mode", "speculative_config.enforce_eager"],
@@ -349,18 +360,41 @@ BROKEN = {20: "--additional-config", 23: "--speculative-config"}
 """The examples whose JSON the guide breaks: a backslash before a line end inside single quotes stays in the text."""
 
 
+def make_deepseek(path: Path) -> None:
+    """A tiny random DeepSeek-V3 at ``path`` for the guide's DeepSeek examples: 4 heads (MLA), 8 routed experts and
+    a shared one, a dense first layer, a context of 40960 (the guide asks 36768), the zoo's tokenizer; every size a
+    W8A8 split at tensor-parallel 2 keeps whole (blocks of 32 inputs per rank)."""
+    tokenizer = zoo.model_path("target")
+    special = {k: v for k, v in json.loads((tokenizer / "config.json").read_text()).items() if k.endswith("token_id")}
+    config = transformers.DeepseekV3Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=40960, tie_word_embeddings=False, moe_intermediate_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, **special)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+
+
 @pytest.fixture(scope="module")
 def names(tmp_path_factory):
     """The guide's model names -> local paths: the zoo's; a random EAGLE-1 head for the zoo target (the zoo trains
-    none); for DeepSeek-V3.2, a directory with its config.json alone (its architecture is refused first). Also
-    example 14's ``tmpdir``, where its hidden states go."""
+    none); for DeepSeek-V3.2-Exp-W8A8, a tiny DeepSeek written as msmodelslim writes W8A8 (:func:`make_deepseek`)
+    and a random EAGLE-3 head for it. Also example 14's ``tmpdir``, where its hidden states go."""
     root = tmp_path_factory.mktemp("guide")
     eagle = init_draft_head("eagle", str(zoo.model_path("target")), root / "eagle")
-    (root / "deepseek").mkdir()
-    (root / "deepseek" / "config.json").write_text(json.dumps(
-        {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_nextn_predict_layers": 1}))
+    make_deepseek(root / "deepseek-float")
+    deepseek = qw.write_ascend(root / "deepseek-float", root / "deepseek", **qw.DEEPSEEK_MIX)
+    eagle3 = init_draft_head("eagle3", str(root / "deepseek-float"), root / "deepseek-eagle3")
     return {**{name: str(zoo.model_path(role)) for name, role in ZOO.items()}, EAGLE: str(eagle),
-            **dict.fromkeys(DEEPSEEK, str(root / "deepseek")), "tmpdir": str(root / "hidden_states")}
+            **dict.fromkeys(DEEPSEEK, str(deepseek)), DEEPSEEK_EAGLE3: str(eagle3),
+            "tmpdir": str(root / "hidden_states")}
 
 
 def localize(text: str, names: dict) -> str:
@@ -430,8 +464,8 @@ def scaled(number: int, names: dict) -> dict:
     """The example's arguments on the zoo: each value the zoo cannot take replaced (:data:`SCALED`), after
     asserting that the guide's value alone is refused on the zoo with its reason."""
     kwargs = example_kwargs(number, names)
-    zoo_values = {path: names.get(value, str(zoo.model_path(value))) if isinstance(value, str) else value
-                  for path, value, _ in SCALED.get(number, [])}
+    zoo_values = {path: (names[value] if value in names else str(zoo.model_path(value))) if path[-1] == "model"
+                  else value for path, value, _ in SCALED.get(number, [])}
     runnable = kwargs
     for path, value in zoo_values.items():
         runnable = with_value(runnable, path, value)
@@ -508,3 +542,56 @@ def test_example_15_served_names_each_hidden_state_file(names, tmp_path):
         with safe_open(choice["kv_transfer_params"]["hidden_states_path"], "pt") as f:
             assert f.get_tensor("token_ids").tolist() == choice["prompt_token_ids"]
             assert f.get_tensor("hidden_states").shape == (len(choice["prompt_token_ids"]), 3, 256)
+
+
+DEEPSEEK_PROMPTS = PROMPTS + ["Speculative decoding drafts tokens that", "Mixture of experts"]
+
+
+def _texts(llm: LLM, params) -> list:
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(DEEPSEEK_PROMPTS, params)]
+    finally:
+        llm.close()
+
+
+def test_example_6_on_two_ranks_equals_one_rank(names):
+    """Example 6 as the guide writes it, but the model (msmodelslim's W8A8 of a tiny DeepSeek) and its
+    tensor-parallel size: two gloo ranks with expert parallelism emit one rank's tokens, greedy and with the guide's
+    sampling; expert parallelism is not warned about (the target has experts)."""
+    kwargs = scaled(6, names)
+    assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"], kwargs["quantization"],
+            kwargs["max_model_len"]) == (2, True, "ascend", 36768)
+    for params in (SamplingParams(**GREEDY), SAMPLING):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            two = _texts(eager(**kwargs), params)
+        assert not [w for w in record if "enable_expert_parallel" in str(w.message)]
+        assert two == _texts(eager(**with_value(kwargs, ("tensor_parallel_size",), 1)), params)
+        assert all(1 <= len(t) <= 16 for t in two) and len(set(map(tuple, two))) > 1
+
+
+def test_example_7_served_on_two_ranks_answers_as_one_rank(names, tmp_path):
+    """Example 7 served with the guide's flags (tensor-parallel 2; ``--port`` replaced by a free one), queried by its
+    served model name: greedy, it answers one rank's tokens."""
+    pytest.importorskip("fastapi")
+    # NOTE: an EAGLE-3 head drafts in MTP's place until native MTP layers run (SCALED)
+    line = SERVE_EXAMPLES[7].replace("--tensor-parallel-size 16", "--tensor-parallel-size 2").replace(
+        '"method":"mtp"', f'"method": "eagle3", "model": {json.dumps(names[DEEPSEEK_EAGLE3])}')
+    served = Served([*serve_argv(line, names), "--enforce-eager"], tmp_path / "server.log", timeout=300)
+    try:
+        status, raw, _ = post(served.connection(), "/v1/completions",
+                              dict(GREEDY, model="dsv3", prompt=DEEPSEEK_PROMPTS, return_token_ids=True))
+    finally:
+        served.stop()
+    want = _texts(eager(**with_value(scaled(7, names), ("tensor_parallel_size",), 1)), SamplingParams(**GREEDY))
+    assert status == 200, raw
+    assert [c["token_ids"] for c in sorted(json.loads(raw)["choices"], key=lambda c: c["index"])] == want
+
+
+def test_deepseek_mtp_is_refused_with_its_reason(names):
+    """``mtp`` on a DeepSeek target whose MTP layers funcspec does not run yet: refused, naming the architecture and
+    what runs (the guide's examples 6 and 7 draft with an EAGLE-3 head meanwhile)."""
+    kwargs = with_value(scaled(6, names), ("speculative_config",), example_kwargs(6, names)["speculative_config"])
+    with pytest.raises(ValueError, match=r"architectures \['DeepseekV3ForCausalLM'\] is DeepSeek-V3 \(MLA attention, "
+                                         r"MoE\): its MTP module runs inside that model's layers"):
+        eager(**with_value(kwargs, ("tensor_parallel_size",), 1))
