@@ -94,6 +94,14 @@ def test_config_reads_mla_moe_and_yarn():
         assert model_config(hf_config_dict(cfg, bos_token_id=1, eos_token_id=2)) == cfg, f
 
 
+@pytest.mark.parametrize(("arch", "part"), [("Qwen3NextForCausalLM", "hybrid linear attention"),
+                                           ("DeepseekV4ForCausalLM", "compressed sparse attention")])
+def test_architectures_not_built_are_refused_naming_what_is_missing(tmp_path, arch, part):
+    (tmp_path / "config.json").write_text(f'{{"architectures": ["{arch}"], "hidden_size": 64}}')
+    with pytest.raises(ValueError, match=f"{arch} needs .*{part}.*which funcspec does not build yet"):
+        Engine(str(tmp_path))
+
+
 def test_latent_cache_bytes_per_token():
     """The cache holds R + rope values a token a layer; the expanded cache would hold H (nope + rope + v)."""
     cfg = model_config({**BASE, **FAMILIES["v3"][2], "architectures": ["DeepseekV3ForCausalLM"]})
@@ -135,3 +143,19 @@ def test_greedy_speculation_on_deepseek_equals_ar(v3, eagle3, reference, method)
 def test_captured_speculation_on_deepseek_equals_ar(v3, reference):
     prompts, want = reference
     assert_captured_lossless(v3, _spec("ngram", 3), prompts, want, warm=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
+def test_cudagraph_speculation_on_deepseek_equals_ar_on_cuda(v3, eagle3, method):
+    """A bf16 DeepSeek-V3 on CUDA: latent attention and its tree commits replay in CUDA graphs, and captured
+    greedy speculation equals eager greedy AR."""
+    kw = dict(max_batch_size=4, max_model_len=96, device="cuda", dtype=torch.bfloat16)
+    prompts = _prompts(12)
+    want = _ids(Engine(v3, backend="eager", **kw).generate(prompts, GREEDY))
+    spec = _spec("ngram", 3) if method == "ngram" else {
+        "method": "eagle3", "model": eagle3, "num_speculative_tokens": 5,
+        "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"}
+    eng = Engine(v3, backend="cudagraph", speculative_config=spec, **kw)
+    assert _ids(eng.generate(prompts, GREEDY)) == want
+    assert eng.stats["recompiles"] == 0
