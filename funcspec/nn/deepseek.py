@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from funcspec.nn import dsa
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, apply_rope, attend, feed_forward,
                                read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
 from funcspec.nn.llama import forward as llama_forward
@@ -124,10 +125,20 @@ def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tens
 
 def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, pos, cos, sin,
               read: KVRead = FULL_READ, tree: Optional[TreeMask] = None) -> torch.Tensor:
-    """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden]."""
-    q, latent, _ = mla_query_latent(cfg, p, x, cos, sin)
+    """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden].
+    With V3.2's indexer (``cfg.mla.index_topk``) it writes the index keys too and attends only over each query's
+    selected positions (:func:`funcspec.nn.dsa.sparse_visible`)."""
+    q, latent, q_low = mla_query_latent(cfg, p, x, cos, sin)
     write_kv(kv.latent, layer, slots, pos, latent.to(kv.latent.dtype))
-    return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree)
+    select = None
+    if cfg.mla.index_topk:  # V3.2: the indexer writes its key, then picks the positions attention reads
+        ix = p["indexer"]
+        write_kv(kv.index, layer, slots, pos, dsa.index_key(cfg.ops, ix, x, cos, sin).to(kv.index.dtype))
+
+        def select(visible):
+            return dsa.sparse_visible(cfg.ops, cfg.mla, ix, kv.index[layer], x, q_low, slots, cos, sin, visible,
+                                      read)
+    return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree, select)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, pos, cos, sin, window=None,

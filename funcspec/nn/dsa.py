@@ -5,7 +5,9 @@ Each layer's indexer (params ``self_attn.indexer``, HF names: ``wq_b``,
 token, ``index_n_heads`` index queries from the MLA query latent (``q_resid``,
 the normed ``q_a_proj`` output), one index key from the layer input, and one
 weight per head. Index keys are cached beside the latent, one
-``index_head_dim`` vector per token and layer (:func:`init_index_keys`); a
+``index_head_dim`` vector per token and layer (``LatentCache.index``
+[L, S+1, 1, T_max, Di] of :mod:`funcspec.nn.deepseek`: a one-head KV leaf,
+written, read, rolled back and moved along a tree's path as the latent is); a
 query scores every cached position it may see and attention then reads only
 the ``index_topk`` best (:func:`funcspec.kernels.Ops.lightning_indexer`).
 
@@ -13,8 +15,9 @@ As transformers computes it: RoPE rotates the first ``qk_rope_head_dim`` dims
 of index queries and keys, half-split (rotate-half, not MLA's interleaved
 pairs), with the model's RoPE tables (YaRN's scaling included); the Hadamard
 rotation and FP8 scores of DeepSeek's reference kernels are left out (the one
-preserves dot products, the other only precision). Under tensor parallelism the
-indexer is replicated, as vLLM holds it: every rank selects the same positions.
+preserves dot products, the other only precision). Its weights are whole on
+every rank (vLLM replicates them too; ``checkpoints.tp`` splits none of their
+names), so under tensor parallelism every rank selects the same positions.
 
 Static shapes: the selection is ``[B, T, min(index_topk, T_read)]`` per
 context bucket, and a bucket whose read length is at most ``index_topk``
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from funcspec.kernels import Ops
-from funcspec.nn.llama import KVRead, apply_rope
+from funcspec.nn.llama import KVRead, MLAConfig, apply_rope, read_cache
 
 K_NORM_EPS = 1e-6
 """The index keys' LayerNorm epsilon (fixed in transformers and DeepSeek's reference, not in config.json)."""
@@ -54,50 +57,10 @@ def check_config(q_lora_rank: int, index_n_heads: int, index_head_dim: int, inde
                          f"({qk_rope_head_dim}) that RoPE rotates in the index queries and keys")
 
 
-# ----------------------------------------------------------------------------- the index-key cache
-
-
-def init_index_keys(mla, num_layers: int, num_slots: int, max_len: int, dtype=torch.float32,
-                    device=None) -> torch.Tensor:
-    """An empty index-key cache [L, S+1, T_max, index_head_dim]: ``num_slots`` slots plus the scratch slot.
-
-    Declare it ``tree.slot_field(axis=1)`` in the model's cache."""
-    return torch.zeros(num_layers, num_slots + 1, max_len, mla.index_head_dim, dtype=dtype, device=device)
-
-
-def write_rows(cache: torch.Tensor, layer: int, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
-    """Write x [B, T, D] into cache [L, S+1, T_max, D] at (layer, slot, pos [B, T]). Donates: cache."""
-    # NOTE: one full-tensor index_put_, as nn.llama.write_kv (a write through a view makes inductor copy the cache).
-    l_idx = torch.full((1, 1), layer, dtype=torch.int64, device=x.device)
-    cache.index_put_((l_idx, slots.view(-1, 1), pos), x.to(cache.dtype))
-
-
-def read_rows(cache: torch.Tensor, slots: torch.Tensor, read: KVRead) -> torch.Tensor:
-    """One layer's rows [B, T_read, D] of each row's slot, from its cache [S+1, T_max, D] (``cache[layer]``)."""
-    t = cache.shape[1] if read.length is None else read.length
-    if read.aligned:  # row b is slot b: a view (padding rows read a free slot, seen only by their own outputs)
-        return cache[: slots.shape[0], :t]
-    return cache[:, :t][slots]
-
-
-def move_rows(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy positions src [B, M] to dst [B, M] of each row's slot in every layer of cache [L, S+1, T_max, D]
-    (sources read before any write; destinations distinct per row). Donates: cache."""
-    idx = (torch.arange(cache.shape[0], device=src.device).view(-1, 1, 1), slots.view(1, -1, 1))
-    cache.index_put_((*idx, dst.unsqueeze(0)), cache[(*idx, src.unsqueeze(0))])
-
-
-def commit_path(cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, path: torch.Tensor) -> None:
-    """A token tree's accepted path [B, D+1] (tree indices) moved from ``lens + index`` to ``lens + depth``, as
-    :func:`funcspec.nn.llama.commit_path` moves the KV. Donates: cache."""
-    depth = torch.arange(path.shape[1], device=path.device)  # [D+1]
-    move_rows(cache, slots, lens.unsqueeze(1) + path, lens.unsqueeze(1) + depth)
-
-
 # ----------------------------------------------------------------------------- the indexer
 
 
-def index_query(ops: Ops, mla, p: dict, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def index_query(ops: Ops, mla: MLAConfig, p: dict, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Index queries [B, T, Hi, Di] from the query latent q_resid [B, T, q_lora_rank], RoPE'd by cos/sin
     [B, T, 1, R] (rotate-half layout, R = qk_rope_head_dim)."""
     q = ops.linear(q_resid, p["wq_b"]).unflatten(-1, (mla.index_n_heads, mla.index_head_dim))  # [B, T, Hi, Di]
@@ -105,13 +68,14 @@ def index_query(ops: Ops, mla, p: dict, q_resid: torch.Tensor, cos: torch.Tensor
 
 
 def index_key(ops: Ops, p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The index key [B, T, Di] of the layer input x [B, T, H]: ``wk``, LayerNorm, RoPE on the first R dims."""
+    """The index key [B, T, 1, Di] of the layer input x [B, T, H] (what the cache holds): ``wk``, LayerNorm,
+    RoPE on the first R dims."""
     k = ops.linear(x, p["wk"])  # [B, T, Di]
     k = F.layer_norm(k, k.shape[-1:], p["k_norm"]["weight"], p["k_norm"].get("bias"), K_NORM_EPS)
-    return apply_rope(k.unsqueeze(2), cos, sin).squeeze(2)  # [B, T, Di]
+    return apply_rope(k.unsqueeze(2), cos, sin)  # [B, T, 1, Di]
 
 
-def head_weights(ops: Ops, mla, p: dict, x: torch.Tensor) -> torch.Tensor:
+def head_weights(ops: Ops, mla: MLAConfig, p: dict, x: torch.Tensor) -> torch.Tensor:
     """Per-head weights [B, T, Hi] fp32 of the layer input x [B, T, H], times ``Hi ** -0.5``.
 
     In fp32 from an fp32 input, as transformers keeps ``weights_proj``
@@ -121,7 +85,7 @@ def head_weights(ops: Ops, mla, p: dict, x: torch.Tensor) -> torch.Tensor:
     return y.float() * mla.index_n_heads ** -0.5
 
 
-def select(ops: Ops, mla, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+def select(ops: Ops, mla: MLAConfig, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
            visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions attention reads: ``idx``, ``valid`` [B, T, min(index_topk, T_read)] of index queries q
     [B, T, Hi, Di] with weights w [B, T, Hi] over index keys [B, T_read, Di] (already holding this step's),
@@ -135,19 +99,20 @@ def selected(idx: torch.Tensor, valid: torch.Tensor, t_read: int) -> torch.Tenso
     return mask.scatter(-1, idx, valid)
 
 
-def sparse_visible(ops: Ops, mla, p: dict, cache: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor,
+def sparse_visible(ops: Ops, mla: MLAConfig, p: dict, cache: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor,
                    slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
                    read: KVRead) -> torch.Tensor:
     """Attention's visibility [B, T, T_read] under DSA: ``visible`` cut to each query's selected positions.
 
-    ``cache`` is this layer's index keys [S+1, T_max, Di] holding this step's
-    (:func:`index_key`, :func:`write_rows`); x [B, T, H] is the layer's
-    (normed) input and q_resid [B, T, q_lora_rank] its query latent. A read of
-    at most ``index_topk`` positions keeps ``visible`` as it is, unscored.
+    ``cache`` is this layer's index keys [S+1, 1, T_max, Di], already holding
+    this step's (:func:`index_key`); x [B, T, H] is the layer's (normed) input
+    and q_resid [B, T, q_lora_rank] its query latent. A read of at most
+    ``index_topk`` positions keeps ``visible`` as it is, unscored.
     """
     t_read = visible.shape[-1]
     if mla.index_topk >= t_read:  # static: every visible position is among the top k
         return visible
+    keys = read_cache(cache.unsqueeze(0), 0, slots, read)[:, 0]  # [B, T_read, Di]
     q = index_query(ops, mla, p, q_resid, cos, sin)  # [B, T, Hi, Di]
-    idx, valid = select(ops, mla, q, head_weights(ops, mla, p, x), read_rows(cache, slots, read), visible)
+    idx, valid = select(ops, mla, q, head_weights(ops, mla, p, x), keys, visible)
     return selected(idx, valid, t_read)

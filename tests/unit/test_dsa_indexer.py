@@ -9,34 +9,30 @@ each row's length, in blocks of the sizes prefill, AR and verification use.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from funcspec.kernels import REFERENCE, indexer
 from funcspec.nn import dsa
-from funcspec.nn.llama import KVRead, TreeMask, visible_keys
+from funcspec.nn.deepseek import LatentCache
+from funcspec.nn.llama import KVRead, MLAConfig, TreeMask, commit_path, visible_keys, write_kv
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32  # noqa: E402
 
 
-@dataclasses.dataclass(frozen=True)
-class MLA:
-    """The indexer's fields of the model's MLA config (the same names)."""
-
-    index_n_heads: int = 8
-    index_head_dim: int = 32
-    index_topk: int = 5
-    qk_rope_head_dim: int = 8
+def tiny_mla(**indexer) -> MLAConfig:
+    """The MLA config of the tiny models below, its indexer fields overridden by ``indexer``."""
+    base = dict(index_n_heads=8, index_head_dim=32, index_topk=5)
+    return MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                     **(base | indexer))
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
-def hf_config(mla: MLA, rope=None):
+def hf_config(mla: MLAConfig, rope=None):
     cfg = transformers.DeepseekV32Config(
         vocab_size=64, hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
@@ -60,7 +56,7 @@ def nested(state: dict) -> dict:
     return out
 
 
-def make_indexer(mla: MLA, rope=None, seed: int = 0):
+def make_indexer(mla: MLAConfig, rope=None, seed: int = 0):
     """transformers' indexer with random weights (LayerNorm's too), its params, and its rotary embedding."""
     cfg = hf_config(mla, rope)
     torch.manual_seed(seed)
@@ -82,6 +78,11 @@ def hf_selection(module, rotary, x, q_resid) -> torch.Tensor:
     return mask & causal
 
 
+def index_cache(mla: MLAConfig, slots: int, max_len: int, dtype=torch.float32) -> torch.Tensor:
+    """One layer's index keys [1, S+1, 1, T_max, Di], as ``LatentCache.index`` holds them."""
+    return torch.zeros(1, slots + 1, 1, max_len, mla.index_head_dim, dtype=dtype)
+
+
 def tables(rotary, x, pos):
     cos, sin = rotary(x, pos)  # [B, T, R]
     return cos.unsqueeze(2), sin.unsqueeze(2)
@@ -95,7 +96,7 @@ def run_blocks(mla, params, rotary, x, q_resid, blocks, slots, max_len=48, stale
     """
     gen = torch.Generator().manual_seed(7)
     scratch = int(slots.max()) + 1
-    cache = dsa.init_index_keys(mla, 1, scratch, max_len)
+    cache = index_cache(mla, scratch, max_len, x.dtype)
     if stale:  # entries past every row's length that no query may see
         cache.normal_(generator=gen)
     got = {}
@@ -106,7 +107,7 @@ def run_blocks(mla, params, rotary, x, q_resid, blocks, slots, max_len=48, stale
         xb = torch.stack([x[b, pos[b]] for b in range(len(starts))])  # [B, T, H]
         qb = torch.stack([q_resid[b, pos[b]] for b in range(len(starts))])  # [B, T, Q]
         cos, sin = tables(rotary, xb, pos)
-        dsa.write_rows(cache, 0, step_slots, pos, dsa.index_key(REFERENCE, params, xb, cos, sin))
+        write_kv(cache, 0, step_slots, pos, dsa.index_key(REFERENCE, params, xb, cos, sin))
         visible = visible_keys(pos, length)
         sel = dsa.sparse_visible(REFERENCE, mla, params, cache[0], xb, qb, step_slots, cos, sin, visible,
                                  KVRead(length, aligned))
@@ -132,7 +133,7 @@ def compare(got: dict, want: torch.Tensor) -> int:
 def test_selection_matches_transformers_across_blocks_and_buckets(rope):
     """Prefill, AR and verify-sized blocks in static buckets select what transformers selects, and the top-k
     is smaller than the context, so that the selection cuts."""
-    mla = MLA()
+    mla = tiny_mla()
     module, params, rotary, cfg = make_indexer(mla, rope)
     n = 40
     x = torch.randn(2, n, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -152,7 +153,7 @@ def test_selection_matches_transformers_across_blocks_and_buckets(rope):
 
 def test_aligned_reads_select_alike():
     """Rows read in place (row b is slot b) select as gathered rows do."""
-    mla = MLA(index_topk=3)
+    mla = tiny_mla(index_topk=3)
     module, params, rotary, cfg = make_indexer(mla, seed=3)
     x = torch.randn(2, 20, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     q_resid = torch.randn(2, 20, cfg.q_lora_rank, generator=torch.Generator().manual_seed(5))
@@ -163,7 +164,7 @@ def test_aligned_reads_select_alike():
 
 def test_bf16_matches_transformers_bf16():
     """In bf16 (weights_proj in fp32, as transformers keeps it) the selection is still transformers'."""
-    mla = MLA(index_n_heads=16, index_topk=6)
+    mla = tiny_mla(index_n_heads=16, index_topk=6)
     module, params, rotary, cfg = make_indexer(mla, seed=6)
     module = module.to(torch.bfloat16)
     module.weights_proj.float()
@@ -212,7 +213,7 @@ def test_chunked_scores_equal_one_pass(monkeypatch):
 def test_tree_nodes_select_as_their_chain_and_commit_moves_the_keys():
     """Under a token tree a node selects, among the context and its ancestors, what the same tokens decoded as
     a chain select; committing the accepted path moves its index keys where the chain wrote them."""
-    mla = MLA(index_topk=4)
+    mla = tiny_mla(index_topk=4)
     _, params, rotary, cfg = make_indexer(mla, seed=10)
     gen = torch.Generator().manual_seed(11)
     ctx, x_ctx, q_ctx = 10, torch.randn(1, 10, cfg.hidden_size, generator=gen), torch.randn(1, 10, 24, generator=gen)
@@ -220,15 +221,15 @@ def test_tree_nodes_select_as_their_chain_and_commit_moves_the_keys():
     slots, read = torch.tensor([0]), KVRead(16)
 
     def prefill():
-        cache = dsa.init_index_keys(mla, 1, 1, 16)
+        cache = index_cache(mla, 1, 16)
         pos = torch.arange(ctx).unsqueeze(0)
         cos, sin = tables(rotary, x_ctx, pos)
-        dsa.write_rows(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x_ctx, cos, sin))
+        write_kv(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x_ctx, cos, sin))
         return cache
 
     def step(cache, x, q, pos, rope_pos, tree=None):
         cos, sin = tables(rotary, x, rope_pos)
-        dsa.write_rows(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x, cos, sin))
+        write_kv(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x, cos, sin))
         visible = visible_keys(pos, read.length, tree=tree)
         return dsa.sparse_visible(REFERENCE, mla, params, cache[0], x, q, slots, cos, sin, visible, read)
 
@@ -246,24 +247,25 @@ def test_tree_nodes_select_as_their_chain_and_commit_moves_the_keys():
     moved = t_sel[0, 2].clone()
     moved[ctx + 1], moved[ctx + 2] = moved[ctx + 2], False  # the chain's node 2 sits at ctx + 1
     assert torch.equal(moved, c_sel[0, 1]) and int(c_sel[0, 1].sum()) == mla.index_topk
-    dsa.commit_path(t_cache, slots, torch.tensor([ctx]), torch.tensor([[0, 2]]))
-    torch.testing.assert_close(t_cache[:, :, : ctx + 2], c_cache[:, :, : ctx + 2], rtol=0, atol=0)
+    commit_path(LatentCache(torch.zeros_like(t_cache), t_cache, None), slots, torch.tensor([ctx]),
+                torch.tensor([[0, 2]]))
+    torch.testing.assert_close(t_cache[..., : ctx + 2, :], c_cache[..., : ctx + 2, :], rtol=0, atol=0)
 
 
 def test_compiled_selection_equals_eager_without_recompiles():
     """One captured graph per bucket: positions and lengths are tensors, so every step of a bucket reuses it."""
-    mla = MLA(index_topk=4)
+    mla = tiny_mla(index_topk=4)
     _, params, rotary, cfg = make_indexer(mla, seed=12)
     gen = torch.Generator().manual_seed(13)
     read, slots = KVRead(24), torch.tensor([1, 0])
 
     def step(cache, x, q, pos, cos, sin):
-        dsa.write_rows(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x, cos, sin))
+        write_kv(cache, 0, slots, pos, dsa.index_key(REFERENCE, params, x, cos, sin))
         return dsa.sparse_visible(REFERENCE, mla, params, cache[0], x, q, slots, cos, sin,
                                   visible_keys(pos, read.length), read)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
-    eager_cache = dsa.init_index_keys(mla, 1, 2, 24)
+    eager_cache = index_cache(mla, 2, 24)
     eager_cache.normal_(generator=gen)
     compiled_cache = eager_cache.clone()
     with torch._dynamo.config.patch(error_on_recompile=True):
