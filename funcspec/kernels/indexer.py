@@ -1,4 +1,5 @@
-"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): score every cached position, keep the top-k.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2): the lightning indexer scores every cached position and keeps the
+top-k; attention then reads only those positions' latents (:func:`sparse_attention`).
 
 For a query token with per-head index queries ``q`` [Hi, Di] and head weights
 ``w`` [Hi], cached position ``j`` with index key ``k_j`` [Di] scores
@@ -77,3 +78,12 @@ def reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visibl
     [B, T_read, Di] with head weights [B, T, Hi] where visible [B, T, T_read]: :func:`scores`, then
     :func:`top_positions`."""
     return top_positions(scores(q, keys, weights, visible, scale), visible, topk)
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, r: int, scale: float) -> torch.Tensor:
+    """Latent attention of q [B, T, H, D] over each query token's own selected latents keys [B, T, k, D] (their
+    first ``r`` dims are the values) where valid [B, T, k]; -> [B, T, H, r]. Scores and softmax in fp32."""
+    s = torch.einsum("bthd,btkd->bthk", q.float(), keys.float()) * scale  # [B, T, H, k]
+    # NOTE: a finite floor, not -inf: a padding row that sees nothing stays finite.
+    p = s.masked_fill(~valid.unsqueeze(2), torch.finfo(torch.float32).min).softmax(-1)
+    return torch.einsum("bthk,btkr->bthr", p.to(keys.dtype), keys[..., :r]).to(q.dtype)  # [B, T, H, r]

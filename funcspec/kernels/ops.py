@@ -277,6 +277,26 @@ class Ops:
         """
         return indexer.reference(q, keys, weights, visible, topk, scale)
 
+    def sparse_attention(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, r: int,
+                         scale: float) -> torch.Tensor:
+        """DeepSeek-V3.2's attention over each query's selected latents (:func:`indexer.sparse_attention`): q [B, T,
+        H, D] over keys [B, T, k, D] where valid [B, T, k]; -> [B, T, H, r].
+
+        The hook of Ascend's ``npu_sparse_flash_attention`` (torch_npu, which vLLM-Ascend calls for this): not
+        wired, for want of an NPU to check it on, so every device takes the torch reference.
+        """
+        return indexer.sparse_attention(q, keys, valid, r, scale)
+
+    def mla_prolog(self, reference, *args):
+        """Multi-head latent attention's prolog: the queries absorbed into latent space and the token's latent,
+        ``reference(*args)`` (the torch math of :func:`funcspec.nn.deepseek.mla_query_latent`).
+
+        The hook of Ascend's ``npu_mla_prolog_v3`` (one kernel for the down and up projections, both RMSNorms,
+        RoPE and the cache write, at DeepSeek-V3's dims): not wired, for want of an NPU to check it on, so every
+        device takes the reference.
+        """
+        return reference(*args)
+
 
 REFERENCE = Ops()
 """Plain torch products and attention: what a model runs before :func:`resolve`, and training (autograd)."""

@@ -30,6 +30,8 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -109,10 +111,18 @@ def sparse_visible(ops: Ops, mla: MLAConfig, p: dict, cache: torch.Tensor, x: to
     and q_resid [B, T, q_lora_rank] its query latent. A read of at most
     ``index_topk`` positions keeps ``visible`` as it is, unscored.
     """
-    t_read = visible.shape[-1]
-    if mla.index_topk >= t_read:  # static: every visible position is among the top k
-        return visible
+    picked = sparse_positions(ops, mla, p, cache, x, q_resid, slots, cos, sin, visible, read)
+    return visible if picked is None else selected(*picked, visible.shape[-1])
+
+
+def sparse_positions(ops: Ops, mla: MLAConfig, p: dict, cache: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor,
+                     slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+                     read: KVRead) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The positions each query reads under DSA, ``idx``, ``valid`` [B, T, index_topk] (:func:`select`), or
+    ``None`` when the read holds at most ``index_topk`` positions, which are all read (arguments as
+    :func:`sparse_visible`)."""
+    if mla.index_topk >= visible.shape[-1]:  # static: every visible position is among the top k
+        return None
     keys = read_cache(cache.unsqueeze(0), 0, slots, read)[:, 0]  # [B, T_read, Di]
     q = index_query(ops, mla, p, q_resid, cos, sin)  # [B, T, Hi, Di]
-    idx, valid = select(ops, mla, q, head_weights(ops, mla, p, x), keys, visible)
-    return selected(idx, valid, t_read)
+    return select(ops, mla, q, head_weights(ops, mla, p, x), keys, visible)

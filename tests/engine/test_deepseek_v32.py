@@ -10,6 +10,7 @@ from funcspec.checkpoints import init_draft_head
 from funcspec.checkpoints.llama import load_model, model_config
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.deepseek import LatentCache, latent_bytes_per_token
+from funcspec.nn.llama import KVRead
 
 from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
 
@@ -122,3 +123,22 @@ def test_greedy_speculation_on_v32_equals_ar(v32, reference, tmp_path, method):
 def test_captured_speculation_on_v32_equals_ar(v32, reference):
     prompts, want = reference
     assert_captured_lossless(v32, _spec("ngram", 3), prompts, want, warm=4)
+
+
+def test_sparse_attention_gathers_only_the_selected_latents(tmp_path, monkeypatch):
+    """Past index_topk positions, attention runs through the Ops hooks (the places Ascend's npu_mla_prolog and
+    npu_sparse_flash_attention would take) on exactly index_topk gathered latents a query; within them, densely."""
+    from funcspec.kernels import Ops
+
+    make_v32(tmp_path)
+    model = load_model(tmp_path)
+    seen, real = [], Ops.sparse_attention
+    monkeypatch.setattr(Ops, "sparse_attention", lambda self, q, keys, *a: seen.append(keys.shape) or
+                        real(self, q, keys, *a))
+    tokens = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    kv = init_kv_cache(model.cfg, 1, 16)
+    z = torch.zeros(1, dtype=torch.long)
+    forward(model.cfg, model.params, kv, tokens[:, :TOPK], z, z, read=KVRead(TOPK))  # reads 6: no selection
+    assert seen == []
+    forward(model.cfg, model.params, kv, tokens[:, TOPK:], z, torch.full((1,), TOPK))  # reads 16 positions
+    assert seen == [(1, 10 - TOPK, TOPK, 32 + 8)] * 3  # every layer: [B, T, index_topk, R + rope]
