@@ -37,48 +37,63 @@ V3 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layer
           v_head_dim=16, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5)
 
 
-def make_v3(path, seed: int = 0, **overrides) -> None:
-    """A tiny random DeepSeek-V3 at ``path`` (weights scaled up for wide greedy margins, a random correction bias)."""
+V32 = dict(index_n_heads=8, index_head_dim=32, index_topk=6)
+"""V3.2's indexer: each query reads its 6 best positions of up to 18, so the selection matters."""
+
+
+def make_v3(path, seed: int = 0, v32: bool = False, **overrides) -> None:
+    """A tiny random DeepSeek-V3 (``v32``: V3.2, with its indexer) at ``path``: weights scaled up for wide greedy
+    margins, the correction bias and the indexer's LayerNorm random so that they count."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**V3, **overrides})).eval()
+    config, model = (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM) if v32 else \
+        (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    model = model(config(**{**V3, **(V32 if v32 else {}), **overrides})).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0) if p.dim() > 1 else None
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape).abs() * 0.5)
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
     model.save_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """The float V3, msmodelslim's W8A8 of it (attention static, MLPs dynamic) and a W8A8 storing kv_b_proj
-    quantized too; V2-Lite (one q_proj) float."""
+    quantized too; V2-Lite (one q_proj) float; V3.2 float and as msmodelslim's W8A8 (its indexer's wq_b W8A8)."""
     root = tmp_path_factory.mktemp("tp_deepseek")
     make_v3(root / "float")
     make_v3(root / "lite", seed=1, q_lora_rank=None)
+    make_v3(root / "v32", seed=2, v32=True)
     qw.write_ascend(root / "float", root / "w8a8", **qw.DEEPSEEK_MIX)
     qw.write_ascend(root / "float", root / "absorbed", **qw.DEEPSEEK_MIX, absorbed=True)
-    return {name: str(root / name) for name in ("float", "lite", "w8a8", "absorbed")}
+    qw.write_ascend(root / "v32", root / "v32-w8a8", **qw.DEEPSEEK_MIX)
+    return {name: str(root / name) for name in ("float", "lite", "w8a8", "absorbed", "v32", "v32-w8a8")}
 
 
 # ----------------------------------------------------------------------------- shards
-@pytest.mark.parametrize("name", ["float", "lite"])
+@pytest.mark.parametrize("name", ["float", "lite", "v32"])
 def test_mla_shards_split_heads_and_replicate_the_latent(targets, name):
-    """q_b_proj (V2-Lite: q_proj) and kv_b_proj by heads' rows, o_proj by columns; q_a_proj, kv_a_proj_with_mqa
-    and their norms whole on each rank; the config halves the heads and keeps the latent's sizes."""
+    """q_b_proj (V2-Lite: q_proj) and kv_b_proj by heads' rows, o_proj by columns; q_a_proj, kv_a_proj_with_mqa,
+    their norms and V3.2's indexer whole on each rank; the config halves the heads and keeps the latent's and the
+    indexer's sizes."""
     model = load_model(targets[name])
     shards = [shard_model(model, TPGroup(2, r, "g")) for r in range(2)]
     assert (shards[1].cfg.num_heads, shards[1].cfg.num_kv_heads, shards[1].cfg.mla) == (2, 4, model.cfg.mla)
     full, parts = model.params["model"]["layers"][1]["self_attn"], \
         [s.params["model"]["layers"][1]["self_attn"] for s in shards]
-    q = "q_b_proj" if name == "float" else "q_proj"
+    q = "q_proj" if name == "lite" else "q_b_proj"
     for layer, dim, rows in ((q, 0, 16 + 8), ("kv_b_proj", 0, 16 + 16), ("o_proj", 1, 16)):
         w = full[layer]["weight"]
         assert torch.equal(torch.cat([p[layer]["weight"] for p in parts], dim), w), layer
         assert torch.equal(parts[1][layer]["weight"], w.narrow(dim, 2 * rows, 2 * rows)), layer  # heads 2, 3
-    for layer in ("kv_a_proj_with_mqa", "kv_a_layernorm") + (("q_a_proj", "q_a_layernorm") if name == "float" else ()):
+    for layer in ("kv_a_proj_with_mqa", "kv_a_layernorm") + (() if name == "lite" else ("q_a_proj", "q_a_layernorm")):
         assert all(torch.equal(p[layer]["weight"], full[layer]["weight"]) for p in parts), layer
+    if name == "v32":
+        assert all(p["indexer"] is full["indexer"] for p in parts)
 
 
 def test_kv_b_proj_stays_float_when_the_rest_is_quantized_on_load(targets):
@@ -140,6 +155,7 @@ CASES = {  # name -> (checkpoint, quantization, enable_expert_parallel)
     "float": ("float", None, False), "float-ep": ("float", None, True), "lite": ("lite", None, False),
     "w8a8": ("w8a8", "ascend", False), "w8a8-ep": ("w8a8", "ascend", True), "absorbed": ("absorbed", "ascend", True),
     "int8": ("float", "int8", False), "int8-ep": ("float", "int8", True),
+    "v32": ("v32", None, False), "v32-w8a8-ep": ("v32-w8a8", "ascend", True),
 }
 
 
@@ -155,7 +171,9 @@ def _rank(rank: int, port: int, targets: dict, out: str) -> None:
     for name, (path, scheme, ep) in CASES.items():
         eng = Engine(targets[path], quantization=scheme, tensor_parallel_size=2, enable_expert_parallel=ep, **ENGINE)
         attn = eng.params["target"]["model"]["layers"][1]["self_attn"]
-        res[name] = {"tokens": _tokens(eng), "latent": list(eng.state.kv.latent.shape),
+        kv = eng.state.kv
+        res[name] = {"tokens": _tokens(eng), "latent": list(kv.latent.shape),
+                     "index": None if kv.index is None else list(kv.index.shape),
                      "kv_b_proj": list(attn["kv_b_proj"]["weight"].shape)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -164,9 +182,10 @@ def _rank(rank: int, port: int, targets: dict, out: str) -> None:
 
 @pytest.mark.slow
 def test_tp2_emits_tp1_greedy_tokens_on_deepseek(targets, tmp_path):
-    """Float (V3 and V2-Lite), msmodelslim's W8A8 (kv_b_proj float, or stored int8 and dequantized) and int8 on
+    """Float (V3, V2-Lite, V3.2), msmodelslim's W8A8 (kv_b_proj float, or stored int8 and dequantized) and int8 on
     load, routed experts split by tensor or expert parallelism: both ranks emit one rank's greedy tokens, each
-    caches the whole latent [L, S+1, 1, T, R + rope] and holds half of kv_b_proj's heads."""
+    caches the whole latent [L, S+1, 1, T, R + rope] (V3.2: and index keys, each rank selecting the same
+    positions) and holds half of kv_b_proj's heads."""
     ref = {name: _tokens(Engine(targets[path], quantization=scheme, **ENGINE))
            for name, (path, scheme, _) in CASES.items()}
     ranks = run_ranks(_rank, (targets,), tmp_path, 600)
@@ -177,3 +196,4 @@ def test_tp2_emits_tp1_greedy_tokens_on_deepseek(targets, tmp_path):
         assert got["tokens"] == want, name
         assert [got["latent"][i] for i in (0, 2, 4)] == [3, 1, 32 + 8], name  # every layer's whole latent
         assert got["kv_b_proj"] == [2 * (16 + 16), 32], name
+        assert (got["index"] and [got["index"][i] for i in (0, 2, 4)]) == ([3, 1, 32] if "v32" in name else None)
