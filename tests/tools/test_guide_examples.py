@@ -15,15 +15,15 @@ proves it: it asserts funcspec's refusal of the value as written, then runs the
 example scaled down to the zoo (the other values as the guide has them):
 
 - 4, 5: ``tensor_parallel_size`` 4: the zoo target has 2 KV heads (run at 2);
-- 6, 7: DeepSeek-V3.2-Exp-W8A8: a tiny random DeepSeek (:func:`make_deepseek`:
-  MLA, DeepSeekMoE, 4 heads, a context above the guide's 36768, the zoo's
-  tokenizer) written as msmodelslim writes its W8A8 (attention W8A8, MLPs
-  W8A8_DYNAMIC, ``kv_b_proj`` float), run with ``quantization="ascend"`` and
-  expert parallelism at tensor-parallel 2 (16 would cut its 4 heads), on gloo,
-  and equal to one rank (:func:`test_example_6_on_two_ranks_equals_one_rank`,
-  example 7 served). It is a DeepSeek-V3 without MTP layers until V3.2's
-  indexer and native MTP run: an EAGLE-3 head drafts K = 2 in MTP's place, and
-  ``mtp`` on it is refused with its reason;
+- 6, 7: DeepSeek-V3.2-Exp-W8A8: a tiny random DeepSeek-V3.2 (:func:`make_deepseek`:
+  MLA with its indexer, DeepSeekMoE, 4 heads, a context above the guide's
+  36768, the zoo's tokenizer) written as msmodelslim writes its W8A8
+  (attention W8A8, MLPs W8A8_DYNAMIC, ``kv_b_proj`` float), run with
+  ``quantization="ascend"`` and expert parallelism at tensor-parallel 2 (16
+  would cut its 4 heads), on gloo, and equal to one rank
+  (:func:`test_example_6_on_two_ranks_equals_one_rank`, example 7 served). It
+  has no MTP layers until native MTP runs: an EAGLE-3 head drafts K = 2 in
+  MTP's place, and ``mtp`` on it is refused with its reason;
 - 8-11, 16: ``max_model_len`` 4096 is above the zoo's 2048 (run at 2048; 9 at
   256, since its 256 slots of 2048 positions would hold 2 GB of KV cache);
 - 14, 15: hidden-state layers 18 and 34 of a 36-layer model: the zoo target has
@@ -361,22 +361,26 @@ BROKEN = {20: "--additional-config", 23: "--speculative-config"}
 
 
 def make_deepseek(path: Path) -> None:
-    """A tiny random DeepSeek-V3 at ``path`` for the guide's DeepSeek examples: 4 heads (MLA), 8 routed experts and
-    a shared one, a dense first layer, a context of 40960 (the guide asks 36768), the zoo's tokenizer; every size a
-    W8A8 split at tensor-parallel 2 keeps whole (blocks of 32 inputs per rank)."""
+    """A tiny random DeepSeek-V3.2 at ``path`` for the guide's DeepSeek examples: 4 heads (MLA) whose indexer picks 8
+    positions, 8 routed experts and a shared one, a dense first layer, a context of 40960 (the guide asks 36768),
+    the zoo's tokenizer; every size a W8A8 split at tensor-parallel 2 keeps whole (blocks of 32 inputs per rank)."""
     tokenizer = zoo.model_path("target")
     special = {k: v for k, v in json.loads((tokenizer / "config.json").read_text()).items() if k.endswith("token_id")}
-    config = transformers.DeepseekV3Config(
+    config = transformers.DeepseekV32Config(
         vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=40960, tie_word_embeddings=False, moe_intermediate_size=64,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, **special)
+        routed_scaling_factor=2.5, index_n_heads=8, index_head_dim=32, index_topk=8, **special)
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model = transformers.DeepseekV32ForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0) if p.dim() > 1 else None
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):  # the indexer's key norm: random, so that it counts
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
     model.save_pretrained(str(path))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, path / name)
@@ -592,6 +596,6 @@ def test_deepseek_mtp_is_refused_with_its_reason(names):
     """``mtp`` on a DeepSeek target whose MTP layers funcspec does not run yet: refused, naming the architecture and
     what runs (the guide's examples 6 and 7 draft with an EAGLE-3 head meanwhile)."""
     kwargs = with_value(scaled(6, names), ("speculative_config",), example_kwargs(6, names)["speculative_config"])
-    with pytest.raises(ValueError, match=r"architectures \['DeepseekV3ForCausalLM'\] is DeepSeek-V3 \(MLA attention, "
-                                         r"MoE\): its MTP module runs inside that model's layers"):
+    with pytest.raises(ValueError, match=r"architectures \['DeepseekV32ForCausalLM'\] is .*: its MTP module runs "
+                                         r"inside that model's layers"):
         eager(**with_value(kwargs, ("tensor_parallel_size",), 1))
