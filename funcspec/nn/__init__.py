@@ -1,5 +1,11 @@
-"""Functional networks: params are pytrees keyed by HF names, functions are pure."""
+"""Functional networks: params are pytrees keyed by HF names, functions are pure.
 
-from funcspec.nn.llama import KVCache, ModelConfig, forward, init_kv_cache
+``forward``, ``init_kv_cache``, ``decoder_layer`` and ``rope_tables`` are the
+names a caller that serves any decoder family uses (the target's runner, a
+draft head whose block is one of the target's layers), with ``nn.llama``'s
+signatures.
+"""
 
-__all__ = ["KVCache", "ModelConfig", "forward", "init_kv_cache"]
+from funcspec.nn.llama import KVCache, ModelConfig, decoder_layer, forward, init_kv_cache, rope_tables
+
+__all__ = ["KVCache", "ModelConfig", "decoder_layer", "forward", "init_kv_cache", "rope_tables"]
