@@ -31,6 +31,23 @@ ARCHITECTURES = {
 }
 """HF ``architectures`` names and the decoder family (``ModelConfig.arch``) each one is."""
 
+UNSUPPORTED = {
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA attention, MoE)",
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2 (MLA and sparse attention, MoE)",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4 (MLA attention, MoE)",
+    "Glm4MoeLiteForCausalLM": "GLM-4.5 lite (MLA attention, MoE)",
+    "Ernie4_5_MoeForCausalLM": "ERNIE-4.5 (MoE)",
+    "Qwen3NextForCausalLM": "Qwen3-Next (hybrid Gated DeltaNet layers, MoE)",
+    "Qwen3_5ForCausalLM": "Qwen3.5 (hybrid Gated DeltaNet layers)",
+    "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (hybrid Gated DeltaNet layers, MoE)",
+    "LongcatFlashForCausalLM": "LongCat-Flash (MLA attention, MoE)",
+    "MiMoV2FlashForCausalLM": "MiMo-V2-Flash (hybrid sliding-window attention, MoE)",
+    "BailingMoeV2_5ForCausalLM": "Ling 2.5 (hybrid linear attention, MoE)",
+    "PanguUltraMoEForCausalLM": "openPangu Ultra MoE (MLA attention, MoE)",
+}
+"""Architectures that vLLM serves (with MTP modules of their own) and funcspec does not run, and what they need
+that funcspec lacks: their refusal names it."""
+
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 """config.json fields every decoder needs."""
 
@@ -43,9 +60,10 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if arch is None and model_type in ARCHITECTURES.values():
         arch = model_type
     if arch is None:
+        why = "".join(f"; {a} is {UNSUPPORTED[a]}" for a in archs if isinstance(a, str) and a in UNSUPPORTED)
         raise ValueError(
             f"{where}: unsupported architecture (architectures={archs}, "
-            f"model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}"
+            f"model_type={model_type!r}){why}; supported: {sorted(ARCHITECTURES)}"
         )
     missing = [k for k in REQUIRED if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
     if missing:
