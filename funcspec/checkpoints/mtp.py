@@ -7,8 +7,8 @@ same config): DeepSeek-V3 and GLM-4.5 append it as ``model.layers.{L}`` (L = its
 declared in :mod:`funcspec.checkpoints.layouts`; the math is :mod:`funcspec.nn.mtp`.
 The block is one decoder layer of the host, a MoE layer where the host's is
 (GLM-4.5), its experts stored one by one as the host's and stacked at load.
-Hosts funcspec does not run (:data:`funcspec.checkpoints.llama.UNSUPPORTED`:
-MLA, hybrid linear attention) are refused by name, with what they need.
+Hosts funcspec does not run (:data:`funcspec.checkpoints.llama.NOT_BUILT`:
+hybrid linear attention, ...) are refused by name, with what they need.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 from funcspec.checkpoints import experts, layouts
 from funcspec.checkpoints.files import check_keys, nest, read_config, to_target
 from funcspec.checkpoints.init import random_tensors
-from funcspec.checkpoints.llama import UNSUPPORTED, hf_config_dict, layer_shapes, model_config
+from funcspec.checkpoints.llama import NOT_BUILT, hf_config_dict, layer_shapes, model_config
 from funcspec.nn.llama import ModelConfig, capture_index, lm_head
 from funcspec.nn.mtp import MTPConfig
 
@@ -26,20 +26,22 @@ WRITTEN = "mtp-deepseek"
 """The layout :func:`init_params` writes: DeepSeek-V3's ``model.layers.{L}`` module."""
 
 def _refuse_host(hf: dict, where: str) -> None:
-    """``ValueError`` naming an MTP host architecture funcspec does not run (:data:`UNSUPPORTED`), and why."""
+    """``ValueError`` naming an MTP host architecture funcspec does not run (:data:`NOT_BUILT`) and what it needs."""
     for arch in hf.get("architectures") or []:
-        if isinstance(arch, str) and arch in UNSUPPORTED:
-            raise ValueError(f"{where}: architectures [{arch!r}] is {UNSUPPORTED[arch]}: its MTP module runs "
-                             f"inside that model's layers, and funcspec runs the MTP modules of the targets it runs "
-                             f"(Llama, Qwen2/3 and their MoE families, GLM-4.5, MiMo) only")
+        if isinstance(arch, str) and arch in NOT_BUILT:
+            raise ValueError(f"{where}: architectures [{arch!r}] needs {NOT_BUILT[arch]}, which funcspec does not "
+                             f"build yet: its MTP module runs inside that model's layers, and funcspec runs the MTP "
+                             f"modules of the targets it runs (Llama, Qwen2/3 and their MoE families, GLM-4.5, "
+                             f"DeepSeek-V3, MiMo) only")
 
 
 def block_config(hf: dict, base: ModelConfig, ops, where: str) -> ModelConfig:
     """The module's block as one decoder layer of the host ``base`` (parsed from ``hf``): a MoE layer where
     the host's own rules make its layer L (``num_hidden_layers``) sparse, as vLLM builds the MTP block
-    (GLM-4.5 and DeepSeek-V3: every layer from ``first_k_dense_replace`` on)."""
+    (GLM-4.5 and DeepSeek-V3: from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th)."""
     n = base.num_layers
-    sparse = n in model_config({**hf, "num_hidden_layers": n + 1}, where).moe.sparse_layers
+    # NOTE: a per-layer mlp_layer_types list covers the decoder's layers only; vLLM sizes layer L by the rules.
+    sparse = n in model_config({**hf, "num_hidden_layers": n + 1, "mlp_layer_types": None}, where).moe.sparse_layers
     return dataclasses.replace(base, num_layers=1, ops=ops,
                                moe=dataclasses.replace(base.moe, sparse_layers=(0,) if sparse else ()))
 

@@ -20,8 +20,9 @@ XiaomiMiMo (``model.mtp_layers.{i}``; vLLM ``mimo_mtp.py``; ``hidden_first``, ``
     logits = head(g_t)                                      the target's LM head
 
 NOTE: the block is one decoder layer of the target's family, run through
-``funcspec.nn``'s family dispatch (``decoder_layer``, ``rope_tables``): a MoE
-layer routes through the target's own router and expert kernel. h_t for the
+``funcspec.nn``'s family dispatch (``decoder_layer``: GQA, or DeepSeek's latent
+attention over a latent draft cache); a MoE layer routes through the target's
+own router and expert kernel. h_t for the
 first step is the target's final hidden state: normed for DeepSeek and GLM
 (what their vLLM models return to the MTP drafter), before the final norm for
 MiMo (vLLM's ``MiMoModel`` returns the pre-norm state). Further MTP modules are
@@ -36,8 +37,8 @@ import dataclasses
 
 import torch
 
-from funcspec.nn import decoder_layer, rope_tables
-from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, TreeMask, rms_norm
+from funcspec.nn import decoder_layer
+from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, TreeMask, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)

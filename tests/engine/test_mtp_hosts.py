@@ -1,11 +1,12 @@
-"""MTP modules as MoE checkpoints ship them: GLM-4.5's ``model.layers.{L}`` (a GQA + MoE block, experts stored one
-by one) read from the target's own files, its drafts equal to vLLM's ``glm4_moe_mtp`` module, greedy speculation
-equal to greedy AR at K = 1, 2, 3 (eager and inductor), K defaulting to ``num_nextn_predict_layers``, and the hosts
-funcspec cannot run refused with what they need.
+"""MTP modules as MoE checkpoints ship them: GLM-4.5's and DeepSeek-V3's ``model.layers.{L}`` (a GQA or MLA block
+with a MoE, its experts stored one by one) read from the target's own files, their drafts equal to vLLM's
+``glm4_moe_mtp`` / ``deepseek_mtp`` module, greedy speculation equal to greedy AR at K = 1, 2, 3 (eager and
+inductor), K defaulting to ``num_nextn_predict_layers``, and the hosts funcspec cannot run refused with what they
+need.
 
 transformers drops the MTP layer (``_keys_to_ignore_on_load_unexpected``), so the tests write its keys themselves,
-under the published names; its block is transformers' own ``Glm4MoeDecoderLayer`` at index L, and the reference
-runs that module as vLLM's ``Glm4MoeMultiTokenPredictorLayer.forward`` does.
+under the published names; its block is transformers' own decoder layer of the host at index L, and the reference
+runs that module as vLLM's ``*MultiTokenPredictorLayer.forward`` does.
 """
 
 import json
@@ -17,9 +18,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import published as pub
+from conftest import make_hf_model
 from funcspec import LLM, Engine
 from funcspec.checkpoints import layouts, load_model, mtp
+from funcspec.nn.deepseek import LatentCache
 from spec_cases import GREEDY, _ids, _prompts, assert_captured_lossless
+from test_deepseek import make_deepseek
 from test_moe import make_moe
 
 PROMPTS = _prompts(8, seed=5)
@@ -43,14 +47,22 @@ def _unstacked(prefix: str, state: dict) -> dict:
     return out
 
 
-def glm_mtp_layer(hf_model, seed: int = 1):
-    """A random GLM-4.5 MTP layer for ``hf_model``: ``(published tensors, the block as transformers'
-    Glm4MoeDecoderLayer)``. Weights are scaled as the target's (wide greedy margins), the router's correction
+HOSTS = {  # host -> (how to save a tiny random target, transformers' decoder layer of its family)
+    "glm4_moe": (lambda path: make_moe(path, "glm4_moe"),
+                 transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer),
+    "deepseek_v3": (lambda path: make_deepseek(path, "v3"),
+                    transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer),
+}
+
+
+def mtp_layer(hf_model, layer_cls, seed: int = 1):
+    """A random MTP layer for ``hf_model``: ``(published tensors, the block as transformers' decoder layer
+    ``layer_cls`` at index L)``. Weights are scaled as the target's (wide greedy margins), the router's correction
     bias random (it changes the experts chosen)."""
     config = hf_model.config
     n, h, v = config.num_hidden_layers, config.hidden_size, config.vocab_size
     torch.manual_seed(seed)
-    block = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer(config, layer_idx=n).eval()
+    block = layer_cls(config, layer_idx=n).eval()
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.02).mul_(3.0 / 0.02 / h ** 0.5) if p.dim() > 1 else p.uniform_(0.8, 1.2)
@@ -65,10 +77,10 @@ def glm_mtp_layer(hf_model, seed: int = 1):
     return tensors, block
 
 
-def vllm_glm4_moe_mtp_step(hf_model, p, block, pre):
-    """vLLM ``glm4_moe_mtp.py`` ``Glm4MoeMultiTokenPredictorLayer.forward`` over the whole sequence (no cache): the
-    embedding zeroed at position 0, eh_proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)]), the MoE block (its residual
-    added), logits through shared_head (norm, then head); the block's output is fed back."""
+def vllm_mtp_step(hf_model, p, block, pre):
+    """vLLM ``glm4_moe_mtp.py`` / ``deepseek_mtp.py`` ``*MultiTokenPredictorLayer.forward`` over the whole sequence
+    (no cache): the embedding zeroed at position 0, eh_proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)]), the host's
+    block (its residual added), logits through shared_head (norm, then head); the block's output is fed back."""
     embed = hf_model.model.embed_tokens.weight.detach()
     eps = hf_model.config.rms_norm_eps
 
@@ -90,39 +102,46 @@ def vllm_glm4_moe_mtp_step(hf_model, p, block, pre):
     return step
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    """A tiny random GLM-4.5 (group-limited sigmoid router with correction bias, shared expert, a dense first
-    layer, partial rotary, QK-norm) with its MTP layer in its own ``model.safetensors``, as GLM-4.5 ships it."""
-    path = tmp_path_factory.mktemp("glm_mtp")
-    hf = make_moe(path, "glm4_moe")
+@pytest.fixture(scope="module", params=sorted(HOSTS))
+def host(request, tmp_path_factory):
+    """A tiny random host with its MTP layer in its own ``model.safetensors``, as GLM-4.5 and DeepSeek-V3 ship it:
+    GLM-4.5 (GQA, partial rotary, QK-norm) or DeepSeek-V3 (MLA, YaRN); both with a dense first layer and a
+    group-limited sigmoid router with correction bias and a shared expert."""
+    save, layer_cls = HOSTS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save(path)
     hf.config._attn_implementation = "eager"
-    tensors, block = glm_mtp_layer(hf)
+    tensors, block = mtp_layer(hf, layer_cls)
     save_file({**load_file(str(path / "model.safetensors")), **{k: v.contiguous() for k, v in tensors.items()}},
               str(path / "model.safetensors"))
     assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1  # transformers writes it
     ar = _ids(Engine(str(path), max_batch_size=4, max_model_len=96).generate(PROMPTS, GREEDY))
     n = hf.config.num_hidden_layers
-    step = vllm_glm4_moe_mtp_step(hf, tensors, block, f"model.layers.{n}.")
+    step = vllm_mtp_step(hf, tensors, block, f"model.layers.{n}.")
 
-    def reference(seq, k):  # the target's normed last state feeds the first step, as vLLM's Glm4MoeModel returns it
+    def reference(seq, k):  # the target's normed last state feeds the first step, as vLLM's models return it
         states, _, _ = pub.target_states(hf, seq[:-1])
         return pub.chain_drafts(step, states[n], seq[1:], k)
 
-    return dict(path=str(path), hf=hf, tensors=tensors, ar=ar, reference=reference)
+    return dict(name=request.param, path=str(path), hf=hf, tensors=tensors, ar=ar, reference=reference)
 
 
-def test_glm_mtp_layer_loads_from_the_targets_own_files(glm):
+def test_mtp_layer_loads_from_the_targets_own_files(host):
     """The layer is found in the target's checkpoint (layout mtp-deepseek, the target's keys skipped), its block is
-    a MoE layer, and its experts are the published ones stacked."""
-    target = load_model(glm["path"])
-    assert not any(".layers.3" in k for k in str(target.params.keys()))  # the target leaves layer L to its proposer
-    assert layouts.detect(glm["path"])[0].name == "mtp-deepseek"
-    cfg, params = mtp.load_params(glm["path"], target)
+    a MoE layer of the host's attention (a latent draft cache for MLA), and its experts are the published ones
+    stacked."""
+    target = load_model(host["path"])
+    assert len(target.params["model"]["layers"]) == 3  # the target leaves layer L to its proposer
+    assert layouts.detect(host["path"])[0].name == "mtp-deepseek"
+    cfg, params = mtp.load_params(host["path"], target)
     assert cfg.model.moe.sparse_layers == (0,) and cfg.hidden_layer == 3 and not cfg.norm_output
+    assert cfg.model.mla == target.cfg.mla and (cfg.model.mla.kv_lora_rank > 0) == (host["name"] == "deepseek_v3")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    kv = Engine(host["path"], spec, max_batch_size=1, max_model_len=32).state.proposer.kv
+    assert isinstance(kv, LatentCache) == (host["name"] == "deepseek_v3")
     gate_up = params["mlp"]["experts"]["gate_up_proj"]["weight"]  # [E, 2I, H]
     assert gate_up.shape == (8, 64, 64)
-    t = glm["tensors"]
+    t = host["tensors"]
     assert torch.equal(gate_up[5, 32:], t["model.layers.3.mlp.experts.5.up_proj.weight"])
     assert torch.equal(params["mlp"]["experts"]["down_proj"]["weight"][7], t["model.layers.3.mlp.experts.7.down_proj.weight"])
     assert torch.equal(params["mlp"]["gate"]["e_score_correction_bias"], t["model.layers.3.mlp.gate.e_score_correction_bias"])
@@ -130,44 +149,44 @@ def test_glm_mtp_layer_loads_from_the_targets_own_files(glm):
     assert params["embed_tokens"]["weight"] is target.params["model"]["embed_tokens"]["weight"]  # shared
 
 
-def test_glm_mtp_drafts_equal_vllms_module(glm):
+def test_mtp_drafts_equal_vllms_module(host):
     """Every step's K = 3 drafts, over two slots and every acceptance count (the synthetic verifier commits 1..4
-    tokens a step), equal vLLM's glm4_moe_mtp module recomputed from scratch on the same context."""
+    tokens a step), equal vLLM's MTP module recomputed from scratch on the same context."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rates": [0.8, 0.6, 0.4]}
-    eng = Engine(glm["path"], speculative_config=spec, max_batch_size=2, max_model_len=96)
+    eng = Engine(host["path"], speculative_config=spec, max_batch_size=2, max_model_len=96)
     rec = pub.record_drafts(eng, rows=2)
     eng.generate(PROMPTS[:3], GREEDY)
     for context, drafts in rec:
-        assert drafts == glm["reference"](context, 3), context
+        assert drafts == host["reference"](context, 3), context
     assert len(rec) >= 8
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_glm_mtp_greedy_speculation_equals_greedy_ar(glm, k):
-    eng = Engine(glm["path"], {"method": "mtp", "num_speculative_tokens": k}, max_batch_size=4, max_model_len=96)
-    assert _ids(eng.generate(PROMPTS, GREEDY)) == glm["ar"]
+def test_mtp_greedy_speculation_equals_greedy_ar(host, k):
+    eng = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": k}, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
     assert len(eng.stats["per_position_acceptance"]) == k
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_glm_mtp_captured_steps_are_lossless_and_never_recompile(glm, k):
-    eng = assert_captured_lossless(glm["path"], {"method": "mtp", "num_speculative_tokens": k}, PROMPTS, glm["ar"],
+def test_mtp_captured_steps_are_lossless_and_never_recompile(host, k):
+    eng = assert_captured_lossless(host["path"], {"method": "mtp", "num_speculative_tokens": k}, PROMPTS, host["ar"],
                                    warm=4)
     assert eng.stats["graph_breaks"] == 0
 
 
-def test_k_defaults_to_num_nextn_predict_layers(glm, tmp_path):
+def test_k_defaults_to_num_nextn_predict_layers(host, tmp_path):
     """Without num_speculative_tokens, K is the checkpoint's num_nextn_predict_layers (vLLM's rule); an explicit K
     wins. A checkpoint with two MTP layers drafts K = 2 with the first, reused, and skips the second (vLLM's
     proposer runs its first layer at every step)."""
-    llm = LLM(glm["path"], speculative_config={"method": "mtp"}, enforce_eager=True, max_num_seqs=4, max_model_len=96)
+    llm = LLM(host["path"], speculative_config={"method": "mtp"}, enforce_eager=True, max_num_seqs=4, max_model_len=96)
     assert llm.engine.spec.num_speculative_tokens == 1
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)] \
-        == glm["ar"]
+        == host["ar"]
     two = tmp_path / "two"
-    shutil.copytree(glm["path"], two)
+    shutil.copytree(host["path"], two)
     config = json.loads((two / "config.json").read_text())
     (two / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
     tensors = load_file(str(two / "model.safetensors"))
@@ -176,8 +195,8 @@ def test_k_defaults_to_num_nextn_predict_layers(glm, tmp_path):
     save_file({**tensors, **second}, str(two / "model.safetensors"))
     eng = Engine(str(two), {"method": "mtp"}, max_batch_size=4, max_model_len=96)
     assert eng.spec.num_speculative_tokens == 2
-    assert _ids(eng.generate(PROMPTS, GREEDY)) == glm["ar"]
-    one = Engine(glm["path"], {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
+    one = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=4, max_model_len=96)
     one.generate(PROMPTS, GREEDY)
     assert eng.stats["per_position_acceptance"] == one.stats["per_position_acceptance"]  # the second layer unread
     assert Engine(str(two), {"method": "mtp", "num_speculative_tokens": 3}, max_batch_size=4,
@@ -192,18 +211,19 @@ QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_ne
               "num_nextn_predict_layers": 1}
 
 
-def test_a_hybrid_linear_attention_host_is_refused_naming_what_it_needs(tmp_path, glm):
+def test_a_hybrid_linear_attention_host_is_refused_naming_what_it_needs(tmp_path):
     """A Qwen3-Next-shaped checkpoint with its MTP layer, served with method mtp as vLLM's guide serves it: a
     ValueError naming the architecture and its hybrid Gated DeltaNet layers, never a KeyError; the same from its
     MTP module read against another target."""
     path = pub.save(tmp_path / "qwen3_next", QWEN3_NEXT,
                     {"model.embed_tokens.weight": torch.zeros(96, 32), "model.layers.4.eh_proj.weight": torch.zeros(32, 64),
                      "mtp.fc.weight": torch.zeros(32, 64)})
-    why = r"Qwen3NextForCausalLM is Qwen3-Next \(hybrid Gated DeltaNet layers, MoE\)"
+    why = r"Qwen3NextForCausalLM needs hybrid linear attention \(Gated DeltaNet layers"
     with pytest.raises(ValueError, match=why):
         Engine(str(path), {"method": "mtp"})
     with pytest.raises(ValueError, match=why):
         LLM(str(path), speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match=r"architectures \['Qwen3NextForCausalLM'\] is Qwen3-Next \(hybrid Gated "
-                                         r"DeltaNet layers, MoE\): its MTP module runs inside that model's layers"):
-        mtp.load_params(path, load_model(glm["path"]))
+    with pytest.raises(ValueError, match=r"architectures \['Qwen3NextForCausalLM'\] needs hybrid linear attention "
+                                         r".*: its MTP module runs inside that model's layers"):
+        make_hf_model(tmp_path / "llama")
+        mtp.load_params(path, load_model(tmp_path / "llama"))
