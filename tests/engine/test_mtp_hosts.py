@@ -141,11 +141,12 @@ def test_mtp_layer_loads_from_the_targets_own_files(host):
     assert isinstance(kv, LatentCache) == (host["name"] == "deepseek_v3")
     gate_up = params["mlp"]["experts"]["gate_up_proj"]["weight"]  # [E, 2I, H]
     assert gate_up.shape == (8, 64, 64)
-    t = host["tensors"]
-    assert torch.equal(gate_up[5, 32:], t["model.layers.3.mlp.experts.5.up_proj.weight"])
-    assert torch.equal(params["mlp"]["experts"]["down_proj"]["weight"][7], t["model.layers.3.mlp.experts.7.down_proj.weight"])
-    assert torch.equal(params["mlp"]["gate"]["e_score_correction_bias"], t["model.layers.3.mlp.gate.e_score_correction_bias"])
-    assert torch.equal(params["head"]["weight"], t["model.layers.3.shared_head.head.weight"])
+    t = {k[len("model.layers.3."):]: v for k, v in host["tensors"].items()}
+    mlp = params["mlp"]
+    assert torch.equal(gate_up[5, 32:], t["mlp.experts.5.up_proj.weight"])
+    assert torch.equal(mlp["experts"]["down_proj"]["weight"][7], t["mlp.experts.7.down_proj.weight"])
+    assert torch.equal(mlp["gate"]["e_score_correction_bias"], t["mlp.gate.e_score_correction_bias"])
+    assert torch.equal(params["head"]["weight"], t["shared_head.head.weight"])
     assert params["embed_tokens"]["weight"] is target.params["model"]["embed_tokens"]["weight"]  # shared
 
 
@@ -167,6 +168,15 @@ def test_mtp_greedy_speculation_equals_greedy_ar(host, k):
     eng = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": k}, max_batch_size=4, max_model_len=96)
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
     assert len(eng.stats["per_position_acceptance"]) == k
+
+
+def test_mtp_token_tree_equals_greedy_ar(host):
+    """A token tree drafted by the MTP layer (tree attention over its own draft cache, GQA or latent) and
+    verified in one block: greedy AR's tokens."""
+    spec = {"method": "mtp", "num_speculative_tokens": 5,
+            "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"}
+    eng = Engine(host["path"], spec, max_batch_size=4, max_model_len=96)
+    assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
 
 
 @pytest.mark.slow
@@ -216,8 +226,8 @@ def test_a_hybrid_linear_attention_host_is_refused_naming_what_it_needs(tmp_path
     ValueError naming the architecture and its hybrid Gated DeltaNet layers, never a KeyError; the same from its
     MTP module read against another target."""
     path = pub.save(tmp_path / "qwen3_next", QWEN3_NEXT,
-                    {"model.embed_tokens.weight": torch.zeros(96, 32), "model.layers.4.eh_proj.weight": torch.zeros(32, 64),
-                     "mtp.fc.weight": torch.zeros(32, 64)})
+                    {"model.embed_tokens.weight": torch.zeros(96, 32), "mtp.fc.weight": torch.zeros(32, 64),
+                     "model.layers.4.eh_proj.weight": torch.zeros(32, 64)})
     why = r"Qwen3NextForCausalLM needs hybrid linear attention \(Gated DeltaNet layers"
     with pytest.raises(ValueError, match=why):
         Engine(str(path), {"method": "mtp"})
