@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from funcspec.nn import dsa
 from funcspec.nn.llama import GQA, MLAConfig, yarn_mscale
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
@@ -42,6 +43,11 @@ def mla_config(hf: dict[str, Any], arch: str, rope: dict, where: str) -> MLAConf
     index = dict(index_n_heads=_positive(hf, "index_n_heads", where, 64),
                  index_head_dim=_positive(hf, "index_head_dim", where, 128),
                  index_topk=_positive(hf, "index_topk", where, 2048)) if arch == "deepseek_v32" else {}
+    if index:
+        try:
+            dsa.check_config(q_lora, qk_rope_head_dim=rot, **index)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     return MLAConfig(q_lora, _positive(hf, "kv_lora_rank", where), nope, rot, _positive(hf, "v_head_dim", where),
                      scale, bool(hf.get("rope_interleave", True)) or arch != "deepseek_v3", **index)
 

@@ -1,0 +1,132 @@
+"""DeepSeek-V3.2 targets (MLA whose attention reads only its lightning indexer's top-k positions) equal
+transformers with ``index_topk`` smaller than the context, and greedy speculation on them equals greedy AR."""
+
+import pytest
+import torch
+import transformers
+
+from funcspec import Engine
+from funcspec.checkpoints import init_draft_head
+from funcspec.checkpoints.llama import load_model, model_config
+from funcspec.nn import forward, init_kv_cache
+from funcspec.nn.deepseek import LatentCache, latent_bytes_per_token
+from funcspec.nn.llama import KVRead
+
+from spec_cases import (GREEDY, _ids, _spec, ar_reference, assert_captured_lossless,
+                        assert_decode_equals_hf, assert_generate_equals_hf)
+
+TOPK = 6
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            index_n_heads=8, index_head_dim=32, index_topk=TOPK)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+
+
+def make_v32(path=None, seed: int = 0, **overrides):
+    """A tiny random DeepSeek-V3.2 (saved to ``path`` if given): weights scaled up for wide greedy margins, the
+    router's correction bias and the indexer's LayerNorm random so that both count."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**{**BASE, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape).abs() * 0.5)
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
+    if path is not None:
+        model.save_pretrained(str(path))
+    return model
+
+
+@pytest.mark.parametrize("rope", [None, YARN], ids=["default-rope", "yarn"])
+def test_logits_prefill_and_decode_equal_transformers(tmp_path, rope):
+    """Prefill of 12 tokens, then 6 decode steps, each query attending over its top 6 of up to 18 positions."""
+    overrides = {} if rope is None else {"rope_parameters": rope}
+    hf = make_v32(tmp_path, **overrides)
+    model = load_model(tmp_path)
+    assert model.cfg.mla.index_topk == TOPK
+    tokens = torch.randint(3, 96, (2, 18), generator=torch.Generator().manual_seed(1))
+    kv = init_kv_cache(model.cfg, 2, 32)
+    assert isinstance(kv, LatentCache) and kv.index.shape == (3, 3, 1, 32, 32)
+    with torch.no_grad():
+        want = hf(tokens).logits
+        dense = make_v32(index_topk=64, **overrides)(tokens).logits  # the same weights, every position read
+    assert (want - dense)[:, TOPK:].abs().amax() > 1.0  # the selection changes the logits: it is tested
+    assert_decode_equals_hf(model, hf, tokens, 12, torch.tensor([1, 0]))
+
+
+def test_greedy_tokens_equal_transformers_generate(tmp_path):
+    assert_generate_equals_hf(tmp_path, make_v32(tmp_path), 14)
+
+
+def test_config_reads_the_indexer_and_the_cache_holds_its_keys():
+    cfg = model_config({**BASE, "architectures": ["DeepseekV32ForCausalLM"]})
+    m = cfg.mla
+    assert (m.index_n_heads, m.index_head_dim, m.index_topk, m.q_lora_rank) == (8, 32, TOPK, 24)
+    assert latent_bytes_per_token(cfg, 2) == 3 * (32 + 8 + 32) * 2  # latent + rope key + index key, per layer
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(q_lora_rank=None), "q_lora_rank must be positive with index_topk"),
+    (dict(index_head_dim=4), r"index_head_dim \(4\) must hold the even qk_rope_head_dim \(8\)"),
+])
+def test_an_indexer_that_cannot_be_built_is_refused_by_field(fields, message):
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        model_config({**BASE, **fields, "architectures": ["DeepseekV32ForCausalLM"]})
+
+
+# ----------------------------------------------------------------------------- speculation
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v32")
+    make_v32(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(v32):
+    return ar_reference(v32)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
+def test_greedy_speculation_on_v32_equals_ar(v32, reference, tmp_path, method):
+    """A chain and a token tree: verification blocks select positions as AR does, a tree's nodes among their
+    ancestors, and its accepted path's index keys move with its latents."""
+    prompts, want = reference
+    spec = _spec("ngram", 3)
+    if method == "eagle3-tree":
+        spec = {"method": "eagle3", "model": str(init_draft_head("eagle3", v32, tmp_path / "eagle3")),
+                "num_speculative_tokens": 5, "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"}
+    assert _ids(Engine(v32, speculative_config=spec, max_batch_size=4, max_model_len=96).generate(
+        prompts, GREEDY)) == want
+
+
+def test_captured_speculation_on_v32_equals_ar(v32, reference):
+    prompts, want = reference
+    assert_captured_lossless(v32, _spec("ngram", 3), prompts, want, warm=4)
+
+
+def test_sparse_attention_gathers_only_the_selected_latents(tmp_path, monkeypatch):
+    """Past index_topk positions, attention runs through the Ops hooks (the places Ascend's npu_mla_prolog and
+    npu_sparse_flash_attention would take) on exactly index_topk gathered latents a query; within them, densely."""
+    from funcspec.kernels import Ops
+
+    make_v32(tmp_path)
+    model = load_model(tmp_path)
+    seen, real = [], Ops.sparse_attention
+    monkeypatch.setattr(Ops, "sparse_attention", lambda self, q, keys, *a: seen.append(keys.shape) or
+                        real(self, q, keys, *a))
+    tokens = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    kv = init_kv_cache(model.cfg, 1, 16)
+    z = torch.zeros(1, dtype=torch.long)
+    forward(model.cfg, model.params, kv, tokens[:, :TOPK], z, z, read=KVRead(TOPK))  # reads 6: no selection
+    assert seen == []
+    forward(model.cfg, model.params, kv, tokens[:, TOPK:], z, torch.full((1,), TOPK))  # reads 16 positions
+    assert seen == [(1, 10 - TOPK, TOPK, 32 + 8)] * 3  # every layer: [B, T, index_topk, R + rope]
