@@ -1,12 +1,13 @@
-"""Multi-token prediction module checkpoints: DeepSeek-V3's, GLM-4.5's and XiaomiMiMo's layouts, loading and
-random modules.
+"""Multi-token prediction module checkpoints: DeepSeek-V3's / V3.2's, GLM-4.5's and XiaomiMiMo's layouts, loading
+and random modules.
 
 The module lives in the target's own checkpoint (or a stand-alone one with the
-same config): DeepSeek-V3 and GLM-4.5 append it as ``model.layers.{L}`` (L = its
-``num_hidden_layers``), MiMo as ``model.mtp_layers.{i}``. The layouts are
-declared in :mod:`funcspec.checkpoints.layouts`; the math is :mod:`funcspec.nn.mtp`.
-The block is one decoder layer of the host, a MoE layer where the host's is
-(GLM-4.5), its experts stored one by one as the host's and stacked at load.
+same config): DeepSeek-V3/V3.2 and GLM-4.5 append it as ``model.layers.{L}``
+(L = its ``num_hidden_layers``), MiMo as ``model.mtp_layers.{i}``. The layouts
+are declared in :mod:`funcspec.checkpoints.layouts`; the math is
+:mod:`funcspec.nn.mtp`. The block is one decoder layer of the host (GQA, or MLA
+with V3.2's indexer), a MoE layer where the host's rules make layer L one, its
+experts stored one by one as the host's and stacked at load.
 Hosts funcspec does not run (:data:`funcspec.checkpoints.llama.NOT_BUILT`:
 hybrid linear attention, ...) are refused by name, with what they need.
 """
@@ -25,6 +26,7 @@ from funcspec.nn.mtp import MTPConfig
 WRITTEN = "mtp-deepseek"
 """The layout :func:`init_params` writes: DeepSeek-V3's ``model.layers.{L}`` module."""
 
+
 def _refuse_host(hf: dict, where: str) -> None:
     """``ValueError`` naming an MTP host architecture funcspec does not run (:data:`NOT_BUILT`) and what it needs."""
     for arch in hf.get("architectures") or []:
@@ -32,7 +34,7 @@ def _refuse_host(hf: dict, where: str) -> None:
             raise ValueError(f"{where}: architectures [{arch!r}] needs {NOT_BUILT[arch]}, which funcspec does not "
                              f"build yet: its MTP module runs inside that model's layers, and funcspec runs the MTP "
                              f"modules of the targets it runs (Llama, Qwen2/3 and their MoE families, GLM-4.5, "
-                             f"DeepSeek-V3, MiMo) only")
+                             f"DeepSeek-V3/V3.2, MiMo) only")
 
 
 def block_config(hf: dict, base: ModelConfig, ops, where: str) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) modules: DeepSeek-V3's, GLM-4.5's and XiaomiMiMo's, one pure function.
+"""Multi-token prediction (MTP) modules: DeepSeek-V3's / V3.2's, GLM-4.5's and XiaomiMiMo's, one pure function.
 
 funcspec's names (``funcspec.checkpoints.layouts`` maps the published ones onto them)::
 

@@ -1,5 +1,5 @@
-"""MTP modules as MoE checkpoints ship them: GLM-4.5's and DeepSeek-V3's ``model.layers.{L}`` (a GQA or MLA block
-with a MoE, its experts stored one by one) read from the target's own files, their drafts equal to vLLM's
+"""MTP modules as MoE checkpoints ship them: GLM-4.5's, DeepSeek-V3's and V3.2's ``model.layers.{L}`` (a GQA, MLA or
+MLA + sparse attention block with a MoE, its experts stored one by one) read from the target's own files, their drafts equal to vLLM's
 ``glm4_moe_mtp`` / ``deepseek_mtp`` module, greedy speculation equal to greedy AR at K = 1, 2, 3 (eager and
 inductor), K defaulting to ``num_nextn_predict_layers``, and the hosts funcspec cannot run refused with what they
 need.
@@ -9,6 +9,7 @@ under the published names; its block is transformers' own decoder layer of the h
 runs that module as vLLM's ``*MultiTokenPredictorLayer.forward`` does.
 """
 
+import copy
 import json
 import shutil
 
@@ -24,6 +25,7 @@ from funcspec.checkpoints import layouts, load_model, mtp
 from funcspec.nn.deepseek import LatentCache
 from spec_cases import GREEDY, _ids, _prompts, assert_captured_lossless
 from test_deepseek import make_deepseek
+from test_deepseek_v32 import make_v32
 from test_moe import make_moe
 
 PROMPTS = _prompts(8, seed=5)
@@ -52,6 +54,9 @@ HOSTS = {  # host -> (how to save a tiny random target, transformers' decoder la
                  transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer),
     "deepseek_v3": (lambda path: make_deepseek(path, "v3"),
                     transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer),
+    # index_topk 6, under the contexts' length: the MTP layer's own indexer picks what its attention reads
+    "deepseek_v32": (lambda path: make_v32(path),
+                     transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer),
 }
 
 
@@ -61,6 +66,9 @@ def mtp_layer(hf_model, layer_cls, seed: int = 1):
     bias random (it changes the experts chosen)."""
     config = hf_model.config
     n, h, v = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    if getattr(config, "mlp_layer_types", None):  # V3.2 lists its layers' kinds; vLLM's layer L is sparse
+        config = copy.deepcopy(config)
+        config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
     torch.manual_seed(seed)
     block = layer_cls(config, layer_idx=n).eval()
     with torch.no_grad():
@@ -105,8 +113,8 @@ def vllm_mtp_step(hf_model, p, block, pre):
 @pytest.fixture(scope="module", params=sorted(HOSTS))
 def host(request, tmp_path_factory):
     """A tiny random host with its MTP layer in its own ``model.safetensors``, as GLM-4.5 and DeepSeek-V3 ship it:
-    GLM-4.5 (GQA, partial rotary, QK-norm) or DeepSeek-V3 (MLA, YaRN); both with a dense first layer and a
-    group-limited sigmoid router with correction bias and a shared expert."""
+    GLM-4.5 (GQA, partial rotary, QK-norm), DeepSeek-V3 (MLA, YaRN) or V3.2 (MLA over its indexer's top-k); each
+    with a dense first layer and a group-limited sigmoid router with correction bias and a shared expert."""
     save, layer_cls = HOSTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
     hf = save(path)
@@ -114,7 +122,11 @@ def host(request, tmp_path_factory):
     tensors, block = mtp_layer(hf, layer_cls)
     save_file({**load_file(str(path / "model.safetensors")), **{k: v.contiguous() for k, v in tensors.items()}},
               str(path / "model.safetensors"))
-    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1  # transformers writes it
+    config = json.loads((path / "config.json").read_text())
+    if request.param == "deepseek_v32":  # transformers' V3.2 config leaves it out; DeepSeek's config.json has it
+        config["num_nextn_predict_layers"] = 1
+        (path / "config.json").write_text(json.dumps(config))
+    assert config["num_nextn_predict_layers"] == 1  # as transformers writes it for GLM-4.5 and DeepSeek-V3
     ar = _ids(Engine(str(path), max_batch_size=4, max_model_len=96).generate(PROMPTS, GREEDY))
     n = hf.config.num_hidden_layers
     step = vllm_mtp_step(hf, tensors, block, f"model.layers.{n}.")
@@ -135,10 +147,12 @@ def test_mtp_layer_loads_from_the_targets_own_files(host):
     assert layouts.detect(host["path"])[0].name == "mtp-deepseek"
     cfg, params = mtp.load_params(host["path"], target)
     assert cfg.model.moe.sparse_layers == (0,) and cfg.hidden_layer == 3 and not cfg.norm_output
-    assert cfg.model.mla == target.cfg.mla and (cfg.model.mla.kv_lora_rank > 0) == (host["name"] == "deepseek_v3")
+    mla = host["name"].startswith("deepseek")
+    assert cfg.model.mla == target.cfg.mla and (cfg.model.mla.kv_lora_rank > 0) == mla
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     kv = Engine(host["path"], spec, max_batch_size=1, max_model_len=32).state.proposer.kv
-    assert isinstance(kv, LatentCache) == (host["name"] == "deepseek_v3")
+    assert isinstance(kv, LatentCache) == mla
+    assert (kv.index is not None) == (host["name"] == "deepseek_v32") if mla else True  # its own indexer keys
     gate_up = params["mlp"]["experts"]["gate_up_proj"]["weight"]  # [E, 2I, H]
     assert gate_up.shape == (8, 64, 64)
     t = {k[len("model.layers.3."):]: v for k, v in host["tensors"].items()}
