@@ -132,7 +132,8 @@ LAYOUTS: tuple[Layout, ...] = (
             ("model.mtp_layers.0.input_proj.weight", "eh_proj.weight"),
             ("model.mtp_layers.0.final_layernorm.weight", "norm.weight"),
             ("model.mtp_layers.0.{rest}", "{rest}"), ("model.{rest}", None), ("lm_head.weight", None))),
-    Layout("mtp-deepseek", "mtp", "mtp", "DeepSeek-V3 / V3.2, GLM-4.5 model.layers.{L} (vLLM deepseek_mtp.py, glm4_moe_mtp.py)",
+    Layout("mtp-deepseek", "mtp", "mtp",
+           "DeepSeek-V3 / V3.2, GLM-4.5 model.layers.{L} (vLLM deepseek_mtp.py, glm4_moe_mtp.py)",
            lambda hf, keys: isinstance(hf.get("num_hidden_layers"), int)
            and _has(keys, f"model.layers.{hf['num_hidden_layers']}."),
            (("model.layers.{L}.shared_head.norm.weight", "norm.weight"),

@@ -1,8 +1,8 @@
-"""MTP modules as MoE checkpoints ship them: GLM-4.5's, DeepSeek-V3's and V3.2's ``model.layers.{L}`` (a GQA, MLA or
-MLA + sparse attention block with a MoE, its experts stored one by one) read from the target's own files, their drafts equal to vLLM's
-``glm4_moe_mtp`` / ``deepseek_mtp`` module, greedy speculation equal to greedy AR at K = 1, 2, 3 (eager and
-inductor), K defaulting to ``num_nextn_predict_layers``, and the hosts funcspec cannot run refused with what they
-need.
+"""MTP modules as MoE checkpoints ship them: GLM-4.5's, DeepSeek-V3's and V3.2's ``model.layers.{L}`` (a GQA, MLA
+or MLA + sparse attention block with a MoE, its experts stored one by one) read from the target's own files, their
+drafts equal to vLLM's ``glm4_moe_mtp`` / ``deepseek_mtp`` module, greedy speculation equal to greedy AR at
+K = 1, 2, 3 (eager and inductor), K defaulting to ``num_nextn_predict_layers``, and the hosts funcspec cannot run
+refused with what they need.
 
 transformers drops the MTP layer (``_keys_to_ignore_on_load_unexpected``), so the tests write its keys themselves,
 under the published names; its block is transformers' own decoder layer of the host at index L, and the reference
