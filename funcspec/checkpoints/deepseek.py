@@ -39,6 +39,9 @@ def mla_config(hf: dict[str, Any], arch: str, rope: dict, where: str) -> MLAConf
     scale = (nope + rot) ** -0.5
     if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    if arch == "deepseek_v32" and not q_lora:
+        raise ValueError(f"{where}: DeepSeek-V3.2 needs q_lora_rank (its indexer's queries read the query's "
+                         f"low-rank state), got {hf.get('q_lora_rank')!r}")
     index = dict(index_n_heads=_positive(hf, "index_n_heads", where, 64),
                  index_head_dim=_positive(hf, "index_head_dim", where, 128),
                  index_topk=_positive(hf, "index_topk", where, 2048)) if arch == "deepseek_v32" else {}

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from funcspec.nn import indexer
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, apply_rope, attend, feed_forward,
                                read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
 from funcspec.nn.llama import forward as llama_forward
@@ -125,9 +126,16 @@ def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tens
 def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, pos, cos, sin,
               read: KVRead = FULL_READ, tree: Optional[TreeMask] = None) -> torch.Tensor:
     """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden]."""
-    q, latent, _ = mla_query_latent(cfg, p, x, cos, sin)
+    q, latent, q_low = mla_query_latent(cfg, p, x, cos, sin)
     write_kv(kv.latent, layer, slots, pos, latent.to(kv.latent.dtype))
-    return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree)
+    select = None
+    if cfg.mla.index_topk:  # V3.2: the indexer writes its key, then picks the positions attention reads
+        write_kv(kv.index, layer, slots, pos, indexer.index_keys(cfg, p["indexer"], x, cos, sin).to(kv.index.dtype))
+        keys = read_cache(kv.index, layer, slots, read)  # [B, 1, T_read, D_idx]
+
+        def select(visible):
+            return indexer.select(cfg, p["indexer"], x, q_low, cos, sin, keys, visible)
+    return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree, select)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, pos, cos, sin, window=None,

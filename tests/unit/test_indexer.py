@@ -14,22 +14,14 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from funcspec.kernels import REFERENCE
 from funcspec.nn import indexer
-from funcspec.nn.llama import rope_tables
+from funcspec.nn.llama import MLAConfig, rope_tables
 
 HIDDEN, Q_LORA, ROPE, HEADS, DIM = 48, 24, 8, 4, 16
 
 
 @dataclasses.dataclass(frozen=True)
-class _MLA:  # the indexer's fields of the model's MLA config
-    index_n_heads: int = HEADS
-    index_head_dim: int = DIM
-    index_topk: int = 8
-    qk_rope_head_dim: int = ROPE
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    mla: _MLA
+class _Cfg:  # what the indexer reads of a ModelConfig
+    mla: MLAConfig
     ops: object = REFERENCE
 
 
@@ -79,7 +71,8 @@ def _hf_selection(module, config, x, q_latent):
 
 
 def _cfg(topk: int = 8) -> _Cfg:
-    return _Cfg(_MLA(index_topk=topk))
+    return _Cfg(MLAConfig(q_lora_rank=Q_LORA, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=ROPE,
+                          v_head_dim=8, index_n_heads=HEADS, index_head_dim=DIM, index_topk=topk))
 
 
 def _ours_tables(pos):
