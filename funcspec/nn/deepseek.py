@@ -111,13 +111,15 @@ def mla_query_latent(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
 def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tensor, slots, pos, read: KVRead,
             tree: Optional[TreeMask], select=None) -> torch.Tensor:
     """o_proj of latent attention of q [B, T, H, R + rope] over one layer's latent cache [S+1, 1, T_max, R + rope]
-    (already holding this step's latents); [B, T, hidden]. ``select(visible)``: V3.2's choice of positions."""
+    (already holding this step's latents); [B, T, hidden]. ``select(q, keys, visible)``: V3.2's choice of
+    positions, what attention reads instead (:func:`funcspec.nn.indexer.sparse_read`)."""
     m = cfg.mla
+    b, t = q.shape[:2]
     keys = read_cache(latent_cache.unsqueeze(0), 0, slots, read)  # [B, 1, T_read, R + rope]
     visible = visible_keys(pos, keys.shape[2], None, tree)  # [B, T, T_read]
     if select is not None:
-        visible = select(visible)
-    out = attend(cfg.ops, q, keys, keys[..., : m.kv_lora_rank], visible, m.softmax_scale)  # [B, T, H·R]
+        q, keys, visible = select(q, keys, visible)
+    out = attend(cfg.ops, q, keys, keys[..., : m.kv_lora_rank], visible, m.softmax_scale).view(b, t, -1)  # [B, T, H·R]
     _, w_uv = absorbed(cfg, p)
     o = torch.einsum("bthr,hvr->bthv", out.unflatten(-1, (cfg.num_heads, m.kv_lora_rank)), w_uv.to(out.dtype))
     return row_parallel(cfg, o.flatten(2), p["o_proj"])  # [B, T, hidden]
@@ -133,8 +135,8 @@ def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, 
         write_kv(kv.index, layer, slots, pos, indexer.index_keys(cfg, p["indexer"], x, cos, sin).to(kv.index.dtype))
         keys = read_cache(kv.index, layer, slots, read)  # [B, 1, T_read, D_idx]
 
-        def select(visible):
-            return indexer.select(cfg, p["indexer"], x, q_low, cos, sin, keys, visible)
+        def select(q, latents, visible):
+            return indexer.sparse_read(cfg, p["indexer"], x, q_low, cos, sin, keys, q, latents, visible)
     return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree, select)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from funcspec.nn.llama import apply_rope
+from funcspec.nn.llama import MATH_TOKENS_MAX, apply_rope
 
 K_NORM_EPS = 1e-6
 """The indexer's key LayerNorm epsilon (fixed in DeepSeek's reference and HF, not in the config)."""
@@ -41,9 +41,9 @@ def index_keys(cfg, p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rope(k.unsqueeze(2), cos, sin)  # [B, T, 1, D_idx]
 
 
-def index_queries(cfg, p: dict, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def index_queries(cfg, p: dict, q_low: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The indexer queries [B, T, H_idx, D_idx] from the attention's q latent [B, T, q_lora_rank], RoPE applied."""
-    q = cfg.ops.linear(q_latent, p["wq_b"]).unflatten(-1, (cfg.mla.index_n_heads, cfg.mla.index_head_dim))
+    q = cfg.ops.linear(q_low, p["wq_b"]).unflatten(-1, (cfg.mla.index_n_heads, cfg.mla.index_head_dim))
     return apply_rope(q, cos, sin)  # [B, T, H_idx, D_idx]
 
 
@@ -64,9 +64,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     return torch.matmul(weights.unsqueeze(-2), F.relu(s)).squeeze(-2)  # [B, T, T_read]
 
 
-def scores(cfg, p: dict, x, q_latent, cos, sin, keys: torch.Tensor) -> torch.Tensor:
+def scores(cfg, p: dict, x, q_low, cos, sin, keys: torch.Tensor) -> torch.Tensor:
     """:func:`index_scores` of the tokens x [B, T, H] (q latent [B, T, q_lora_rank]) over keys [B, 1, T_read, D]."""
-    return index_scores(index_queries(cfg, p, q_latent, cos, sin), head_weights(cfg, p, x), keys)
+    return index_scores(index_queries(cfg, p, q_low, cos, sin), head_weights(cfg, p, x), keys)
 
 
 def top_positions(s: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,10 +79,10 @@ def top_positions(s: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch
     return top.indices, torch.gather(visible, -1, top.indices)
 
 
-def select(cfg, p: dict, x, q_latent, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def select(cfg, p: dict, x, q_low, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """``visible`` [B, T, T_read] bool restricted to each query's ``index_topk`` best-scored positions.
 
-    x [B, T, H] and the q latent [B, T, q_lora_rank] are the layer's attention inputs, cos/sin the
+    x [B, T, H] and the q latent q_low [B, T, q_lora_rank] are the layer's attention inputs, cos/sin the
     RoPE tables [B, T, 1, R] at their positions, keys [B, 1, T_read, D_idx] the indexer cache as read.
     A position the query cannot see never counts; a query that sees at most ``index_topk`` keeps
     them all, as HF's top-k of ``min(index_topk, T)`` under the causal mask does. Where the read
@@ -91,5 +91,27 @@ def select(cfg, p: dict, x, q_latent, cos, sin, keys: torch.Tensor, visible: tor
     k = min(cfg.mla.index_topk, keys.shape[2])
     if k == keys.shape[2]:
         return visible
-    idx, _ = top_positions(scores(cfg, p, x, q_latent, cos, sin, keys), visible, k)
+    idx, _ = top_positions(scores(cfg, p, x, q_low, cos, sin, keys), visible, k)
     return visible & torch.zeros_like(visible).scatter(-1, idx, True)  # [B, T, T_read]
+
+
+def sparse_read(cfg, p: dict, x, q_low, cos, sin, keys: torch.Tensor, q: torch.Tensor, latents: torch.Tensor,
+                visible: torch.Tensor):
+    """What a layer's latent attention reads under DSA: ``(q, latents, visible)`` for :func:`nn.llama.attend`.
+
+    q [B, T, H, D] are its queries over latents [B, 1, T_read, D] where visible [B, T, T_read]; the other
+    arguments are :func:`select`'s. Decode and verify blocks (up to ``MATH_TOKENS_MAX`` tokens, static)
+    gather each query's ``index_topk`` selected latents and attend over those alone, one query a row:
+    q [B·T, 1, H, D] over [B·T, 1, index_topk, D], so a step reads the selected positions, not the
+    context. A long prefill masks the whole read instead (:func:`select`), where a gather per query would
+    cost more than the context. Where the read length is at most ``index_topk`` nothing changes.
+    """
+    b, t, h, d = q.shape
+    k = min(cfg.mla.index_topk, latents.shape[2])
+    if k == latents.shape[2]:
+        return q, latents, visible
+    if t > MATH_TOKENS_MAX:
+        return q, latents, select(cfg, p, x, q_low, cos, sin, keys, visible)
+    idx, seen = top_positions(scores(cfg, p, x, q_low, cos, sin, keys), visible, k)  # [B, T, k]
+    rows = torch.gather(latents[:, 0], 1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, d))  # [B, T·k, D]
+    return q.reshape(b * t, 1, h, d), rows.view(b * t, 1, k, d), seen.view(b * t, 1, k)

@@ -62,21 +62,23 @@ def _steps(cfg, params, tokens, prefill: int, max_len: int = 64):
     return torch.cat(steps, 1), kv
 
 
-@pytest.mark.parametrize("rope", ["default", "yarn"])
-def test_logits_prefill_and_decode_equal_transformers(tmp_path, rope):
-    """Prefill of 40 tokens, then 8 decode steps over a 64-position cache: each attends to its 8 best."""
+@pytest.mark.parametrize(("rope", "prefill"), [("default", 40), ("yarn", 40), ("default", 140)])
+def test_logits_prefill_and_decode_equal_transformers(tmp_path, rope, prefill):
+    """A prefill, then 8 decode steps over a cache of 16 positions more: each query attends to its 8 best.
+    Blocks up to MATH_TOKENS_MAX tokens (decode, the 40-token prefill) gather the selected latents; the
+    140-token prefill masks its read."""
     hf = make_v32(tmp_path, **({"rope_parameters": YARN} if rope == "yarn" else {}))
     model = load_model(tmp_path)
     assert (model.cfg.arch, model.cfg.mla.index_topk, model.cfg.mla.index_n_heads) == ("deepseek_v32", TOPK, 8)
-    tokens = torch.randint(3, 96, (2, 48), generator=torch.Generator().manual_seed(1))
-    got, kv = _steps(model.cfg, model.params, tokens, 40)
-    assert isinstance(kv, LatentCache) and kv.index.shape == (3, 3, 1, 64, 16)
+    tokens = torch.randint(3, 96, (2, prefill + 8), generator=torch.Generator().manual_seed(1))
+    got, kv = _steps(model.cfg, model.params, tokens, prefill, prefill + 24)
+    assert isinstance(kv, LatentCache) and kv.index.shape == (3, 3, 1, prefill + 24, 16)
     with torch.no_grad():
         want = hf(tokens).logits
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
     # the selection matters: attending to every visible position gives other logits past the first TOPK
     dense = dataclasses.replace(model.cfg, mla=dataclasses.replace(model.cfg.mla, index_topk=1 << 20))
-    full, _ = _steps(dense, model.params, tokens, 40)
+    full, _ = _steps(dense, model.params, tokens, prefill, prefill + 24)
     torch.testing.assert_close(full[:, :TOPK], want[:, :TOPK], atol=5e-5, rtol=1e-5)
     assert (full[:, TOPK:] - want[:, TOPK:]).abs().amax() > 0.1
 
