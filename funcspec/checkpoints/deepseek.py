@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from funcspec.nn import dsa
 from funcspec.nn.llama import GQA, MLAConfig, yarn_mscale
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
@@ -39,12 +40,14 @@ def mla_config(hf: dict[str, Any], arch: str, rope: dict, where: str) -> MLAConf
     scale = (nope + rot) ** -0.5
     if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
-    if arch == "deepseek_v32" and not q_lora:
-        raise ValueError(f"{where}: DeepSeek-V3.2 needs q_lora_rank (its indexer's queries read the query's "
-                         f"low-rank state), got {hf.get('q_lora_rank')!r}")
     index = dict(index_n_heads=_positive(hf, "index_n_heads", where, 64),
                  index_head_dim=_positive(hf, "index_head_dim", where, 128),
                  index_topk=_positive(hf, "index_topk", where, 2048)) if arch == "deepseek_v32" else {}
+    if index:
+        try:
+            dsa.check_config(q_lora, qk_rope_head_dim=rot, **index)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     return MLAConfig(q_lora, _positive(hf, "kv_lora_rank", where), nope, rot, _positive(hf, "v_head_dim", where),
                      scale, bool(hf.get("rope_interleave", True)) or arch != "deepseek_v3", **index)
 

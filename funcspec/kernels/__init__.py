@@ -7,7 +7,8 @@ pre-packed bf16 products), ``attention`` (the decode attention kernel), ``quant`
 (the 8- and 4-bit products and :class:`QuantFormat`, a quantized linear's static
 part), ``moe`` (a MoE layer's routed experts: the CPU kernel that streams the
 selected experts once per step, CUDA's grouped GEMMs, torch_npu's MoE ops, the
-reference) and ``ops`` (:class:`Ops`: which of them a model takes, :func:`resolve` from the
+reference), ``indexer`` (DeepSeek-V3.2's lightning indexer: its scores and
+top-k, the reference of Ascend's kernel) and ``ops`` (:class:`Ops`: which of them a model takes, :func:`resolve` from the
 device). :mod:`funcspec.nn` is math over ``cfg.ops``; nothing here imports it.
 """
 

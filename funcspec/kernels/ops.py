@@ -78,7 +78,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import attention, build, cpu, moe, onednn, quant, stream
+from funcspec.kernels import attention, build, cpu, indexer, moe, onednn, quant, stream
 
 SKINNY_ROWS = 64
 """fp32 CPU products of at most this many rows take ``(W @ x.T).T`` on the plain paths."""
@@ -264,6 +264,38 @@ class Ops:
     def attend(self, q, keys, vals, visible) -> torch.Tensor:
         """The decode attention kernel (:func:`funcspec.kernels.attention.decode_attention`); needs :meth:`attends`."""
         return attention.decode_attention(q, keys, vals, visible)
+
+    def lightning_indexer(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+                          topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3.2's lightning indexer (:mod:`funcspec.kernels.indexer`): the ``min(topk, T_read)`` best
+        positions (``idx``, ``valid`` [B, T, k]) of index queries q [B, T, Hi, Di] over index keys [B, T_read, Di]
+        with head weights [B, T, Hi], among those visible [B, T, T_read].
+
+        The hook of Ascend's ``npu_lightning_indexer`` (torch_npu, which
+        vLLM-Ascend calls for this): not wired, for want of an NPU to check it
+        on, so every device takes :func:`indexer.reference`.
+        """
+        return indexer.reference(q, keys, weights, visible, topk, scale)
+
+    def sparse_attention(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, r: int,
+                         scale: float) -> torch.Tensor:
+        """DeepSeek-V3.2's attention over each query's selected latents (:func:`indexer.sparse_attention`): q [B, T,
+        H, D] over keys [B, T, k, D] where valid [B, T, k]; -> [B, T, H, r].
+
+        The hook of Ascend's ``npu_sparse_flash_attention`` (torch_npu, which vLLM-Ascend calls for this): not
+        wired, for want of an NPU to check it on, so every device takes the torch reference.
+        """
+        return indexer.sparse_attention(q, keys, valid, r, scale)
+
+    def mla_prolog(self, reference, *args):
+        """Multi-head latent attention's prolog: the queries absorbed into latent space and the token's latent,
+        ``reference(*args)`` (the torch math of :func:`funcspec.nn.deepseek.mla_query_latent`).
+
+        The hook of Ascend's ``npu_mla_prolog_v3`` (one kernel for the down and up projections, both RMSNorms,
+        RoPE and the cache write, at DeepSeek-V3's dims): not wired, for want of an NPU to check it on, so every
+        device takes the reference.
+        """
+        return reference(*args)
 
 
 REFERENCE = Ops()

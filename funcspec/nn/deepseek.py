@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from funcspec.nn import indexer
+from funcspec.nn import dsa
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, apply_rope, attend, feed_forward,
                                read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
 from funcspec.nn.llama import forward as llama_forward
@@ -111,32 +111,40 @@ def mla_query_latent(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
 def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tensor, slots, pos, read: KVRead,
             tree: Optional[TreeMask], select=None) -> torch.Tensor:
     """o_proj of latent attention of q [B, T, H, R + rope] over one layer's latent cache [S+1, 1, T_max, R + rope]
-    (already holding this step's latents); [B, T, hidden]. ``select(q, keys, visible)``: V3.2's choice of
-    positions, what attention reads instead (:func:`funcspec.nn.indexer.sparse_read`)."""
+    (already holding this step's latents); [B, T, hidden]. ``select(visible)``: V3.2's positions each query reads,
+    ``idx``, ``valid`` [B, T, k] (or ``None``: all of them), whose latents alone are gathered and attended."""
     m = cfg.mla
-    b, t = q.shape[:2]
     keys = read_cache(latent_cache.unsqueeze(0), 0, slots, read)  # [B, 1, T_read, R + rope]
     visible = visible_keys(pos, keys.shape[2], None, tree)  # [B, T, T_read]
-    if select is not None:
-        q, keys, visible = select(q, keys, visible)
-    out = attend(cfg.ops, q, keys, keys[..., : m.kv_lora_rank], visible, m.softmax_scale).view(b, t, -1)  # [B, T, H·R]
+    picked = None if select is None else select(visible)
+    if picked is None:
+        out = attend(cfg.ops, q, keys, keys[..., : m.kv_lora_rank], visible, m.softmax_scale)  # [B, T, H·R]
+        out = out.unflatten(-1, (cfg.num_heads, m.kv_lora_rank))  # [B, T, H, R]
+    else:
+        idx, valid = picked  # [B, T, k] each
+        b, t, k = idx.shape
+        rows = keys[:, 0].gather(1, idx.view(b, t * k, 1).expand(-1, -1, keys.shape[-1]))  # [B, T·k, R + rope]
+        out = cfg.ops.sparse_attention(q, rows.view(b, t, k, -1), valid, m.kv_lora_rank, m.softmax_scale)
     _, w_uv = absorbed(cfg, p)
-    o = torch.einsum("bthr,hvr->bthv", out.unflatten(-1, (cfg.num_heads, m.kv_lora_rank)), w_uv.to(out.dtype))
+    o = torch.einsum("bthr,hvr->bthv", out, w_uv.to(out.dtype))  # [B, T, H, v]
     return row_parallel(cfg, o.flatten(2), p["o_proj"])  # [B, T, hidden]
 
 
 def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, pos, cos, sin,
               read: KVRead = FULL_READ, tree: Optional[TreeMask] = None) -> torch.Tensor:
-    """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden]."""
-    q, latent, q_low = mla_query_latent(cfg, p, x, cos, sin)
+    """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden].
+    With V3.2's indexer (``cfg.mla.index_topk``) it writes the index keys too and attends only over each query's
+    selected positions (:func:`funcspec.nn.dsa.sparse_positions`), gathering only their latents."""
+    q, latent, q_low = cfg.ops.mla_prolog(mla_query_latent, cfg, p, x, cos, sin)
     write_kv(kv.latent, layer, slots, pos, latent.to(kv.latent.dtype))
     select = None
     if cfg.mla.index_topk:  # V3.2: the indexer writes its key, then picks the positions attention reads
-        write_kv(kv.index, layer, slots, pos, indexer.index_keys(cfg, p["indexer"], x, cos, sin).to(kv.index.dtype))
-        keys = read_cache(kv.index, layer, slots, read)  # [B, 1, T_read, D_idx]
+        ix = p["indexer"]
+        write_kv(kv.index, layer, slots, pos, dsa.index_key(cfg.ops, ix, x, cos, sin).to(kv.index.dtype))
 
-        def select(q, latents, visible):
-            return indexer.sparse_read(cfg, p["indexer"], x, q_low, cos, sin, keys, q, latents, visible)
+        def select(visible):
+            return dsa.sparse_positions(cfg.ops, cfg.mla, ix, kv.index[layer], x, q_low, slots, cos, sin, visible,
+                                        read)
     return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree, select)
 
 

@@ -127,6 +127,8 @@ def router_logits(m: MoEConfig, ops, p: dict, x: torch.Tensor) -> torch.Tensor:
     """The router's logits [T, E] of x [T, H]: in the model's dtype for softmax scoring (as Qwen and Mixtral),
     in fp32 for sigmoid scoring (GLM-4.5 and DeepSeek-V3 keep their router in fp32)."""
     if m.scoring == "sigmoid":
+        if p["weight"].dtype != torch.float32:  # static: a router loaded in the model's half dtype
+            return ops.linear(x.float(), {"weight": p["weight"].float()})
         return ops.linear(x.float(), p)
     return ops.linear(x, p)
 

@@ -159,3 +159,11 @@ def test_cudagraph_speculation_on_deepseek_equals_ar_on_cuda(v3, eagle3, method)
     eng = Engine(v3, backend="cudagraph", speculative_config=spec, **kw)
     assert _ids(eng.generate(prompts, GREEDY)) == want
     assert eng.stats["recompiles"] == 0
+
+
+def test_bf16_speculation_on_deepseek_equals_bf16_ar(v3):
+    """In bf16 the sigmoid router still scores in fp32 (its weight cast as transformers does)."""
+    prompts = _prompts(4)
+    kw = dict(max_batch_size=4, max_model_len=96, dtype=torch.bfloat16)
+    want = _ids(Engine(v3, **kw).generate(prompts, GREEDY))
+    assert _ids(Engine(v3, speculative_config=_spec("ngram", 3), **kw).generate(prompts, GREEDY)) == want

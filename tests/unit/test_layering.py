@@ -64,7 +64,8 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # nn heads share math through nn.llama only; format helpers live in funcspec.checkpoints.
-NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.deepseek"}  # the decoders; kernels: cfg.ops
+# nn.dsa: DeepSeek-V3.2's indexer, shared by the DeepSeek decoder and its MTP layer.
+NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.deepseek", "funcspec.nn.dsa"}  # kernels: cfg.ops
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:
