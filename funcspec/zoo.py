@@ -5,7 +5,7 @@
 ``moe_eagle3``, and ``mtp_target``, a DeepSeek-V3 with its own MTP module) to
 its directory. The zoo is trained from the Python standard library by the
 recipes in :mod:`funcspec.train` (``funcspec train all``; the MoE pair on a GPU,
-``tools/train_moe_zoo.sh``, and ``mtp_target``, ``tools/train_mtp_zoo.sh``);
+``tools/train_zoo_gpu.sh``, and ``mtp_target``, ``tools/train_zoo_gpu.sh``);
 ``models/README.md`` holds the model cards. A role's directory may be absent until its recipe has run
 (:func:`trained`).
 

@@ -33,7 +33,7 @@ ROLES = ("target",) + methods.select(zoo=True) + ("moe_target", "moe_eagle3", "m
 target and its head, then the DeepSeek-V3 target that carries its own MTP module."""
 
 GPU_ROLES = ("moe_target", "moe_eagle3", "mtp_target")
-"""Roles trained on a lent GPU (``tools/train_moe_zoo.sh``, ``tools/train_mtp_zoo.sh``): the zoo names them
+"""Roles trained on a lent GPU (``tools/train_zoo_gpu.sh``): the zoo names them
 before their checkpoints arrive."""
 
 

@@ -13,6 +13,7 @@ import io
 import json
 import lzma
 import platform
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -117,6 +118,19 @@ def tokenizer_dir(default: Path) -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def copy_tokenizer(tokenizer: Path, out: Path, work: Path):
+    """Copy the tokenizer at ``tokenizer`` into the checkpoint folder ``out`` (never retrained) and load it, with
+    its training token stream: ``(tokenizer, stream)``. What a target trained beside the zoo's reuses."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (tokenizer / f).exists():
+            shutil.copyfile(tokenizer / f, out / f)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    return tok, token_stream(tok, "train", work / "tokens")
+
+
 def prepare_cache(tokenizer_path: Path, work: Path, out: Path) -> Path:
     """Write into ``out`` what training needs without the stdlib: the training token stream
     (``tokens/train-<key>.npy.xz``), the train and held-out manifests and the tokenizer's files.
@@ -124,8 +138,6 @@ def prepare_cache(tokenizer_path: Path, work: Path, out: Path) -> Path:
     The stream is stored as uint16 and xz-compressed (about 2 MB, not 13): the folder travels with a
     working tree whose size is capped.
     """
-    import shutil
-
     from transformers import AutoTokenizer
 
     if CORPUS_CACHE is not None:

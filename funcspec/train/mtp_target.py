@@ -264,17 +264,8 @@ def run(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | None
         time_budget: float | None = None) -> dict:
     """Train the DeepSeek-V3 target and its MTP module into ``out`` with the tokenizer at ``tokenizer`` (copied,
     never retrained); ``sizes`` overrides :data:`MTP_SIZES` (tests). Returns the model card's facts."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
     sizes = {**MTP_SIZES, **(sizes or {})}
-    out.mkdir(parents=True, exist_ok=True)
-    for f in data.TOKENIZER_FILES:
-        if (tokenizer / f).exists():
-            shutil.copyfile(tokenizer / f, out / f)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    stream = data.token_stream(tok, "train", work / "tokens")
+    tok, stream = data.copy_tokenizer(tokenizer, out, work)
     torch.manual_seed(seed)
     model = build(sizes, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id).to(device)
     gates, picks = routers(model), record_picks(model)

@@ -79,17 +79,10 @@ def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | 
             time_budget: float | None = None) -> dict:
     """Train the Qwen3-MoE target into ``out`` with the tokenizer at ``tokenizer`` (copied, never retrained);
     saved in bfloat16, in shards of at most ``MOE_SHARD``. ``sizes`` overrides :data:`MOE_SIZES` (tests)."""
-    import shutil
-
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     sizes = {**MOE_SIZES, **(sizes or {})}
-    out.mkdir(parents=True, exist_ok=True)
-    for f in data.TOKENIZER_FILES:
-        if (tokenizer / f).exists():
-            shutil.copyfile(tokenizer / f, out / f)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    stream = data.token_stream(tok, "train", work / "tokens")
+    tok, stream = data.copy_tokenizer(tokenizer, out, work)
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, tie_word_embeddings=True, router_aux_loss_coef=MOE_AUX,

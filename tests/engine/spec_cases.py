@@ -44,3 +44,41 @@ def assert_captured_lossless(target, spec, prompts, want, warm: int, **engine) -
         assert _ids(eng.generate(prompts[warm:], GREEDY)) == want[warm:]
     assert eng.stats["recompiles"] == 0
     return eng
+
+
+def ar_reference(target: str, n: int = 12):
+    """``n`` repetitive prompts and their greedy AR outputs on ``target`` (batch 4, 96 positions)."""
+    from funcspec import Engine
+
+    prompts = _prompts(n)
+    return prompts, _ids(Engine(target, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+
+
+def assert_generate_equals_hf(path, hf, new: int, seed: int = 2) -> None:
+    """funcspec's greedy tokens for a 9-token prompt on checkpoint ``path`` equal HF ``generate`` on ``hf``."""
+    from funcspec import LLM
+
+    prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        hf.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens would forbid EOS, not ignore it)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    out = LLM(str(path), enforce_eager=True, max_model_len=64).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+def assert_decode_equals_hf(model, hf, tokens, prefill: int, slots, atol: float = 5e-5) -> None:
+    """Logits of a prefill of tokens [B, :prefill], then one decode step a token through the model's own cache,
+    equal HF's over the whole of tokens [B, T]."""
+    from funcspec.nn import forward, init_kv_cache
+
+    b, t = tokens.shape
+    kv = init_kv_cache(model.cfg, b, 32)
+    got, _, kv = forward(model.cfg, model.params, kv, tokens[:, :prefill], slots, torch.zeros(b, dtype=torch.long))
+    steps = [got]
+    for i in range(prefill, t):
+        step, _, kv = forward(model.cfg, model.params, kv, tokens[:, i:i + 1], slots, torch.full((b,), i))
+        steps.append(step)
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=atol, rtol=1e-5)

@@ -5,13 +5,14 @@ import pytest
 import torch
 import transformers
 
-from funcspec import LLM, Engine, SamplingParams
+from funcspec import Engine
 from funcspec.checkpoints import init_draft_head
 from funcspec.checkpoints.llama import hf_config_dict, load_model, model_config
-from funcspec.nn import forward, init_kv_cache
+from funcspec.nn import init_kv_cache
 from funcspec.nn.deepseek import LatentCache, expanded_bytes_per_token, latent_bytes_per_token
 
-from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
+from spec_cases import (GREEDY, _ids, _prompts, _spec, ar_reference, assert_captured_lossless,
+                        assert_decode_equals_hf, assert_generate_equals_hf)
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -55,29 +56,15 @@ def test_logits_prefill_and_decode_equal_transformers(tmp_path, family):
     """Prefill of 9 tokens, then 4 single-token decode steps that read only the latent cache."""
     hf = make_deepseek(tmp_path, family)
     model = load_model(tmp_path)
-    tokens = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(1))
     kv = init_kv_cache(model.cfg, 2, 32)
     assert isinstance(kv, LatentCache) and kv.latent.shape == (3, 3, 1, 32, 32 + 8) and kv.index is None
-    slots = torch.arange(2)
-    got, _, kv = forward(model.cfg, model.params, kv, tokens[:, :9], slots, torch.zeros(2, dtype=torch.long))
-    steps = [got]
-    for t in range(9, 13):
-        step, _, kv = forward(model.cfg, model.params, kv, tokens[:, t:t + 1], slots, torch.full((2,), t))
-        steps.append(step)
-    with torch.no_grad():
-        want = hf(tokens).logits
-    torch.testing.assert_close(torch.cat(steps, 1), want, atol=5e-5, rtol=1e-5)
+    tokens = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(1))
+    assert_decode_equals_hf(model, hf, tokens, 9, torch.arange(2))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_transformers_generate(tmp_path, family):
-    hf = make_deepseek(tmp_path, family)
-    prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    out = LLM(str(tmp_path), enforce_eager=True, max_model_len=64).generate(
-        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    assert list(out[0].outputs[0].token_ids) == hf_ids[0, len(prompt):].tolist()
+    assert_generate_equals_hf(tmp_path, make_deepseek(tmp_path, family), 12)
 
 
 def test_config_reads_mla_moe_and_yarn():
@@ -119,8 +106,7 @@ def v3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(v3):
-    prompts = _prompts(12)
-    return prompts, _ids(Engine(v3, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+    return ar_reference(v3)
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,15 @@ import pytest
 import torch
 import transformers
 
-from funcspec import LLM, Engine, SamplingParams
+from funcspec import Engine
 from funcspec.checkpoints import init_draft_head
 from funcspec.checkpoints.llama import load_model, model_config
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.deepseek import LatentCache, latent_bytes_per_token
 from funcspec.nn.llama import KVRead
 
-from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
+from spec_cases import (GREEDY, _ids, _spec, ar_reference, assert_captured_lossless,
+                        assert_decode_equals_hf, assert_generate_equals_hf)
 
 TOPK = 6
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -54,28 +55,15 @@ def test_logits_prefill_and_decode_equal_transformers(tmp_path, rope):
     tokens = torch.randint(3, 96, (2, 18), generator=torch.Generator().manual_seed(1))
     kv = init_kv_cache(model.cfg, 2, 32)
     assert isinstance(kv, LatentCache) and kv.index.shape == (3, 3, 1, 32, 32)
-    slots = torch.tensor([1, 0])
-    got, _, kv = forward(model.cfg, model.params, kv, tokens[:, :12], slots, torch.zeros(2, dtype=torch.long))
-    steps = [got]
-    for t in range(12, 18):
-        step, _, kv = forward(model.cfg, model.params, kv, tokens[:, t:t + 1], slots, torch.full((2,), t))
-        steps.append(step)
     with torch.no_grad():
         want = hf(tokens).logits
         dense = make_v32(index_topk=64, **overrides)(tokens).logits  # the same weights, every position read
     assert (want - dense)[:, TOPK:].abs().amax() > 1.0  # the selection changes the logits: it is tested
-    torch.testing.assert_close(torch.cat(steps, 1), want, atol=5e-5, rtol=1e-5)
+    assert_decode_equals_hf(model, hf, tokens, 12, torch.tensor([1, 0]))
 
 
 def test_greedy_tokens_equal_transformers_generate(tmp_path):
-    hf = make_v32(tmp_path)
-    prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        hf.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens would forbid EOS, not ignore it)
-        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False)
-    out = LLM(str(tmp_path), enforce_eager=True, max_model_len=64).generate(
-        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
-    assert list(out[0].outputs[0].token_ids) == hf_ids[0, len(prompt):].tolist()
+    assert_generate_equals_hf(tmp_path, make_v32(tmp_path), 14)
 
 
 def test_a_long_prefill_attends_in_chunks_equal_to_one_pass_and_transformers(tmp_path, monkeypatch):
@@ -128,8 +116,7 @@ def v32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(v32):
-    prompts = _prompts(12)
-    return prompts, _ids(Engine(v32, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+    return ar_reference(v32)
 
 
 TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"

@@ -15,7 +15,7 @@ from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.nn.moe import MoEConfig, local_experts, route
 from funcspec.parallel import TPGroup
 
-from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
+from spec_cases import GREEDY, _ids, _prompts, _spec, ar_reference, assert_captured_lossless
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -65,8 +65,7 @@ def qwen3_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(qwen3_moe):
     """Autoregressive greedy outputs of 12 repetitive prompts on the Qwen3-MoE target."""
-    prompts = _prompts(12)
-    return prompts, _ids(Engine(qwen3_moe, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+    return ar_reference(qwen3_moe)
 
 
 # ----------------------------------------------------------------------------- HF-exact
