@@ -194,9 +194,9 @@ def test_mtp_token_tree_equals_greedy_ar(host):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_mtp_captured_steps_are_lossless_and_never_recompile(host, k):
-    eng = assert_captured_lossless(host["path"], {"method": "mtp", "num_speculative_tokens": k}, PROMPTS, host["ar"],
+def test_mtp_captured_steps_are_lossless_and_never_recompile(host):
+    """K = 2 (the guide's): the layer reused once inside the captured step (eager covers K = 1, 2, 3)."""
+    eng = assert_captured_lossless(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, PROMPTS, host["ar"],
                                    warm=4)
     assert eng.stats["graph_breaks"] == 0
 
