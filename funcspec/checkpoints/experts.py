@@ -172,6 +172,24 @@ def stack(tensors: dict[str, torch.Tensor], m: MoEConfig, where: str) -> dict[st
     return out
 
 
+def per_expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with each layer's stacked experts (``<prefix>mlp.experts.gate_up_proj.weight`` [E, 2I, H] and
+    ``down_proj`` [E, H, I]) as the experts one by one, as published checkpoints store them (:func:`stack`
+    reads them back)."""
+    out = {}
+    for key, shape in shapes.items():
+        if key.endswith("mlp.experts.gate_up_proj.weight"):
+            e, two_i, h = shape
+            out.update({f"{key[:-len('gate_up_proj.weight')]}{x}.{r}_proj.weight": (two_i // 2, h)
+                        for x in range(e) for r in ("gate", "up")})
+        elif key.endswith("mlp.experts.down_proj.weight"):
+            e, h, i = shape
+            out.update({f"{key[:-len('down_proj.weight')]}{x}.down_proj.weight": (h, i) for x in range(e)})
+        else:
+            out[key] = shape
+    return out
+
+
 def expert_linears(m: MoEConfig, hidden: int, keys) -> dict[str, tuple[int, int]]:
     """Every routed expert's linear module under the names a file of ``keys`` uses (Mixtral's
     ``block_sparse_moe.experts.<e>.w1/w3/w2``, else ``mlp.experts.<e>.{gate,up,down}_proj``) -> its (N, K)."""

@@ -30,8 +30,9 @@ Where each layout was read (file names, config fields, key names):
 - ``dflash-zlab``: z-lab/dflash ``DFlashDraftModel`` (``dflash_config``).
 - ``dflash-speculators``: speculators' DFlash (``*-speculator.dflash``), as vLLM reads it.
 - ``dspark-deepspec``: deepseek-ai/DeepSpec ``Qwen3DSparkModel``.
-- ``mtp-deepseek``: DeepSeek-V3's ``model.layers.{L}`` module (vLLM ``deepseek_mtp.py``), with a
-  Llama/Qwen block.
+- ``mtp-deepseek``: DeepSeek-V3's / V3.2's and GLM-4.5's ``model.layers.{L}`` module (vLLM
+  ``deepseek_mtp.py``, ``glm4_moe_mtp.py``): one decoder layer of the host, a MoE one with its experts
+  stored one by one.
 - ``mtp-mimo``: XiaomiMiMo ``MiMoForCausalLM``'s ``model.mtp_layers.{i}`` (vLLM ``mimo_mtp.py``).
 - ``medusa-fasterdecoding``: FasterDecoding/Medusa ``medusa_lm_head.{safetensors,pt}``
   (``medusa_model.py``, ``train_legacy.py``).
@@ -131,7 +132,8 @@ LAYOUTS: tuple[Layout, ...] = (
             ("model.mtp_layers.0.input_proj.weight", "eh_proj.weight"),
             ("model.mtp_layers.0.final_layernorm.weight", "norm.weight"),
             ("model.mtp_layers.0.{rest}", "{rest}"), ("model.{rest}", None), ("lm_head.weight", None))),
-    Layout("mtp-deepseek", "mtp", "mtp", "DeepSeek-V3 model.layers.{L} (vLLM deepseek_mtp.py)",
+    Layout("mtp-deepseek", "mtp", "mtp",
+           "DeepSeek-V3 / V3.2, GLM-4.5 model.layers.{L} (vLLM deepseek_mtp.py, glm4_moe_mtp.py)",
            lambda hf, keys: isinstance(hf.get("num_hidden_layers"), int)
            and _has(keys, f"model.layers.{hf['num_hidden_layers']}."),
            (("model.layers.{L}.shared_head.norm.weight", "norm.weight"),

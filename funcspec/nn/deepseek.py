@@ -121,10 +121,7 @@ def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tens
         out = attend(cfg.ops, q, keys, keys[..., : m.kv_lora_rank], visible, m.softmax_scale)  # [B, T, H·R]
         out = out.unflatten(-1, (cfg.num_heads, m.kv_lora_rank))  # [B, T, H, R]
     else:
-        idx, valid = picked  # [B, T, k] each
-        b, t, k = idx.shape
-        rows = keys[:, 0].gather(1, idx.view(b, t * k, 1).expand(-1, -1, keys.shape[-1]))  # [B, T·k, R + rope]
-        out = cfg.ops.sparse_attention(q, rows.view(b, t, k, -1), valid, m.kv_lora_rank, m.softmax_scale)
+        out = dsa.attend_selected(cfg.ops, m, q, keys, *picked)  # [B, T, H, R]
     _, w_uv = absorbed(cfg, p)
     o = torch.einsum("bthr,hvr->bthv", out, w_uv.to(out.dtype))  # [B, T, H, v]
     return row_parallel(cfg, o.flatten(2), p["o_proj"])  # [B, T, hidden]

@@ -41,6 +41,10 @@ from funcspec.nn.llama import KVRead, MLAConfig, apply_rope, read_cache
 K_NORM_EPS = 1e-6
 """The index keys' LayerNorm epsilon (fixed in transformers and DeepSeek's reference, not in config.json)."""
 
+GATHER_ELEMENTS = 1 << 24
+"""Most elements of gathered latents and their scores that one pass of :func:`attend_selected` holds (64 MiB
+fp32). A block that selects more (a long prefill: T · index_topk latents) attends in chunks of query rows."""
+
 
 def check_config(q_lora_rank: int, index_n_heads: int, index_head_dim: int, index_topk: int,
                  qk_rope_head_dim: int) -> None:
@@ -126,3 +130,27 @@ def sparse_positions(ops: Ops, mla: MLAConfig, p: dict, cache: torch.Tensor, x: 
     keys = read_cache(cache.unsqueeze(0), 0, slots, read)[:, 0]  # [B, T_read, Di]
     q = index_query(ops, mla, p, q_resid, cos, sin)  # [B, T, Hi, Di]
     return select(ops, mla, q, head_weights(ops, mla, p, x), keys, visible)
+
+
+def attend_selected(ops: Ops, mla: MLAConfig, q: torch.Tensor, latents: torch.Tensor, idx: torch.Tensor,
+                    valid: torch.Tensor) -> torch.Tensor:
+    """Latent attention [B, T, H, R] of q [B, T, H, R + rope] over only the positions idx [B, T, k] (where valid)
+    of latents [B, 1, T_read, R + rope]: each query's selected latents are gathered and attended
+    (:meth:`funcspec.kernels.Ops.sparse_attention`).
+
+    NOTE: a static number of query rows a pass, so that the gathered
+    latents and scores stay within :data:`GATHER_ELEMENTS`: a block of T
+    tokens gathers T · k latents, at V3.2's k = 2048 and 576 dims 4.8 GB of
+    fp32 a layer for a 1024-token prefill. Decode and verify blocks take one
+    pass; a query's result does not depend on the rows beside it.
+    """
+    b, t, k = idx.shape
+    d = latents.shape[-1]
+    rows = max(1, GATHER_ELEMENTS // (k * (d + q.shape[2])))  # static: query rows a pass
+    parts = []
+    for r in range(0, t, rows):
+        n = min(rows, t - r)
+        picked = latents[:, 0].gather(1, idx[:, r:r + n].reshape(b, n * k, 1).expand(-1, -1, d))  # [B, n·k, D]
+        parts.append(ops.sparse_attention(q[:, r:r + n], picked.view(b, n, k, d), valid[:, r:r + n],
+                                          mla.kv_lora_rank, mla.softmax_scale))  # [B, n, H, R]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) modules: DeepSeek-V3's and XiaomiMiMo's, one pure function.
+"""Multi-token prediction (MTP) modules: DeepSeek-V3's / V3.2's, GLM-4.5's and XiaomiMiMo's, one pure function.
 
 funcspec's names (``funcspec.checkpoints.layouts`` maps the published ones onto them)::
 
@@ -7,7 +7,7 @@ funcspec's names (``funcspec.checkpoints.layouts`` maps the published ones onto 
     norm.weight [H], head.weight [V, H]
     embed_tokens.weight [V, H] (the module's own, or the target's)
 
-DeepSeek-V3 (``model.layers.{L}``; vLLM ``deepseek_mtp.py``)::
+DeepSeek-V3 and GLM-4.5 (``model.layers.{L}``; vLLM ``deepseek_mtp.py``, ``glm4_moe_mtp.py``)::
 
     x_t = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])     embed zeroed at position 0 (as vLLM)
     g_t = block(x_t)                                        fed back as h at the next step
@@ -19,12 +19,15 @@ XiaomiMiMo (``model.mtp_layers.{i}``; vLLM ``mimo_mtp.py``; ``hidden_first``, ``
     g_t = norm(block(x_t))                                  final_layernorm; fed back as h
     logits = head(g_t)                                      the target's LM head
 
-NOTE: funcspec's block is a Llama/Qwen block of the target's family (no MLA,
-no MoE). h_t for the first step is the target's final hidden state: normed for
-DeepSeek (what vLLM's DeepSeek model returns to its MTP drafter), before the
-final norm for MiMo (vLLM's ``MiMoModel`` returns the pre-norm state). Further
-MTP modules are not read: the first one is applied autoregressively for every
-draft step, as vLLM does with one module. Reading and writing the layouts:
+NOTE: the block is one decoder layer of the target's family, run through
+``funcspec.nn``'s family dispatch (``decoder_layer``: GQA, or DeepSeek's latent
+attention over a latent draft cache); a MoE layer routes through the target's
+own router and expert kernel. h_t for the
+first step is the target's final hidden state: normed for DeepSeek and GLM
+(what their vLLM models return to the MTP drafter), before the final norm for
+MiMo (vLLM's ``MiMoModel`` returns the pre-norm state). Further MTP modules are
+not read: the first one is applied autoregressively for every draft step, as
+vLLM does with one module. Reading and writing the layouts:
 :mod:`funcspec.checkpoints.mtp`.
 """
 
@@ -34,8 +37,8 @@ import dataclasses
 
 import torch
 
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, rms_norm,
-                               rope_tables)
+from funcspec.nn import decoder_layer
+from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, TreeMask, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, init_kv_cache, window_start
+from funcspec.nn import init_kv_cache
+from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, window_start
 from funcspec.proposers import tree_draft
 from funcspec.token_tree import Chain, DynamicTree, TokenTree
 from funcspec.tree import pytree_dataclass, slot_field
@@ -93,7 +94,8 @@ class ChainState:
     """Per-slot state of a feature-chain proposer.
 
     Attributes:
-        kv: the head's KV cache [L_d, S+1, H_kv, T_max, D] (its ``lens`` is unused).
+        kv: the head's KV cache, as its block's family declares it (``funcspec.nn.init_kv_cache``: GQA's
+            [L_d, S+1, H_kv, T_max, D], an MLA block's latent); its ``lens`` is unused.
         feats: [S+1, block, F] target features of each slot's last verified block.
         count: [S+1] int64 how many positions of that block were committed (num_emitted).
     """
@@ -117,7 +119,8 @@ def hidden_layers(cfg: ChainConfig) -> tuple[int, ...]:
 
 
 def init_state(cfg: ChainConfig, params, num_slots: int, max_len: int) -> ChainState:
-    """Zeroed head KV cache, staged features [S+1, block, F] and staged counts."""
+    """Zeroed head KV cache (the block family's own, from ``funcspec.nn.init_kv_cache``), staged features
+    [S+1, block, F] and staged counts."""
     ref = activation_ref(params)
     return ChainState(
         init_kv_cache(cfg.model, num_slots, max_len, ref.dtype, ref.device),

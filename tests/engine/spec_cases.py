@@ -60,7 +60,8 @@ def assert_generate_equals_hf(path, hf, new: int, seed: int = 2) -> None:
 
     prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        hf.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens would forbid EOS, not ignore it)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
     out = LLM(str(path), enforce_eager=True, max_model_len=64).generate(
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     assert list(out[0].outputs[0].token_ids) == want[0, len(prompt):].tolist()

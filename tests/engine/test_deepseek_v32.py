@@ -66,6 +66,30 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
     assert_generate_equals_hf(tmp_path, make_v32(tmp_path), 14)
 
 
+def test_a_long_prefill_attends_in_chunks_equal_to_one_pass_and_transformers(tmp_path, monkeypatch):
+    """A prefill gathers T · index_topk latents; past dsa.GATHER_ELEMENTS it attends a few query rows a pass.
+    Here 30 tokens in passes of 7 rows: the same bits as one pass, and transformers' logits. (The tokens are
+    chosen: at 40 of them two queries of layer 1 find exact ties at their 6th score, relu's zeros, where
+    funcspec keeps the earlier position and torch's top-k in transformers another.)"""
+    from funcspec.kernels import Ops
+    from funcspec.nn import dsa
+
+    hf = make_v32(tmp_path)
+    model = load_model(tmp_path)
+    tokens = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(4))
+    z, slots = torch.zeros(2, dtype=torch.long), torch.arange(2)
+    one, _, _ = forward(model.cfg, model.params, init_kv_cache(model.cfg, 2, 48), tokens, slots, z)
+    shapes, real = [], Ops.sparse_attention
+    monkeypatch.setattr(Ops, "sparse_attention", lambda self, q, keys, *a: shapes.append(tuple(keys.shape)) or
+                        real(self, q, keys, *a))
+    monkeypatch.setattr(dsa, "GATHER_ELEMENTS", 7 * TOPK * (32 + 8 + 4))  # 7 rows of 6 latents and 4 heads' scores
+    chunked, _, _ = forward(model.cfg, model.params, init_kv_cache(model.cfg, 2, 48), tokens, slots, z)
+    assert shapes == ([(2, 7, TOPK, 40)] * 4 + [(2, 2, TOPK, 40)]) * 3  # every layer: 30 = 4 · 7 + 2 rows
+    assert torch.equal(chunked, one)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked, hf(tokens).logits, atol=5e-5, rtol=1e-5)
+
+
 def test_config_reads_the_indexer_and_the_cache_holds_its_keys():
     cfg = model_config({**BASE, "architectures": ["DeepseekV32ForCausalLM"]})
     m = cfg.mla
@@ -95,22 +119,28 @@ def reference(v32):
     return ar_reference(v32)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
+TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree", "eagle3-tree"])
 def test_greedy_speculation_on_v32_equals_ar(v32, reference, tmp_path, method):
-    """A chain and a token tree: verification blocks select positions as AR does, a tree's nodes among their
+    """A chain and token trees: verification blocks select positions as AR does, a tree's nodes among their
     ancestors, and its accepted path's index keys move with its latents."""
     prompts, want = reference
-    spec = _spec("ngram", 3)
+    spec = _spec("ngram", 3) if method == "ngram" else _spec("ngram", 5, speculative_token_tree=TREE)
     if method == "eagle3-tree":
         spec = {"method": "eagle3", "model": str(init_draft_head("eagle3", v32, tmp_path / "eagle3")),
-                "num_speculative_tokens": 5, "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"}
+                "num_speculative_tokens": 5, "speculative_token_tree": TREE}
     assert _ids(Engine(v32, speculative_config=spec, max_batch_size=4, max_model_len=96).generate(
         prompts, GREEDY)) == want
 
 
-def test_captured_speculation_on_v32_equals_ar(v32, reference):
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree"])
+def test_captured_speculation_on_v32_equals_ar(v32, reference, method):
     prompts, want = reference
-    assert_captured_lossless(v32, _spec("ngram", 3), prompts, want, warm=4)
+    spec = _spec("ngram", 3) if method == "ngram" else _spec("ngram", 5, speculative_token_tree=TREE)
+    eng = assert_captured_lossless(v32, spec, prompts, want, warm=4)
+    assert eng.stats["graph_breaks"] == 0 and eng.stats["mean_acceptance_length"] > 1.2
 
 
 def test_sparse_attention_gathers_only_the_selected_latents(tmp_path, monkeypatch):

@@ -546,12 +546,12 @@ def test_a_head_for_another_target_names_the_field(cases, tmp_path):
 
 
 def test_unsupported_mtp_hosts_are_named(cases, tmp_path):
-    for arch, why in (("DeepseekV3ForCausalLM", "DeepSeek-V3 \\(MLA attention, MoE\\)"),
-                      ("Qwen3NextForCausalLM", "Qwen3-Next")):
+    for arch, why in (("DeepseekV4ForCausalLM", "DeepSeek-V4's attention \\(compressed sparse attention"),
+                      ("Qwen3NextForCausalLM", "hybrid linear attention")):
         path = pub.save(tmp_path / arch, {"architectures": [arch], "num_hidden_layers": 2, "hidden_size": 32,
                                           "num_nextn_predict_layers": 1},
                         {"model.layers.2.eh_proj.weight": torch.zeros(32, 64)})
-        with pytest.raises(ValueError, match=f"architectures \\['{arch}'\\] is {why}"):
+        with pytest.raises(ValueError, match=f"architectures \\['{arch}'\\] needs {why}"):
             _load("mtp", path, cases["eagle1_qwen2"].target)
 
 

@@ -130,3 +130,20 @@ def test_the_bias_rises_for_underloaded_experts_and_falls_for_overloaded_ones():
     assert gates[0].e_score_correction_bias.tolist() == pytest.approx([-0.001, -0.001, 0.001, 0.001])
     assert gates[1].e_score_correction_bias.tolist() == pytest.approx([0.001, 0.001, -0.001, -0.001])
 
+
+
+def test_funcspec_drafts_with_the_trained_module_and_stays_lossless(trained):
+    """The checkpoint as it ships (bfloat16 shards, the module's own embedding and head copies) serves method mtp
+    with K from its num_nextn_predict_layers: greedy speculation equals greedy AR, and the trained module's drafts
+    are accepted (it learned the batch it was trained on)."""
+    from funcspec import Engine, SamplingParams
+
+    out, _, _, fixed = trained
+    prompts = [row[:12].tolist() for row in fixed]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ar = Engine(str(out), max_batch_size=2, max_model_len=64).generate(prompts, greedy)
+    ar = [o.outputs[0].token_ids for o in ar]
+    eng = Engine(str(out), {"method": "mtp"}, max_batch_size=2, max_model_len=64)
+    assert eng.spec.num_speculative_tokens == 1
+    assert [o.outputs[0].token_ids for o in eng.generate(prompts, greedy)] == ar
+    assert eng.stats["per_position_acceptance"][0] > 0.5
