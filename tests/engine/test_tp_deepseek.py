@@ -4,7 +4,8 @@ MLA splits by heads as vLLM splits it: q_b_proj and kv_b_proj by rows, o_proj
 by columns, the latent's projections, norms and V3.2's indexer replicated, so
 every rank caches the whole latent. Two ranks on gloo emit one rank's greedy
 tokens, float and quantized (msmodelslim's W8A8 as stored, int8 on load), with
-routed experts split by tensor or by expert parallelism.
+routed experts split by tensor or by expert parallelism; the trained zoo
+DeepSeek-V3 drafts with its own MTP layer on two ranks as on one.
 """
 
 from __future__ import annotations
@@ -197,3 +198,21 @@ def test_tp2_emits_tp1_greedy_tokens_on_deepseek(targets, tmp_path):
         assert [got["latent"][i] for i in (0, 2, 4)] == [3, 1, 32 + 8], name  # every layer's whole latent
         assert got["kv_b_proj"] == [2 * (16 + 16), 32], name
         assert (got["index"] and [got["index"][i] for i in (0, 2, 4)]) == ([3, 1, 32] if "v32" in name else None)
+
+
+def test_tp2_mtp_on_the_trained_zoo_target_as_msmodelslim_w8a8(tmp_path):
+    """The zoo's trained DeepSeek-V3 with its MTP layer, written as msmodelslim's W8A8 (the MTP layer float, as
+    msmodelslim keeps it): ``mtp`` K = 2 from the target's own layer, replicated on two ranks with expert
+    parallelism, accepts drafts and emits one rank's greedy tokens."""
+    from funcspec import LLM, zoo
+    path = str(qw.write_ascend(zoo.model_path("mtp_target"), tmp_path / "w8a8", **qw.DEEPSEEK_MIX))
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = ["The future of AI is", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = {}
+    for size in (1, 2):
+        with LLM(path, quantization="ascend", tensor_parallel_size=size, enable_expert_parallel=True,
+                 speculative_config=spec, enforce_eager=True, max_num_seqs=2, max_model_len=64) as llm:
+            out[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            assert llm.engine.stats["mean_acceptance_length"] > 1.2, size
+    assert out[2] == out[1]

@@ -17,13 +17,12 @@ example scaled down to the zoo (the other values as the guide has them):
 - 4, 5: ``tensor_parallel_size`` 4: the zoo target has 2 KV heads (run at 2);
 - 6, 7: DeepSeek-V3.2-Exp-W8A8: a tiny random DeepSeek-V3.2 (:func:`make_deepseek`:
   MLA with its indexer, DeepSeekMoE, 4 heads, a context above the guide's
-  36768, the zoo's tokenizer) written as msmodelslim writes its W8A8
-  (attention W8A8, MLPs W8A8_DYNAMIC, ``kv_b_proj`` float), run with
-  ``quantization="ascend"`` and expert parallelism at tensor-parallel 2 (16
-  would cut its 4 heads), on gloo, and equal to one rank
-  (:func:`test_example_6_on_two_ranks_equals_one_rank`, example 7 served). It
-  has no MTP layers until native MTP runs: an EAGLE-3 head drafts K = 2 in
-  MTP's place, and ``mtp`` on it is refused with its reason;
+  36768, the zoo's tokenizer, its MTP layer in its own file) written as
+  msmodelslim writes its W8A8 (attention W8A8, MLPs W8A8_DYNAMIC,
+  ``kv_b_proj`` float, the MTP layer float), run as written (``mtp`` K = 2,
+  ``quantization="ascend"``, expert parallelism) at tensor-parallel 2 (16 would
+  cut its 4 heads), on gloo, and equal to one rank
+  (:func:`test_example_6_on_two_ranks_equals_one_rank`, example 7 served);
 - 8-11, 16: ``max_model_len`` 4096 is above the zoo's 2048 (run at 2048; 9 at
   256, since its 256 slots of 2048 positions would hold 2 GB of KV cache);
 - 14, 15: hidden-state layers 18 and 34 of a 36-layer model: the zoo target has
@@ -46,6 +45,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from funcspec import LLM, SamplingParams, zoo
 from funcspec.checkpoints import init_draft_head
@@ -314,7 +314,6 @@ SCHEMA_17 = '''--speculative-config '{
 
 
 DEEPSEEK = ("deepseek-ai/DeepSeek-V3.2-Exp-W8A8", "/deepseek-ai/DeepSeek-V3.2-Exp-W8A8")
-DEEPSEEK_EAGLE3 = "deepseek-eagle3"  # a random EAGLE-3 head for the tiny DeepSeek (names)
 LAYERS = ("speculative_config", "draft_model_config", "hf_config", "eagle_aux_hidden_state_layer_ids")
 DROP = object()  # an argument the zoo's run leaves out
 _ABOVE = r"^max_model_len={} is above this model's maximum context of 2048 tokens"
@@ -323,9 +322,6 @@ _LAYERS = r"eagle_aux_hidden_state_layer_ids: \[18, 34\] outside \[0, 4\] for th
 _DEEPSEEK = [
     (("tensor_parallel_size",), 2, r"^tensor_parallel_size=16 must divide the target's num_attention_heads=4 "
                                    r"\(each rank holds whole heads\)"),
-    # NOTE: until native MTP layers run (test_deepseek_mtp_is_refused_with_its_reason), an EAGLE-3 head drafts
-    (("speculative_config", "method"), "eagle3", None),
-    (("speculative_config", "model"), DEEPSEEK_EAGLE3, None),
 ]
 SCALED = {  # example -> (argument path, the zoo's value, the refusal of the guide's value on the zoo) each
     4: [(("tensor_parallel_size",), 2, _TP.format(4))],
@@ -363,7 +359,9 @@ BROKEN = {20: "--additional-config", 23: "--speculative-config"}
 def make_deepseek(path: Path) -> None:
     """A tiny random DeepSeek-V3.2 at ``path`` for the guide's DeepSeek examples: 4 heads (MLA) whose indexer picks 8
     positions, 8 routed experts and a shared one, a dense first layer, a context of 40960 (the guide asks 36768),
-    the zoo's tokenizer; every size a W8A8 split at tensor-parallel 2 keeps whole (blocks of 32 inputs per rank)."""
+    the zoo's tokenizer, and its MTP layer ``model.layers.3`` in its own ``model.safetensors``, as DeepSeek ships
+    it (a random one: :func:`funcspec.checkpoints.init_draft_head`'s). Every size a W8A8 split at tensor-parallel
+    2 keeps whole (blocks of 32 inputs per rank)."""
     tokenizer = zoo.model_path("target")
     special = {k: v for k, v in json.loads((tokenizer / "config.json").read_text()).items() if k.endswith("token_id")}
     config = transformers.DeepseekV32Config(
@@ -384,21 +382,26 @@ def make_deepseek(path: Path) -> None:
     model.save_pretrained(str(path))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, path / name)
+    # transformers drops the MTP layer: it goes into the target's own file, as DeepSeek's checkpoints hold it
+    mtp = init_draft_head("mtp", str(path), path / "mtp", seed=1)
+    save_file({**load_file(str(path / "model.safetensors")), **load_file(str(mtp / "model.safetensors"))},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(mtp)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
 
 
 @pytest.fixture(scope="module")
 def names(tmp_path_factory):
     """The guide's model names -> local paths: the zoo's; a random EAGLE-1 head for the zoo target (the zoo trains
-    none); for DeepSeek-V3.2-Exp-W8A8, a tiny DeepSeek written as msmodelslim writes W8A8 (:func:`make_deepseek`)
-    and a random EAGLE-3 head for it. Also example 14's ``tmpdir``, where its hidden states go."""
+    none); for DeepSeek-V3.2-Exp-W8A8, a tiny DeepSeek-V3.2 with its MTP layer written as msmodelslim writes W8A8
+    (:func:`make_deepseek`). Also example 14's ``tmpdir``, where its hidden states go."""
     root = tmp_path_factory.mktemp("guide")
     eagle = init_draft_head("eagle", str(zoo.model_path("target")), root / "eagle")
     make_deepseek(root / "deepseek-float")
     deepseek = qw.write_ascend(root / "deepseek-float", root / "deepseek", **qw.DEEPSEEK_MIX)
-    eagle3 = init_draft_head("eagle3", str(root / "deepseek-float"), root / "deepseek-eagle3")
     return {**{name: str(zoo.model_path(role)) for name, role in ZOO.items()}, EAGLE: str(eagle),
-            **dict.fromkeys(DEEPSEEK, str(deepseek)), DEEPSEEK_EAGLE3: str(eagle3),
-            "tmpdir": str(root / "hidden_states")}
+            **dict.fromkeys(DEEPSEEK, str(deepseek)), "tmpdir": str(root / "hidden_states")}
 
 
 def localize(text: str, names: dict) -> str:
@@ -559,17 +562,21 @@ def _texts(llm: LLM, params) -> list:
 
 
 def test_example_6_on_two_ranks_equals_one_rank(names):
-    """Example 6 as the guide writes it, but the model (msmodelslim's W8A8 of a tiny DeepSeek) and its
-    tensor-parallel size: two gloo ranks with expert parallelism emit one rank's tokens, greedy and with the guide's
-    sampling; expert parallelism is not warned about (the target has experts)."""
+    """Example 6 as the guide writes it, but the model (msmodelslim's W8A8 of a tiny DeepSeek-V3.2) and its
+    tensor-parallel size: its own MTP layer drafts K = 2, and two gloo ranks with expert parallelism emit one
+    rank's tokens, greedy and with the guide's sampling; expert parallelism is not warned about (the target has
+    experts)."""
     kwargs = scaled(6, names)
     assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"], kwargs["quantization"],
-            kwargs["max_model_len"]) == (2, True, "ascend", 36768)
+            kwargs["max_model_len"], kwargs["speculative_config"]["method"]) == (2, True, "ascend", 36768, "mtp")
     for params in (SamplingParams(**GREEDY), SAMPLING):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            two = _texts(eager(**kwargs), params)
+            llm = eager(**kwargs)
         assert not [w for w in record if "enable_expert_parallel" in str(w.message)]
+        assert (llm.engine.spec.method, llm.engine.plan.max_k, llm.engine.model.quantization.method) == \
+            ("mtp", 2, "ascend")
+        two = _texts(llm, params)
         assert two == _texts(eager(**with_value(kwargs, ("tensor_parallel_size",), 1)), params)
         assert all(1 <= len(t) <= 16 for t in two) and len(set(map(tuple, two))) > 1
 
@@ -578,9 +585,7 @@ def test_example_7_served_on_two_ranks_answers_as_one_rank(names, tmp_path):
     """Example 7 served with the guide's flags (tensor-parallel 2; ``--port`` replaced by a free one), queried by its
     served model name: greedy, it answers one rank's tokens."""
     pytest.importorskip("fastapi")
-    # NOTE: an EAGLE-3 head drafts in MTP's place until native MTP layers run (SCALED)
-    line = SERVE_EXAMPLES[7].replace("--tensor-parallel-size 16", "--tensor-parallel-size 2").replace(
-        '"method":"mtp"', f'"method": "eagle3", "model": {json.dumps(names[DEEPSEEK_EAGLE3])}')
+    line = SERVE_EXAMPLES[7].replace("--tensor-parallel-size 16", "--tensor-parallel-size 2")
     served = Served([*serve_argv(line, names), "--enforce-eager"], tmp_path / "server.log", timeout=300)
     try:
         status, raw, _ = post(served.connection(), "/v1/completions",
@@ -590,12 +595,3 @@ def test_example_7_served_on_two_ranks_answers_as_one_rank(names, tmp_path):
     want = _texts(eager(**with_value(scaled(7, names), ("tensor_parallel_size",), 1)), SamplingParams(**GREEDY))
     assert status == 200, raw
     assert [c["token_ids"] for c in sorted(json.loads(raw)["choices"], key=lambda c: c["index"])] == want
-
-
-def test_deepseek_mtp_is_refused_with_its_reason(names):
-    """``mtp`` on a DeepSeek target whose MTP layers funcspec does not run yet: refused, naming the architecture and
-    what runs (the guide's examples 6 and 7 draft with an EAGLE-3 head meanwhile)."""
-    kwargs = with_value(scaled(6, names), ("speculative_config",), example_kwargs(6, names)["speculative_config"])
-    with pytest.raises(ValueError, match=r"architectures \['DeepseekV32ForCausalLM'\] is .*: its MTP module runs "
-                                         r"inside that model's layers"):
-        eager(**with_value(kwargs, ("tensor_parallel_size",), 1))
