@@ -38,6 +38,12 @@ vLLM-Ascend          ``quant_model_description.json``: each ``<module>.weight`` 
                      ``w8a8_dynamic.py``, ``modelslim_config.py``.
 ===================  ===========================================================  ==============================
 
+A DeepSeek checkpoint as msmodelslim writes its W8A8 keeps ``kv_b_proj`` float (MLA
+absorbs its heads into the query and the output); a file that stores it
+quantized anyway is dequantized at load
+(:func:`funcspec.checkpoints.deepseek.dequantize_absorbed`), as vLLM does after
+loading.
+
 NOTE on activations: funcspec's kernel quantizes activations to int8 per row
 and block of 32 k, whatever the file says (A16, per-token dynamic, or a static
 per-tensor ``input_scale``): finer than any of them, so the result is at least
