@@ -12,8 +12,10 @@ that every head shares. ``kv_b_proj`` [H·(nope+v), R] holds each head's
     out = (softmax(score) · c) W_UV^T                  [H, v]   (W_UV absorbed into the output)
 
 That is multi-query attention with one key head ``[c; k_pe]`` whose values are
-its first R dims (:func:`funcspec.nn.llama.attend`), so every step (prefill,
-decode, a verify block, a token tree) reads only the latent cache.
+its first R dims (:func:`funcspec.nn.llama.attend`), so every decode step,
+verify block and token tree reads only the latent cache. A long prefill (more
+than ``MATH_TOKENS_MAX`` tokens) expands the latents it reads to per-head keys
+and values instead: its H·T queries would each score R + rope dims.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Optional
 import torch
 
 from funcspec.nn import dsa
-from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, apply_rope, attend, feed_forward,
-                               read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
+from funcspec.nn.llama import (FULL_READ, MATH_TOKENS_MAX, KVRead, ModelConfig, TreeMask, apply_rope, attend,
+                               feed_forward, read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
 from funcspec.nn.llama import forward as llama_forward
 from funcspec.tree import pytree_dataclass, slot_field
 
@@ -87,9 +89,10 @@ def absorbed(cfg: ModelConfig, p: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
 
-def mla_query_latent(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
-    """The absorbed queries [B, T, H, R + rope] and the latents [B, T, 1, R + rope] of x [B, T, hidden], plus the
-    query's low-rank state [B, T, q_lora] (V3.2's indexer reads it; ``None`` without ``q_lora_rank``)."""
+def mla_project(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
+    """The queries' parts q_nope [B, T, H, nope] and q_pe [B, T, H, rope] (rotated), the latents [B, T, 1, R + rope]
+    of x [B, T, hidden], and the query's low-rank state [B, T, q_lora] (V3.2's indexer reads it; ``None`` without
+    ``q_lora_rank``)."""
     m, ops = cfg.mla, cfg.ops
     q_low = None
     if m.q_lora_rank:
@@ -103,9 +106,33 @@ def mla_query_latent(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
     c = rms_norm(c, p["kv_a_layernorm"]["weight"], cfg.rms_norm_eps)  # [B, T, R]
     rope = rope_pairs if m.rope_interleave else apply_rope
     q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe.unsqueeze(2), cos, sin)  # [B, T, H, rope], [B, T, 1, rope]
+    return q_nope, q_pe, torch.cat([c.unsqueeze(2), k_pe], -1), q_low
+
+
+def mla_query_latent(cfg: ModelConfig, p: dict, x: torch.Tensor, cos, sin):
+    """The absorbed queries [B, T, H, R + rope] (``W_UK`` folded into q_nope) and the latents [B, T, 1, R + rope]
+    of x [B, T, hidden], plus the query's low-rank state (:func:`mla_project`)."""
+    q_nope, q_pe, latent, q_low = mla_project(cfg, p, x, cos, sin)
     w_uk, _ = absorbed(cfg, p)
     q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk.to(q_nope.dtype))  # [B, T, H, R]
-    return torch.cat([q_lat, q_pe], -1), torch.cat([c.unsqueeze(2), k_pe], -1), q_low
+    return torch.cat([q_lat, q_pe], -1), latent, q_low
+
+
+def expanded_out(cfg: ModelConfig, p: dict, q_nope, q_pe, latent_cache: torch.Tensor, slots, pos, read: KVRead,
+                 tree: Optional[TreeMask]) -> torch.Tensor:
+    """o_proj of attention over the latents expanded to every head's keys and values: a long prefill's path,
+    where H·T queries make attending in latent space (R + rope dims a score) cost more than expanding once.
+    q_nope [B, T, H, nope], q_pe [B, T, H, rope]; the layer's cache [S+1, 1, T_max, R + rope]; [B, T, hidden]."""
+    m = cfg.mla
+    lat = read_cache(latent_cache.unsqueeze(0), 0, slots, read)[:, 0]  # [B, T_read, R + rope]
+    c, k_pe = lat.to(q_nope.dtype).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+    w_uk, w_uv = absorbed(cfg, p)
+    k_nope = torch.einsum("bjr,hnr->bhjn", c, w_uk.to(c.dtype))  # [B, H, T_read, nope]
+    vals = torch.einsum("bjr,hvr->bhjv", c, w_uv.to(c.dtype))  # [B, H, T_read, v]
+    keys = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, cfg.num_heads, -1, -1)], -1)  # [B, H, T_read, nope+rope]
+    visible = visible_keys(pos, keys.shape[2], None, tree)  # [B, T, T_read]
+    out = attend(cfg.ops, torch.cat([q_nope, q_pe], -1), keys, vals, visible, m.softmax_scale)  # [B, T, H·v]
+    return row_parallel(cfg, out, p["o_proj"])  # [B, T, hidden]
 
 
 def mla_out(cfg: ModelConfig, p: dict, q: torch.Tensor, latent_cache: torch.Tensor, slots, pos, read: KVRead,
@@ -132,6 +159,10 @@ def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, 
     """MLA for x [B, T, hidden] written at cache positions pos [B, T]: writes the latents, attends; [B, T, hidden].
     With V3.2's indexer (``cfg.mla.index_topk``) it writes the index keys too and attends only over each query's
     selected positions (:func:`funcspec.nn.dsa.sparse_positions`), gathering only their latents."""
+    if x.shape[1] > MATH_TOKENS_MAX and not cfg.mla.index_topk:  # static: a long prefill expands the latent
+        q_nope, q_pe, latent, _ = mla_project(cfg, p, x, cos, sin)
+        write_kv(kv.latent, layer, slots, pos, latent.to(kv.latent.dtype))
+        return expanded_out(cfg, p, q_nope, q_pe, kv.latent[layer], slots, pos, read, tree)
     q, latent, q_low = cfg.ops.mla_prolog(mla_query_latent, cfg, p, x, cos, sin)
     write_kv(kv.latent, layer, slots, pos, latent.to(kv.latent.dtype))
     select = None

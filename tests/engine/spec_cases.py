@@ -73,7 +73,7 @@ def assert_decode_equals_hf(model, hf, tokens, prefill: int, slots, atol: float 
     from funcspec.nn import forward, init_kv_cache
 
     b, t = tokens.shape
-    kv = init_kv_cache(model.cfg, b, 32)
+    kv = init_kv_cache(model.cfg, b, max(32, t))
     got, _, kv = forward(model.cfg, model.params, kv, tokens[:, :prefill], slots, torch.zeros(b, dtype=torch.long))
     steps = [got]
     for i in range(prefill, t):

@@ -62,6 +62,23 @@ def test_logits_prefill_and_decode_equal_transformers(tmp_path, family):
     assert_decode_equals_hf(model, hf, tokens, 9, torch.arange(2))
 
 
+@pytest.mark.parametrize("family", ["v2_lite", "v3"])
+def test_long_prefill_expands_the_latent_and_equals_transformers(tmp_path, family, monkeypatch):
+    """A prefill longer than MATH_TOKENS_MAX attends over expanded per-head keys and values (not in latent space),
+    then decoding continues from the latent it cached."""
+    from funcspec.nn import deepseek
+
+    hf = make_deepseek(tmp_path, family)
+    model = load_model(tmp_path)
+    paths = []
+    for name in ("expanded_out", "mla_out"):
+        real = getattr(deepseek, name)
+        monkeypatch.setattr(deepseek, name, lambda *a, _r=real, _n=name, **k: paths.append(_n) or _r(*a, **k))
+    tokens = torch.randint(3, 96, (1, 140), generator=torch.Generator().manual_seed(4))
+    assert_decode_equals_hf(model, hf, tokens, 136, torch.zeros(1, dtype=torch.long), atol=1e-4)
+    assert paths == ["expanded_out"] * 3 + ["mla_out"] * 3 * 4  # 3 layers: the prefill, then 4 decode steps
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_transformers_generate(tmp_path, family):
     assert_generate_equals_hf(tmp_path, make_deepseek(tmp_path, family), 12)
