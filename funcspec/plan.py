@@ -183,8 +183,9 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)
     sizes = [spec.k_for_batch_size(n) for n in range(1, max_batch_size + 1)] \
         if tree and spec.num_speculative_tokens_per_batch_size else None
-    if context_buckets is None and ops.reads_live_only(dtype, cfg.head_dim, device):
+    if context_buckets is None and not cfg.mla.kv_lora_rank and ops.reads_live_only(dtype, cfg.head_dim, device):
         context_buckets = (t_max,)  # the decode kernel reads only live positions: one context bucket
+        # NOTE: latent attention (MLA) takes the reference attention, which reads the whole bucket
     startup = capture == "startup" and backend != "eager"  # eager has nothing to capture
     # NOTE: one graph for every batch above 1 only where no product picks its path by the row count
     symbolic = backend == "inductor" and ops.rows_free(dtype)

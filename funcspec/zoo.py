@@ -1,11 +1,12 @@
 """The model zoo under ``models/``: the manifest, and a speculative config per method.
 
 ``models/zoo.json`` maps each role (``target``, ``draft_model``, ``eagle3``,
-``medusa``, ``mtp``, ``dflash``, ``dspark``, and the MoE pair ``moe_target`` /
-``moe_eagle3``) to its directory. The zoo is trained from the Python standard
-library by the recipes in :mod:`funcspec.train` (``funcspec train all``; the
-MoE pair on a GPU, ``tools/train_moe_zoo.sh``); ``models/README.md`` holds the
-model cards. A role's directory may be absent until its recipe has run
+``medusa``, ``mtp``, ``dflash``, ``dspark``, the MoE pair ``moe_target`` /
+``moe_eagle3``, and ``mtp_target``, a DeepSeek-V3 with its own MTP module) to
+its directory. The zoo is trained from the Python standard library by the
+recipes in :mod:`funcspec.train` (``funcspec train all``; the MoE pair on a GPU,
+``tools/train_moe_zoo.sh``, and ``mtp_target``, ``tools/train_mtp_zoo.sh``);
+``models/README.md`` holds the model cards. A role's directory may be absent until its recipe has run
 (:func:`trained`).
 
 ``build_default`` keeps the small *random* Llama that tests use as a cheap

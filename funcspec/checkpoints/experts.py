@@ -24,7 +24,8 @@ from funcspec.kernels import moe as moe_kernels
 from funcspec.nn.moe import DENSE, MoEConfig, check
 from funcspec.quant import formats
 
-MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
 def _int(hf: dict, key: str, where: str, default: Any = None) -> int:
@@ -44,16 +45,8 @@ def moe_config(hf: dict[str, Any], arch: str, where: str) -> MoEConfig:
         n = _int(hf, "num_local_experts", where)
         m = MoEConfig(n, _int(hf, "num_experts_per_tok", where), _int(hf, "intermediate_size", where),
                       tuple(layers), norm_topk_prob=True)
-    elif arch == "glm4_moe":
-        first = _int(hf, "first_k_dense_replace", where, 0)
-        m = MoEConfig(_int(hf, "n_routed_experts", where), _int(hf, "num_experts_per_tok", where),
-                      _int(hf, "moe_intermediate_size", where), tuple(i for i in layers if i >= first),
-                      scoring="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                      n_group=_int(hf, "n_group", where, 1), topk_group=_int(hf, "topk_group", where, 1),
-                      group_score="top2", routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                      correction_bias=True,
-                      shared_intermediate_size=_int(hf, "n_shared_experts", where, 1)
-                      * _int(hf, "moe_intermediate_size", where))
+    elif arch == "glm4_moe" or arch in DEEPSEEK:
+        m = _deepseek_moe(hf, arch, layers, where)
     else:  # Qwen2-MoE, Qwen3-MoE: sparse every decoder_sparse_step-th layer, except mlp_only_layers
         n = hf.get("num_experts", hf.get("num_local_experts"))
         n = _int({"num_experts": n}, "num_experts", where)
@@ -74,6 +67,33 @@ def moe_config(hf: dict[str, Any], arch: str, where: str) -> MoEConfig:
     return m
 
 
+def _deepseek_moe(hf: dict[str, Any], arch: str, layers: range, where: str) -> MoEConfig:
+    """DeepSeekMoE (GLM-4.5 routes as DeepSeek-V3 does): dense layers first, shared experts, and V2's softmax router
+    (group-limited by each group's best expert, unnormalised) or V3's sigmoid one with a selection bias."""
+    first = _int(hf, "first_k_dense_replace", where, 0)
+    freq = _int(hf, "moe_layer_freq", where, 1)
+    if freq < 1:
+        raise ValueError(f"{where}: moe_layer_freq must be positive, got {freq}")
+    kinds = hf.get("mlp_layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != len(layers)
+                              or not set(kinds) <= {"dense", "sparse"}):
+        raise ValueError(f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the {len(layers)} "
+                         f"layers, got {kinds!r}")
+    sparse = tuple(i for i in layers if kinds[i] == "sparse") if kinds else \
+        tuple(i for i in layers if i >= first and i % freq == 0)
+    v2 = arch == "deepseek_v2"
+    greedy = v2 and hf.get("topk_method", "greedy") == "greedy"  # V2-Lite: no groups
+    moe_i = _int(hf, "moe_intermediate_size", where)
+    return MoEConfig(_int(hf, "n_routed_experts", where), _int(hf, "num_experts_per_tok", where), moe_i, sparse,
+                     scoring="softmax" if v2 else "sigmoid",
+                     norm_topk_prob=False if v2 else bool(hf.get("norm_topk_prob", True)),
+                     n_group=1 if greedy else _int(hf, "n_group", where, 1),
+                     topk_group=1 if greedy else _int(hf, "topk_group", where, 1),
+                     group_score="max" if v2 else "top2",
+                     routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), correction_bias=not v2,
+                     shared_intermediate_size=_int(hf, "n_shared_experts", where, 1) * moe_i)
+
+
 def hf_fields(m: MoEConfig, arch: str, num_layers: int) -> dict:
     """The ``config.json`` fields of ``m`` for family ``arch`` of ``num_layers`` layers (:func:`moe_config` parses
     them back)."""
@@ -83,10 +103,17 @@ def hf_fields(m: MoEConfig, arch: str, num_layers: int) -> dict:
         return dict(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k)
     common = dict(num_experts_per_tok=m.top_k, moe_intermediate_size=m.intermediate_size,
                   norm_topk_prob=m.norm_topk_prob)
-    if arch == "glm4_moe":
-        return dict(common, n_routed_experts=m.num_experts, first_k_dense_replace=min(m.sparse_layers, default=0),
-                    n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
-                    n_shared_experts=m.shared_intermediate_size // m.intermediate_size)
+    if arch == "glm4_moe" or arch in DEEPSEEK:
+        fields = dict(common, n_routed_experts=m.num_experts,
+                      mlp_layer_types=["sparse" if i in m.sparse_layers else "dense" for i in range(num_layers)],
+                      first_k_dense_replace=min(m.sparse_layers, default=0), n_group=m.n_group,
+                      topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
+                      n_shared_experts=m.shared_intermediate_size // m.intermediate_size)
+        if arch == "deepseek_v2":
+            fields["topk_method"] = "greedy" if m.n_group == 1 else "group_limited_greedy"
+        if arch == "glm4_moe":
+            del fields["mlp_layer_types"]
+        return fields
     return dict(common, num_experts=m.num_experts, decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(num_layers) if i not in m.sparse_layers],
                 **({"shared_expert_intermediate_size": m.shared_intermediate_size} if arch == "qwen2_moe" else {}))

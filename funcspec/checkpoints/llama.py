@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from funcspec.checkpoints import experts, gguf, quantized
+from funcspec.checkpoints import deepseek, experts, gguf, quantized
 from funcspec.checkpoints.files import check_keys, find_weights, load_tokenizer, nest, read_config, read_json_object
 from funcspec.nn.llama import ModelConfig
 
@@ -28,8 +28,24 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
 }
 """HF ``architectures`` names and the decoder family (``ModelConfig.arch``) each one is."""
+
+NOT_BUILT = {
+    "Qwen3NextForCausalLM": "hybrid linear attention (Gated DeltaNet layers with a recurrent state, not a KV cache)",
+    "Qwen3_5ForCausalLM": "hybrid linear attention (Gated DeltaNet layers)",
+    "Qwen3_5MoeForCausalLM": "hybrid linear attention (Gated DeltaNet layers)",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4's attention (compressed sparse attention and hash routing)",
+    "Glm4MoeLiteForCausalLM": "GLM-4.5 lite's MLA with GLM's router and RoPE",
+    "GlmMoeDsaForCausalLM": "GLM's MLA with DeepSeek sparse attention",
+    "LongcatFlashForCausalLM": "LongCat-Flash's shortcut-connected MoE with zero-computation experts",
+    "MiMoV2FlashForCausalLM": "hybrid sliding-window attention with attention sinks",
+    "BailingMoeV2_5ForCausalLM": "hybrid linear attention",
+}
+"""Published architectures funcspec knows but does not run, and what in them is not built: refused by name."""
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 """config.json fields every decoder needs."""
@@ -42,6 +58,10 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None and model_type in ARCHITECTURES.values():
         arch = model_type
+    missing_part = next((f"{a} needs {NOT_BUILT[a]}" for a in archs if a in NOT_BUILT), None)
+    if arch is None and missing_part:
+        raise ValueError(f"{where}: {missing_part}, which funcspec does not build yet; supported: "
+                         f"{sorted(ARCHITECTURES)}")
     if arch is None:
         raise ValueError(
             f"{where}: unsupported architecture (architectures={archs}, "
@@ -59,6 +79,8 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if hf["num_attention_heads"] % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={hf['num_attention_heads']} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
+    if arch in deepseek.ARCHS:  # MLA: RoPE rotates the qk_rope_head_dim part of each head (HF's head_dim)
+        hf = {**hf, "head_dim": hf.get("qk_rope_head_dim")}
     if (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) < 1:
         raise ValueError(f"{where}: head_dim is 0 (hidden_size={hf['hidden_size']} // "
                          f"num_attention_heads={hf['num_attention_heads']}); set head_dim or fewer heads")
@@ -67,7 +89,7 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     partial = float(rope.pop("partial_rotary_factor",  # transformers' default for GLM-4.5 is half the head
                              hf.get("partial_rotary_factor", 0.5 if arch == "glm4_moe" else 1.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear", "factors"):
+    if rope_type not in ("default", "llama3", "linear", "factors", "yarn"):
         raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported")
     scaling = () if rope_type == "default" else \
         tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items() if k != "type"))
@@ -100,6 +122,7 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
         eos_token_ids=eos,
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         moe=experts.moe_config(hf, arch, where),
+        mla=deepseek.mla_config(hf, arch, rope, where),
     )
 
 
@@ -119,6 +142,7 @@ def hf_config_dict(m: ModelConfig, **extra) -> dict:
     if m.arch == "glm4_moe":
         hf["use_qk_norm"] = m.qk_norm
     hf.update(experts.hf_fields(m.moe, m.arch, m.num_layers))
+    hf.update(deepseek.hf_fields(m.mla, m.arch))
     hf.update(extra)
     return hf
 
@@ -132,11 +156,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         proj = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}
+        if cfg.mla.kv_lora_rank:
+            shapes.update(deepseek.attention_shapes(cfg.mla, cfg.num_heads, h, p + "self_attn."))
+            proj = {}
         for name, out in proj.items():
             shapes[p + f"self_attn.{name}.weight"] = (out, h)
             if cfg.attention_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if not cfg.mla.kv_lora_rank:
+            shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
         if cfg.attention_bias and cfg.arch == "llama":
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:

@@ -105,8 +105,10 @@ def _show(value) -> str:
     """A field of a head's static config; its decoder dims in one line."""
     if isinstance(value, ModelConfig):
         m = value
-        return (f"{m.arch} hidden {m.hidden_size}, {m.num_layers} layer(s), {m.num_heads}/{m.num_kv_heads} heads of "
-                f"{m.head_dim}, vocab {m.vocab_size}" + (", q/k norm" if m.qk_norm else "")
+        heads = (f"{m.num_heads} latent-attention heads (latent {m.mla.kv_lora_rank} + {m.mla.qk_rope_head_dim})"
+                 if m.mla.kv_lora_rank else f"{m.num_heads}/{m.num_kv_heads} heads of {m.head_dim}")
+        return (f"{m.arch} hidden {m.hidden_size}, {m.num_layers} layer(s), {heads}, vocab {m.vocab_size}"
+                + (", q/k norm" if m.qk_norm else "")
                 + (", attention bias" if m.attention_bias else ""))
     return str(value)
 

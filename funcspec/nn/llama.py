@@ -31,8 +31,38 @@ from funcspec.tree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3/V3.2; :mod:`funcspec.nn.deepseek`); ``kv_lora_rank == 0``:
+    the model has none (GQA).
+
+    Attributes:
+        q_lora_rank: the query's low-rank width (``q_a_proj``), 0 when q is one ``q_proj`` (V2-Lite).
+        kv_lora_rank: R, the latent each token caches (with its ``qk_rope_head_dim`` rotated key).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head query/key parts without and with RoPE, value.
+        softmax_scale: the scores' scale, ``(nope + rope) ** -0.5`` times YaRN's ``mscale_all_dim`` factor squared.
+        rope_interleave: RoPE rotates adjacent pairs (DeepSeek's layout) rather than the two halves.
+        index_n_heads, index_head_dim, index_topk: V3.2's lightning indexer (``index_topk == 0``: none).
+    """
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    softmax_scale: float = 1.0
+    rope_interleave: bool = True
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+
+GQA = MLAConfig()
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static decoder configuration (``arch``: llama | qwen2 | qwen3 | qwen2_moe | qwen3_moe | mixtral | glm4_moe).
+    """Static decoder configuration (``arch``: llama | qwen2 | qwen3 | qwen2_moe | qwen3_moe | mixtral | glm4_moe |
+    deepseek_v2 | deepseek_v3 | deepseek_v32).
 
     Parsed from an HF ``config.json`` by :func:`funcspec.checkpoints.llama.model_config`.
     Under tensor parallelism (``tp.size > 1``) ``num_heads``, ``num_kv_heads``
@@ -41,7 +71,8 @@ class ModelConfig:
     the rank's heads. ``ops`` are the kernels its products and attention take
     (:func:`funcspec.kernels.resolve`, set when the engine is built). ``rotary_dim``:
     the leading dims of each head that RoPE rotates (0: all of them). ``moe``: the
-    sparse layers' experts and router (:class:`funcspec.nn.moe.MoEConfig`; dense by default).
+    sparse layers' experts and router (:class:`funcspec.nn.moe.MoEConfig`; dense by default). ``mla``: the
+    DeepSeek families' latent attention (:class:`MLAConfig`; ``head_dim`` is then its rotated part).
     """
 
     arch: str
@@ -66,6 +97,7 @@ class ModelConfig:
     ops: Ops = REFERENCE
     rotary_dim: int = 0
     moe: MoEConfig = DENSE
+    mla: MLAConfig = GQA
 
 
 @pytree_dataclass
@@ -82,17 +114,23 @@ class KVCache:
     v: torch.Tensor = slot_field(axis=1)
     lens: torch.Tensor = slot_field()
 
+    def entries(self) -> tuple[torch.Tensor, ...]:
+        """The per-position leaves [L, S+1, H, T_max, D] that rollback and tree commits move."""
+        return self.k, self.v
+
 
 def init_kv_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
     """An empty cache with ``num_slots`` real slots plus the scratch slot."""
     shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return KVCache(zeros(shape, dtype, device), zeros(shape, dtype, device),
+                   torch.zeros(num_slots + 1, dtype=torch.int64, device=device))
 
-    def zeros():  # on the CPU, in huge pages: each step reads the live cache once
-        if device is None or torch.device(device).type == "cpu":
-            return huge_empty(shape, dtype).zero_()
-        return torch.zeros(shape, dtype=dtype, device=device)
 
-    return KVCache(zeros(), zeros(), torch.zeros(num_slots + 1, dtype=torch.int64, device=device))
+def zeros(shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """A zeroed cache leaf: on the CPU in huge pages (each step reads the live cache once)."""
+    if device is None or torch.device(device).type == "cpu":
+        return huge_empty(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -107,6 +145,8 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
         return inv / s["factor"]
     if kind == "factors":
         return inv / torch.tensor(s["factors"], dtype=torch.float32, device=device)
+    if kind == "yarn":
+        return yarn_inv_freq(inv, d, cfg.rope_theta, s)
     if kind == "llama3":
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
@@ -117,6 +157,40 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(medium, smoothed, scaled)
     return inv
+
+
+def yarn_inv_freq(inv: torch.Tensor, d: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN's frequencies [d/2] (as HF computes them): interpolated by ``factor`` below the ``beta_slow`` rotation
+    count over the original context, kept above ``beta_fast``, a linear ramp between."""
+    old = s["original_max_position_embeddings"]
+
+    def dim_of(rotations):  # the dim whose wavelength makes ``rotations`` turns over the original context
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv.device) - lo) / (hi - lo if hi > lo else 0.001))
+    keep = 1 - ramp.clamp(0, 1)  # [d/2]: 1 where the frequency is kept (extrapolated)
+    return inv / s["factor"] * (1 - keep) + inv * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 mscale ln(factor) + 1`` (1 without interpolation)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's ``attention_factor`` (1 for every other RoPE)."""
+    s = dict(cfg.rope_scaling)
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,14 +251,14 @@ def move_entries(kv: KVCache, slots: torch.Tensor, src: torch.Tensor, dst: torch
     """Copy cache positions src [B, M] to dst [B, M] of each row's slot, in every layer and head.
 
     All sources are read before any destination is written, so they may overlap;
-    destinations must be distinct per row. Donates: kv.k, kv.v.
+    destinations must be distinct per row. Donates: every leaf of ``kv.entries()``.
     """
-    n_layers, _, n_heads = kv.k.shape[:3]
     dev = src.device
-    idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
-           torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
     src, dst = src.unsqueeze(0).unsqueeze(2), dst.unsqueeze(0).unsqueeze(2)  # [1, B, 1, M]
-    for cache in (kv.k, kv.v):
+    for cache in kv.entries():  # each [L, S+1, H, T_max, D]
+        n_layers, _, n_heads = cache.shape[:3]
+        idx = (torch.arange(n_layers, device=dev).view(-1, 1, 1, 1), slots.view(1, -1, 1, 1),
+               torch.arange(n_heads, device=dev).view(1, 1, -1, 1))
         # NOTE: gathered first (a copy), then one full-tensor index_put_.
         cache.index_put_((*idx, dst), cache[(*idx, src)])
 
@@ -251,18 +325,24 @@ otherwise the GEMM attention serve blocks of up to this many tokens: every decod
 (a tree verifies at most 65), never a long prefill, which keeps SDPA's flash kernel."""
 
 
-def _gemm_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for qg [B, H_kv, Q, D] over keys/vals [B, H_kv, T, D] where mask [B, 1, Q, T]."""
-    s = torch.matmul(qg, keys.transpose(-1, -2)).float() * qg.shape[-1] ** -0.5  # [B, H_kv, Q, T] fp32
+def _gemm_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
+                    scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T · scale) v for qg [B, H_kv, Q, D] over keys [B, H_kv, T, D] and vals [B, H_kv, T, Dv] where
+    mask [B, 1, Q, T]; the scale defaults to 1/sqrt(D)."""
+    scale = qg.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, H_kv, Q, T] fp32
     # NOTE: a finite floor, not -inf: a row that sees nothing (never a real one) stays finite.
     p = s.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
-    return torch.matmul(p.to(vals.dtype), vals)  # [B, H_kv, Q, D]
+    return torch.matmul(p.to(vals.dtype), vals)  # [B, H_kv, Q, Dv]
 
 
-def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Attention of q [B, T, H, D] over keys/vals [B, H_kv, T_read, D] where visible [B, T, T_read]; -> [B, T, H·D].
+def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor,
+           scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of q [B, T, H, D] over keys [B, H_kv, T_read, D], vals [B, H_kv, T_read, Dv] where visible
+    [B, T, T_read]; -> [B, T, H·Dv]. ``scale``: the scores' (default 1/sqrt(D)).
 
-    The one attention of the target and every head.
+    The one attention of the target and every head (latent attention is its one-KV-head case, whose values
+    are a prefix of its keys).
     NOTE: decode and verify blocks (up to :data:`MATH_TOKENS_MAX` tokens) take
     the CPU decode kernel where ``ops`` has it (:mod:`funcspec.kernels.attention`):
     it reads the cache in place and skips what a query cannot see: 35 us a
@@ -274,10 +354,10 @@ def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, vi
     keys, and the G·T queries make a GEMM where T = 1 would be a GEMV.
     """
     b, t, h, d = q.shape
-    hkv, tr = keys.shape[1], keys.shape[2]
+    hkv, tr, dv = keys.shape[1], keys.shape[2], vals.shape[-1]
     g = h // hkv
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
-    if t <= MATH_TOKENS_MAX and ops.attends(q, keys, vals):
+    if scale is None and t <= MATH_TOKENS_MAX and ops.attends(q, keys, vals):
         return ops.attend(q, keys, vals, visible)  # [B, T, H·D]
     qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, H_kv, G·T, D]
     mask = visible.unsqueeze(1).expand(b, g, t, tr).reshape(b, 1, g * t, tr)  # [B, 1, G·T, T_read]
@@ -285,10 +365,10 @@ def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, vi
     # any tree) takes the same path as AR in its bucket; a long prefill keeps the flash kernel, whose
     # [G·T, T_read] scores never materialise.
     if keys.device.type == "cpu" and tr >= MATH_READ_MIN and t <= MATH_TOKENS_MAX:
-        out = _gemm_attention(qg, keys, vals, mask)  # [B, H_kv, G·T, D]
+        out = _gemm_attention(qg, keys, vals, mask, scale)  # [B, H_kv, G·T, Dv]
     else:
-        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)  # [B, H_kv, G·T, D]
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, H_kv, G·T, Dv]
+    return out.view(b, hkv, g, t, dv).permute(0, 3, 1, 2, 4).reshape(b, t, h * dv)
 
 
 @pytree_dataclass
@@ -513,6 +593,9 @@ def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype) -> tuple[torch.Tenso
     """cos, sin [B, T, 1, D] for positions pos [B, T]."""
     freqs = pos.unsqueeze(-1).float() * rope_inv_freq(cfg, pos.device)  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, D]
+    a = rope_attention_factor(cfg)
+    if a != 1.0:
+        return (emb.cos() * a).to(dtype), (emb.sin() * a).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -533,7 +616,7 @@ def lm_head(cfg: ModelConfig, params: dict) -> dict:
 
 def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
             starts: torch.Tensor, hidden_layers: tuple[int, ...] = (), read: KVRead = FULL_READ,
-            window: Optional[torch.Tensor] = None, tree: Optional[TreeMask] = None):
+            window: Optional[torch.Tensor] = None, tree: Optional[TreeMask] = None, layer=None):
     """Run the decoder over tokens [B, T] written at cache positions ``starts[b] + t``.
 
     Args:
@@ -549,6 +632,8 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
         tree: a token tree's attention (:class:`TreeMask`): RoPE at its
             positions, each token seeing the context and its ancestors; ``None``
             is causal, RoPE at the cache positions.
+        layer: the family's block, ``layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)``
+            (default :func:`stacked_layer`; the DeepSeek families pass theirs).
 
     Returns:
         logits [B, T, V] float32, hiddens (tuple of [B, T, H]), kv.
@@ -563,7 +648,7 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = stacked_layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
+        x = (layer or stacked_layer)(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
     hiddens[cfg.num_layers + 1] = x
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x

@@ -35,8 +35,9 @@ from funcspec.kernels import Ops
 from funcspec.kernels import moe, stream
 from funcspec.quant import formats
 
-INDEXED = ("embed_tokens", "markov_w1")
-"""Weights read by row (embeddings), never multiplied: not packed."""
+INDEXED = ("embed_tokens", "markov_w1", "kv_b_proj")
+"""Weights read as they lie, never packed: by row (embeddings), or per head (MLA's ``kv_b_proj``, absorbed into the
+query and the output as its heads' ``W_UK`` and ``W_UV``)."""
 
 ROUTERS = ("gate", "shared_expert_gate")
 """A MoE layer's router and Qwen2-MoE's shared-expert gate: packed, never quantized (vLLM keeps them float)."""

@@ -2,7 +2,8 @@
 
 Roles, in dependency order: ``target`` (tokenizer + Llama), then the drafters
 distilled from it, then ``moe_target`` (a Qwen3-MoE on the same tokens and
-tokenizer) and ``moe_eagle3`` (EAGLE-3 distilled from it). Every recipe uses
+tokenizer), ``moe_eagle3`` (EAGLE-3 distilled from it) and ``mtp_target`` (a
+DeepSeek-V3 trained with its own MTP module, :mod:`funcspec.train.mtp_target`). Every recipe uses
 fixed seeds, shows tqdm progress and keeps a resumable state under ``--work``
 (default ``models/.work``, not committed); rerunning a role continues where it
 stopped. Each writes its checkpoint into ``models/<role>/`` and its facts
@@ -27,9 +28,13 @@ from funcspec import methods
 HEADS = {**{m: (m, "target") for m in methods.select(zoo=True)}, "moe_eagle3": ("eagle3", "moe_target")}
 """Head roles: role -> (recipe in :mod:`funcspec.train.drafters`, the target role it is distilled from)."""
 
-ROLES = ("target",) + methods.select(zoo=True) + ("moe_target", "moe_eagle3")
+ROLES = ("target",) + methods.select(zoo=True) + ("moe_target", "moe_eagle3", "mtp_target")
 """The target first (every head is distilled from it), then the registry's ``zoo`` methods, then the MoE
-target and its head."""
+target and its head, then the DeepSeek-V3 target that carries its own MTP module."""
+
+GPU_ROLES = ("moe_target", "moe_eagle3", "mtp_target")
+"""Roles trained on a lent GPU (``tools/train_moe_zoo.sh``, ``tools/train_mtp_zoo.sh``): the zoo names them
+before their checkpoints arrive."""
 
 
 def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | None = None,
@@ -50,6 +55,10 @@ def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | No
         from funcspec.train.target import run_moe
 
         facts = run_moe(tokenizer=data.tokenizer_dir(models / "target"), **common)
+    elif role == "mtp_target":
+        from funcspec.train import mtp_target
+
+        facts = mtp_target.run(tokenizer=data.tokenizer_dir(models / "target"), **common)
     else:
         from funcspec.train import drafters
 

@@ -41,10 +41,22 @@ ROLE_TEXT = {
                   "tokenizer: next-token cross-entropy plus each layer's Switch load-balancing loss (weight "
                   "`router_aux_loss_coef`), so every expert of every layer keeps a share (its final loss includes "
                   "those terms, about 0.01 × 2 a layer). Saved in bfloat16, in shards of at most 8 MB.",
+    "mtp_target": "DeepSeek-V3 (HF `DeepseekV3ForCausalLM`: MLA with q_lora_rank 128, kv_lora_rank 64, rope 16; "
+                  "layer 0 dense, then 8 routed experts top-2 with one shared expert and the sigmoid router) trained "
+                  "from scratch on the target's token stream with its tokenizer, with one MTP module as DeepSeek-V3 "
+                  "trains its own: `eh_proj` over [enorm(embed(x_t+1)); hnorm(h_t)] (the trunk's final normed state, "
+                  "the embedding zeroed at position 0 as vLLM does), an MLA + MoE block, then `shared_head.norm` and "
+                  "the main model's head, on x_t+2; its final loss is next-token cross-entropy plus `mtp_lambda` "
+                  "(0.3) × the module's. Expert balance by DeepSeek-V3's auxiliary-loss-free bias update "
+                  "(`e_score_correction_bias`, speed `bias_speed`), no balance loss (the expert load below: the trunk's "
+                  "three MoE layers, then the MTP block). Saved in bfloat16 (routers in "
+                  "float32), the module as `model.layers.4.*` under DeepSeek-V3's names (`enorm`, `hnorm`, `eh_proj`, "
+                  "`shared_head.{norm,head}`, `embed_tokens`, the block), `num_nextn_predict_layers: 1`; "
+                  "transformers loads the trunk and leaves those keys unused.",
     "moe_eagle3": "The eagle3 recipe (same layout, draft vocabulary and training-time test) distilled from moe_target: "
                   "its aux layers [1, 2, 3] are MoE layers.",
 }
-HELDOUT_ROLES = ("target", "draft_model", "moe_target")
+HELDOUT_ROLES = ("target", "draft_model", "moe_target", "mtp_target")
 """HF causal LMs, whose held-out loss the cards compute."""
 
 
@@ -114,7 +126,8 @@ def render(models: Path, bench_paths: Sequence[Path] = ()) -> str:
         agree = ", ".join(f"{k} {v:.2f}" for k, v in extra.items() if k.startswith("agree"))
         lines.append(f"- **{role}**: {ROLE_TEXT.get(role, '')}" + (f" Last logged argmax agreement with the "
                                                                       f"target: {agree}." if agree else "")
-                     + _load_text(f) + _device_text(f) + (f" Run: {f['history']}." if f.get("history") else ""))
+                     + _load_text(f) + _mtp_text(f) + _device_text(f)
+                     + (f" Run: {f['history']}." if f.get("history") else ""))
     for i, (path, result) in enumerate(benches):
         rows = _tau_rows(result)
         lines += ["", "## Measured acceptance" + ("" if i == 0 else f" on a second corpus: {result.get('corpus')}"), "",
@@ -154,6 +167,16 @@ def _load_text(facts: dict) -> str:
     flat = [v for row in load for v in row]
     return (f" Expert load on a fixed training batch (share of the top-k picks, {1 / len(load[0]):.3f} when even): "
             f"{min(flat):.3f} to {max(flat):.3f} over {len(load)} layers × {len(load[0])} experts.")
+
+
+def _mtp_text(facts: dict) -> str:
+    """A target's own MTP module on a fixed training batch (train.json's ``fixed_batch``: the trunk's and the
+    module's cross-entropy, and how often the module's argmax is the trunk's next one)."""
+    fixed = facts.get("fixed_batch")
+    if not fixed:
+        return ""
+    return (f" On a fixed training batch: next-token cross-entropy {fixed['ce']:.3f}, the MTP module's (token after "
+            f"next) {fixed['mtp']:.3f}, its argmax equal to the trunk's next argmax {fixed['agree']:.2f} of the time.")
 
 
 def _goal(method: str, row: dict, rows: dict) -> tuple[str, bool | None]:

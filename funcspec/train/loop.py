@@ -45,7 +45,7 @@ PROBE = (5, 15)
 
 def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule, work: Path,
           desc: str = "train", tokens_per_step: int = 0, stop_after: int | None = None,
-          time_budget: float | None = None) -> dict:
+          time_budget: float | None = None, buffers: dict[str, torch.Tensor] | None = None) -> dict:
     """Minimise ``loss_fn(step)`` over ``params`` (name -> leaf tensor, trained in place).
 
     ``work/state.pt`` holds the resumable state; ``work/log.jsonl`` the loss curve.
@@ -59,8 +59,13 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
     Those steps are in the warmup, whose rates do not depend on the length, so
     the run is the one a schedule of that length would have made. Why: a
     lent GPU runs for a fixed time on a machine nobody timed beforehand.
+
+    ``buffers`` (name -> tensor): state the recipe updates itself, outside the
+    optimiser (a router's bias); saved and restored with the params, so a
+    resumed run continues exactly.
     """
     work.mkdir(parents=True, exist_ok=True)
+    buffers = buffers or {}
     leaves = list(params.values())
     for p in leaves:
         p.requires_grad_(True)
@@ -71,6 +76,8 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(state["params"][name])
+            for name, b in buffers.items():
+                b.copy_(state["buffers"][name])
         opt.load_state_dict(state["opt"])
         start, wall = state["step"], state["wall"]
     log = (work / "log.jsonl").open("a")
@@ -78,7 +85,8 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
     t0 = time.perf_counter()
 
     def save(step: int) -> None:
-        torch.save({"params": {k: v.detach() for k, v in params.items()}, "opt": opt.state_dict(), "step": step,
+        torch.save({"params": {k: v.detach() for k, v in params.items()}, "buffers": dict(buffers),
+                    "opt": opt.state_dict(), "step": step,
                     "wall": wall + time.perf_counter() - t0}, work / "state.tmp")
         (work / "state.tmp").replace(ckpt)
 

@@ -39,16 +39,18 @@ def test_batch_is_a_pure_function_of_seed_and_step():
 
 def _toy(tmp, stop_after=None):
     torch.manual_seed(0)
-    w = {"w": torch.randn(8)}
+    w, b = {"w": torch.randn(8)}, {"b": torch.zeros(8)}
     target = torch.linspace(-1, 1, 8)
 
     def loss_fn(step):
         noise = torch.sin(torch.arange(8.0) * (step + 1))  # a step-dependent batch
-        return ((w["w"] - target - 0.1 * noise) ** 2).sum(), {}
+        loss = ((w["w"] + b["b"] - target - 0.1 * noise) ** 2).sum()
+        b["b"].add_(0.01 * torch.sign(w["w"].detach()))  # a buffer the recipe moves itself (a router's bias)
+        return loss, {}
 
     out = train(w, loss_fn, Schedule(steps=6, lr=0.05, warmup=2, log_every=2, save_every=2), tmp,
-                stop_after=stop_after)
-    return w["w"], out
+                stop_after=stop_after, buffers=b)
+    return torch.cat([w["w"], b["b"]]), out
 
 
 def test_resumed_training_equals_a_straight_run(tmp_path):

@@ -40,8 +40,8 @@ def test_manifest_names_every_role():
 
     assert set(zoo.manifest()["roles"]) == set(train.ROLES)
     for role in zoo.manifest()["roles"]:
-        if role in ("moe_target", "moe_eagle3") and not zoo.model_path(role).exists():
-            continue  # trained on a GPU (tools/train_moe_zoo.sh): the zoo names them before they arrive
+        if role in train.GPU_ROLES and not zoo.model_path(role).exists():
+            continue  # trained on a GPU (tools/train_*_zoo.sh): the zoo names them before they arrive
         assert zoo.trained(role), role
         assert json.loads((zoo.model_path(role) / "train.json").read_text())["steps"] > 0
 

@@ -64,7 +64,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # nn heads share math through nn.llama only; format helpers live in funcspec.checkpoints.
-NN_SHARED = {"funcspec.nn", "funcspec.nn.llama"}  # the decoder; kernels come through cfg.ops
+NN_SHARED = {"funcspec.nn", "funcspec.nn.llama", "funcspec.nn.deepseek"}  # the decoders; kernels: cfg.ops
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

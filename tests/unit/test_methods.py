@@ -39,7 +39,7 @@ def test_proposers_zoo_and_train_derive_from_the_registry():
     assert PROPOSERS == {m.name: m.proposer for m in methods.METHODS.values() if m.proposer}
     assert set(PROPOSERS) == config.VLLM_METHODS - {"extract_hidden_states"}
     assert zoo.HEAD_METHODS == methods.select(zoo=True)
-    assert train.ROLES == ("target",) + zoo.HEAD_METHODS + ("moe_target", "moe_eagle3")
+    assert train.ROLES == ("target",) + zoo.HEAD_METHODS + ("moe_target", "moe_eagle3", "mtp_target")
     assert {train.HEADS[m] for m in zoo.HEAD_METHODS} == {(m, "target") for m in zoo.HEAD_METHODS}
     assert set(zoo.HEAD_METHODS) <= set(PROPOSERS)
 
