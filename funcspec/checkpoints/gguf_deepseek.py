@@ -16,7 +16,10 @@ The MoE is the converter's: ``expert_*`` keys, ``leading_dense_block_count``
 dense first layers, shared experts as ``ffn_*_shexp``, the router and V3's
 correction bias (``exp_probs_b``) in f32, and ``expert_gating_func`` (softmax
 for V2, sigmoid for V3, which the file must say: llama.cpp reads a missing one as
-softmax). YaRN is ``rope.scaling.*`` with ``yarn_log_multiplier`` = 0.1
+softmax). Routing groups go to ``expert_group_count`` / ``expert_group_used_count``;
+llama.cpp scores a group by its best two experts (V3's rule), so a V2 file with
+group-limited greedy (a group's best one) runs there with V3's grouping, and in
+funcspec as written. YaRN is ``rope.scaling.*`` with ``yarn_log_multiplier`` = 0.1
 ``mscale_all_dim``, the converter's convention. A model without ``q_lora_rank``
 (V2-Lite) is written with ``attention.q_lora_rank`` 0: llama.cpp only skips the
 key for the layer counts of the published Lite models.

@@ -1,7 +1,8 @@
 """DeepSeek-V2 / V3 GGUF files as llama.cpp's converter writes ``deepseek2``: the MLA keys (one latent KV head,
-``kv_b_proj`` split per head into ``attn_k_b`` / ``attn_v_b``), the MoE keys and tensors, YaRN; read back, a
-float file is the HF checkpoint (config fields and every tensor), a quantized one keeps its experts quantized,
-and llama.cpp (where llama-cpp-python is installed) runs the file with transformers' logits."""
+``kv_b_proj`` split per head into ``attn_k_b`` / ``attn_v_b``), the MoE keys and tensors, YaRN. Read back, a
+float file is the HF checkpoint (config fields, every tensor, funcspec's greedy tokens), a quantized one keeps its
+experts quantized and speculates losslessly, and llama.cpp (where llama-cpp-python is installed) runs the float
+file with transformers' logits and funcspec's greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from funcspec import LLM, Engine, SamplingParams, load_model
 from funcspec.checkpoints import experts, gguf_deepseek, gguf_write
 from funcspec.checkpoints import gguf as ggufmod
 from funcspec.checkpoints.files import read_config, read_weights
@@ -17,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
             n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256)
 """Every width a multiple of 32, so that every 2-D and 3-D weight has Q8_0 / Q4_0 blocks."""
 
@@ -37,6 +39,9 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_si
           "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group", "rope_parameters", "model_type",
           "architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id", "max_position_embeddings")
 PROMPT = [5, 9, 17, 33, 65, 12, 7, 100, 200, 150]
+PROMPTS = [PROMPT, [4, 7, 4, 7, 2, 8, 4, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+NO_VOCAB = "ignore:.*vocabulary could not be converted"  # transformers converts no deepseek2 vocabulary
 
 
 def make_deepseek(path, kind: str):
@@ -84,6 +89,20 @@ def test_a_float_deepseek_gguf_is_the_hf_checkpoint(sources, kind):
     assert quantized == {} and sorted(floats) == sorted(want)
     for key, w in want.items():
         assert torch.equal(floats[key], w), key
+
+
+def _greedy(model, spec=None) -> list[list[int]]:
+    eng = Engine(model, spec, max_batch_size=2, max_model_len=64, backend="eager")
+    return [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.filterwarnings(NO_VOCAB)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_funcspec_runs_a_float_file_as_the_hf_checkpoint(sources, kind):
+    model, ref = load_model(_file(sources, kind, "float32")), load_model(sources / kind)
+    assert model.cfg.mla == ref.cfg.mla and model.cfg.moe == ref.cfg.moe and model.cfg.rope_scaling == \
+        ref.cfg.rope_scaling
+    assert _greedy(model) == _greedy(ref)
 
 
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
@@ -169,10 +188,24 @@ def test_a_file_from_before_the_split_reads_the_same(sources, tmp_path):
     assert all(torch.equal(floats[k], want[k]) for k in want) and sorted(floats) == sorted(want)
 
 
+@pytest.mark.filterwarnings(NO_VOCAB)
+@pytest.mark.parametrize("store", ["q8_0", "q4_0"])
+def test_funcspec_speculates_losslessly_on_a_quantized_file(sources, store):
+    """The V3 file through the vLLM-shaped facade: its experts quantized in the engine, its logits near the float
+    model's, and ngram speculation equal to AR on the file."""
+    path = _file(sources, "v3", store)
+    llm = LLM(model=str(path), quantization="gguf", enforce_eager=True, max_num_seqs=2, max_model_len=64)
+    mlp = llm.engine.model.params["model"]["layers"][1]["mlp"]
+    assert mlp["experts"]["gate_up_proj"]["format"].name == f"gguf-{store}"
+    ar = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    assert _greedy(str(path), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}) == ar
+
+
+@pytest.mark.filterwarnings(NO_VOCAB)
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_llama_cpp_runs_the_file_as_transformers_does(sources, kind):
-    """llama.cpp's deepseek2 (its absorbed MLA, its router, its YaRN) on the float file: transformers' greedy tokens,
-    and its logits to float rounding."""
+def test_llama_cpp_runs_the_file_as_transformers_and_funcspec_do(sources, kind):
+    """llama.cpp's deepseek2 (its absorbed MLA, its router, its YaRN) on the float file: transformers' and
+    funcspec's greedy tokens, and transformers' logits to float rounding."""
     llama_cpp = pytest.importorskip("llama_cpp")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(sources / kind), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -185,7 +218,7 @@ def test_llama_cpp_runs_the_file_as_transformers_does(sources, kind):
         got.append(t)
         if len(got) == len(want) or t == 2:
             break
-    assert got == want
+    assert got == want == _greedy(load_model(_file(sources, kind, "float32")))[0]
     llm.reset()
     llm.eval(PROMPT)
     theirs = torch.from_numpy(np.array(llm.scores[:len(PROMPT)]))
