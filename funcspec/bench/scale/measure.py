@@ -9,7 +9,7 @@ import time
 
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec.bench.scale.checkpoint import DTYPES, make_prompts
+from funcspec.bench.scale.checkpoint import DTYPES, cache_bytes, make_prompts
 from funcspec.bench.scale.context import ScaleContext
 from funcspec.bench.timing import decode_ms, paired_ratios, step_ms, timed_generate
 
@@ -89,10 +89,20 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     for row in rows:
         row["vs_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
     r = passes[contexts[-1]][-1]
-    cfg = eng.model.cfg
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * eng.t_max * cfg.head_dim * DTYPES[ctx.dtype].itemsize
-    return {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": kv, "rows": rows,
-            "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+    per_token = cache_bytes_per_token(eng)
+    return {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": per_token * eng.t_max,
+            "cache_bytes_per_token": per_token, "cache_bytes_from_config": cache_bytes(ctx.path, ctx.dtype),
+            "rows": rows, "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+
+
+def cache_bytes_per_token(eng) -> int:
+    """Bytes the engine's target cache holds per position of one slot, measured on its state: every declared
+    per-slot tensor of the cache ([..., slots, ..., T, ...]), whatever the model keeps there (K and V, or a
+    latent), over its slots and ``t_max`` positions; the per-slot lengths left out."""
+    from funcspec.tree import slot_leaves
+
+    leaves = [(x, axis) for x, axis in slot_leaves(eng.runner.state.kv) if x.dim() > 1]
+    return sum(x.numel() * x.element_size() // x.shape[axis] for x, axis in leaves) // eng.t_max
 
 
 def batch_rows(ctx: ScaleContext, backend: str, batches: list[int]) -> dict:

@@ -98,13 +98,25 @@ def _md_context(r: dict) -> list[str]:
     if not c:
         return []
     title = (f"## Context sweep ({c['backend']}, one engine, max_model_len {c['max_model_len']}: "
-             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n")
+             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n{_md_cache(c)}")
     first = c["rows"][0]["context"]
     rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}",
              " / ".join(f"{v:.2f}" for v in x.get("ms_per_token_passes", [])) or "-",
              f"{_f(x.get('vs_shortest'))}x", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"] for x in c["rows"]]
     return _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
                              f"vs {first}", "step ms", "prefill s"], rows)
+
+
+def _md_cache(c: dict) -> str:
+    """The cache's bytes per token, measured, and for a latent cache the K/V it stands for."""
+    per_token, cfg = c.get("cache_bytes_per_token"), c.get("cache_bytes_from_config") or {}
+    if per_token is None:
+        return ""
+    line = f"\nCache: {per_token} bytes per token of context (measured on the engine's state)"
+    if "latent" in cfg:
+        line += (f"; the latent is {cfg['latent']} bytes per token, the K/V it expands to {cfg['kv']} "
+                 f"({cfg['kv'] / cfg['latent']:.1f}x)")
+    return line + ".\n"
 
 
 def _md_batch(r: dict) -> list[str]:
