@@ -82,6 +82,7 @@ def test_machine_info_and_llamacpp_note(result):
     assert set(m["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
     assert m["threads"] == torch.get_num_threads() and m["torch"] == torch.__version__ and m["cpu_capability"]
     assert m["llc_mib"] == scale.llc_mib() >= 0
+    assert len(m["load_average"]) == len(m["load_average_end"]) == 3  # other work on the cores, start and end
     assert res["bandwidth"]["copy_mb"] == 16  # as asked; unasked, the tensor outgrows the cache (DRAM's bandwidth)
     assert scale.default_copy_mb() == max(256, 4 * m["llc_mib"])
     if importlib.util.find_spec("llama_cpp") is None:

@@ -148,7 +148,16 @@ def _md_machine(r: dict) -> list[str]:
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
     llc = f", last-level cache {m['llc_mib']} MiB" if m.get("llc_mib") else ""
     return ["## Machine\n", f"- CPU: {m['cpu']} ({m['cores']} logical cores{llc}), torch threads: {m['threads']}",
-            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
+            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", *_md_load(m), ""]
+
+
+def _md_load(m: dict) -> list[str]:
+    """The load average at the run's start and end (1 / 5 / 15 minutes), where the run recorded it."""
+    if "load_average" not in m:
+        return []
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    end = f", at its end {fmt(m['load_average_end'])}" if "load_average_end" in m else ""
+    return [f"- load average (1 / 5 / 15 min) at the run's start {fmt(m['load_average'])}{end}"]
 
 
 
