@@ -65,6 +65,8 @@ def test_context_batch_and_profile(result):
         assert len(r["ms_per_token_passes"]) == 2
         assert r["ms_per_token"] == pytest.approx(sum(r["ms_per_token_passes"]) / 2)
     short, long_ = res["context"]["rows"]
+    p = res["context"]["paired"]  # the longest prompt against the shortest, alternating on the one engine
+    assert (p["context"], p["shortest"], p["rounds"]) == (32, 16, 3) and len(p["ours_ms"]) == 3 and p["ratio"] > 0
     assert short["vs_shortest"] == 1.0 and long_["vs_shortest"] == pytest.approx(long_["ms_per_token"] / short["ms_per_token"])
     assert [r["batch"] for r in res["batch"]["rows"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in res["batch"]["rows"])
@@ -275,3 +277,4 @@ def test_deepseek_shape_runs_with_its_latent_cache_and_a_gguf_file(tmp_path):
     assert ("paired" in row) == (importlib.util.find_spec("llama_cpp") is not None)
     md = next((tmp_path / "o").glob("*.md")).read_text()
     assert f"the latent is {latent} bytes per token, the K/V it expands to {kv}" in md
+    assert "decode at 16 tokens of context is **" in md

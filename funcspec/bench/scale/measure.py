@@ -70,15 +70,18 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     Two passes, ascending (with warm-up) then descending (graphs already
     captured): a machine whose speed drifts over the sweep biases the two in
     opposite directions, so their mean is what each row reports, with its
-    ratio to the shortest prompt's.
+    ratio to the shortest prompt's. With two lengths or more, the longest and
+    the shortest also run alternately (:func:`paired_ratios`): the median of
+    the pairs' ratio is the one that holds when the machine is shared.
     """
     n = ctx.new_tokens
     max_len = max(contexts) + n + 64
     eng = engine(ctx, backend, 1, max_len)
     passes = collections.defaultdict(list)  # context -> one timed_generate result per pass
     order = [(c, True) for c in contexts] + [(c, False) for c in reversed(contexts)]
+    prompts = {c: make_prompts(ctx.shape, 1, c, ctx.seed + c) for c in contexts}  # one prompt each
     for c, warm in tqdm(order, desc="context", leave=False):
-        passes[c].append(timed_generate(eng, make_prompts(ctx.shape, 1, c, ctx.seed + c), n, ctx.reps, warm=warm))
+        passes[c].append(timed_generate(eng, prompts[c], n, ctx.reps, warm=warm))
     rows = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
@@ -90,9 +93,14 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
         row["vs_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
     r = passes[contexts[-1]][-1]
     per_token = cache_bytes_per_token(eng)
-    return {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": per_token * eng.t_max,
-            "cache_bytes_per_token": per_token, "cache_bytes_from_config": cache_bytes(ctx.path, ctx.dtype),
-            "rows": rows, "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+    out = {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": per_token * eng.t_max,
+           "cache_bytes_per_token": per_token, "cache_bytes_from_config": cache_bytes(ctx.path, ctx.dtype),
+           "rows": rows, "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+    short, long_ = min(contexts), max(contexts)
+    if long_ > short:
+        p = paired_ratios(decode_ms(eng, prompts[long_], n), decode_ms(eng, prompts[short], n), max(ctx.reps, 3))
+        out["paired"] = {**p, "context": long_, "shortest": short}  # ratio: ms/token at long_ over at short
+    return out
 
 
 def cache_bytes_per_token(eng) -> int:

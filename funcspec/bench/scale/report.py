@@ -103,8 +103,14 @@ def _md_context(r: dict) -> list[str]:
     rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}",
              " / ".join(f"{v:.2f}" for v in x.get("ms_per_token_passes", [])) or "-",
              f"{_f(x.get('vs_shortest'))}x", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"] for x in c["rows"]]
-    return _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
-                             f"vs {first}", "step ms", "prefill s"], rows)
+    out = _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
+                            f"vs {first}", "step ms", "prefill s"], rows)
+    if p := c.get("paired"):
+        out.append(f"\nPaired ({p['rounds']} alternating runs, median of the pair ratios): decode at {p['context']} "
+                   f"tokens of context is **{p['ratio']:.2f}x** decode at {p['shortest']} (ms/token "
+                   f"{', '.join(f'{x:.1f}' for x in p['ours_ms'])} against "
+                   f"{', '.join(f'{x:.1f}' for x in p['theirs_ms'])}).\n")
+    return out
 
 
 def _md_cache(c: dict) -> str:
