@@ -36,7 +36,9 @@ The router (``ffn_gate_inp``), Qwen2-MoE's ``ffn_gate_inp_shexp`` and GLM's
 ``exp_probs_b`` are float, as the converter keeps them; shared experts
 (``ffn_*_shexp``) are ordinary linears. The MoE config comes from the
 ``{arch}.expert_*`` keys; GLM's MTP blocks (``nextn_predict_layers``, after the
-decoder's) are skipped.
+decoder's) are skipped. DeepSeek-V2 / V3 (``deepseek2``: multi-head latent
+attention) has its own names and keys (:mod:`funcspec.checkpoints.gguf_deepseek`);
+its ``kv_b_proj``, split per head in the file, is read back whole, as floats.
 
 The tokenizer is transformers' conversion of the GGUF's own vocabulary
 (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), or a directory given as
@@ -52,15 +54,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from funcspec.checkpoints import gguf_deepseek
 from funcspec.quant import formats
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+         "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
+         "deepseek2": "DeepseekV2ForCausalLM"}
 """GGUF ``general.architecture`` values funcspec runs, and their HF architectures (``llama`` with
-``llama.expert_count``: Mixtral)."""
+``llama.expert_count``: Mixtral; ``deepseek2`` with a sigmoid router and its bias: DeepSeek-V3)."""
 
 FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
-          "glm4moe": "glm4_moe"}
+          "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
 """GGUF architecture -> funcspec's decoder family (``ModelConfig.arch``)."""
 
 MOE_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -132,6 +136,8 @@ def config(reader, where: str) -> dict:
     if "rope_freqs.weight" in names:  # Llama-3.1's RoPE scaling, stored as one factor per frequency
         factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32)
         hf["rope_scaling"] = {"rope_type": "factors", "factors": [float(f) for f in factors]}
+    if arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.config(get, names, hf)
     if int(get("expert_count", 0)):
         hf.update(_moe_config(arch, get, names, layers, hf))
     return hf
@@ -174,6 +180,8 @@ def _hf_name(name: str, arch: str = "llama") -> Optional[str]:
     if name == "rope_freqs.weight":
         return None
     parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.hf_name(name)
     if parts[0] == "blk" and len(parts) == 4:
         if parts[2] in LAYER:
             return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
@@ -259,13 +267,16 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
     arch = _field(reader, "general.architecture")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     permute = hf["model_type"] in ("llama", "mixtral")
-    floats, quantized, experts = {}, {}, {}
+    floats, quantized, experts, kv_b = {}, {}, {}, {}
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk" and int(parts[1]) >= hf["num_hidden_layers"]:
             continue  # GLM's MTP blocks (nextn_predict_layers): a draft head's, not the decoder's
         if parts[0] == "blk" and parts[2] in EXPERTS:
             experts.setdefault(int(parts[1]), {})[parts[2]] = t
+            continue
+        if parts[0] == "blk" and parts[2] in gguf_deepseek.SPLIT:
+            kv_b.setdefault(int(parts[1]), {})[parts[2]] = t
             continue
         name = _hf_name(t.name, arch)
         if name is None:
@@ -279,17 +290,18 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
                 q, s, o = unpermute(q, rows), unpermute(s, rows), None if o is None else unpermute(o, rows)
             quantized[name[:-len(".weight")]] = quantized_linear(q, s, o, QUANTIZED[kind], f"gguf-{kind.lower()}")
             continue
-        if kind == "BF16":  # gguf hands over its bytes
-            w = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
-        elif kind in ("F32", "F16"):
-            w = torch.from_numpy(np.array(t.data).reshape(shape))
-        else:
-            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+        w = _dense(t, gguf)
         if permute and rows is not None:
             w = torch.from_numpy(unpermute(w.float().numpy(), rows))
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp holds it as [H]
         floats[name] = w.to(device=device, dtype=dtype)
+    for layer, ts in kv_b.items():  # DeepSeek's W_UK / W_UV halves: HF's kv_b_proj, as floats
+        if len(ts) != 2:
+            raise ValueError(f"{where}: blk.{layer} has {sorted(ts)} of {list(gguf_deepseek.SPLIT)}")
+        k_b, v_b = (_dense(ts[n], gguf).float() for n in gguf_deepseek.SPLIT)
+        floats[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = \
+            gguf_deepseek.join_kv_b(k_b, v_b).to(device=device, dtype=dtype)
     for layer, ts in experts.items():
         prefix = f"model.layers.{layer}.mlp.experts"
         stacked = _experts(ts, f"{where}: blk.{layer}", gguf)
@@ -329,15 +341,20 @@ def _experts(ts: dict, where: str, gguf) -> dict:
             raise ValueError(f"{where}: {err}") from err
 
     def dense(t):
-        shape = tuple(int(x) for x in t.shape[::-1])
-        if t.tensor_type.name == "BF16":
-            raw = np.ascontiguousarray(t.data).view(np.int16).reshape(shape).copy()
-            return torch.from_numpy(raw).view(torch.bfloat16).float()
-        if t.tensor_type.name in ("F32", "F16"):
-            return torch.from_numpy(np.array(t.data).reshape(shape)).float()
-        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+        return _dense(t, gguf).float()
 
     return {"gate_up_proj.weight": torch.cat([dense(gate), dense(up)], dim=1), "down_proj.weight": dense(down)}
+
+
+def _dense(t, gguf) -> torch.Tensor:
+    """A GGUF tensor's values in HF's shape: BF16 / F16 / F32 as stored, other block types dequantized by ``gguf``."""
+    shape = tuple(int(x) for x in t.shape[::-1])  # ggml lists ne0 (the contiguous dim) first
+    kind = t.tensor_type.name
+    if kind == "BF16":  # gguf hands over its bytes
+        return torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(np.array(t.data).reshape(shape))
+    return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
 
 
 def load_tokenizer(path, tokenizer=None):

@@ -10,7 +10,9 @@ A mixture of experts is written as the converter writes ``qwen3moe``,
 ``qwen2moe``, ``glm4moe`` and Mixtral (``llama`` with experts): its
 ``{arch}.expert_*`` keys, each layer's experts as 3-D ``ffn_{gate,up,down}_exps``
 tensors, shared experts as ``ffn_*_shexp``, and the router (``ffn_gate_inp``)
-in f32, as the converter keeps it.
+in f32, as the converter keeps it. DeepSeek-V2 / V3 are written as ``deepseek2``
+(:mod:`funcspec.checkpoints.gguf_deepseek`: the latent attention's keys and its
+``kv_b_proj`` split per head), from the HF config itself.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from funcspec.checkpoints import experts
+from funcspec.checkpoints import experts, gguf_deepseek
 from funcspec.checkpoints.files import read_config, read_weights
 from funcspec.checkpoints.gguf import EXPERTS, LAYER, MOE_LAYER, SHARED
 from funcspec.checkpoints.llama import model_config
@@ -101,15 +103,19 @@ def _moe_tensors(cfg, hf: dict) -> dict[str, torch.Tensor]:
 
 
 def write(ckpt: Path, path: Path, kind: str) -> Path:
-    """HF Llama checkpoint ``ckpt`` as GGUF file ``path`` (llama arch, a placeholder SentencePiece vocabulary), its
-    2-D weights stored as ``kind`` (:data:`WRITE_KINDS`); an existing file is kept."""
+    """HF checkpoint ``ckpt`` as GGUF file ``path`` (:data:`GGUF_ARCH`'s architecture, ``deepseek2`` for
+    DeepSeek-V2 / V3; a placeholder SentencePiece vocabulary), its 2-D and 3-D weights stored as ``kind``
+    (:data:`WRITE_KINDS`); an existing file is kept."""
     import gguf
 
     if kind not in WRITE_KINDS:
         raise ValueError(f"kind must be one of {WRITE_KINDS}, got {kind!r}")
     if path.exists():
         return path
-    cfg = model_config(read_config(ckpt)[1])
+    hf = read_config(ckpt)[1]
+    if gguf_deepseek.is_deepseek(hf):
+        return _write_deepseek(ckpt, path, kind, hf)
+    cfg = model_config(hf)
     arch = GGUF_ARCH.get(cfg.arch, "llama")
     w = gguf.GGUFWriter(str(path) + ".tmp", arch)
     w.add_name(Path(ckpt).name)
@@ -128,14 +134,43 @@ def write(ckpt: Path, path: Path, kind: str) -> Path:
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    file_types = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
-                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
-    w.add_file_type(file_types[kind])
-    _add_vocab(w, gguf, cfg)
+    _add_vocab(w, gguf, cfg.vocab_size, cfg.bos_token_id, (cfg.eos_token_ids or (2,))[0])
     weights = read_weights(ckpt)
     if cfg.moe.num_experts:
         weights = experts.stack(weights, cfg.moe, str(ckpt))
-    for name, t in tensors(cfg, weights).items():
+    return _finish(w, gguf, tensors(cfg, weights), kind, path)
+
+
+def _write_deepseek(ckpt: Path, path: Path, kind: str, hf: dict) -> Path:
+    """DeepSeek-V2 / V3 checkpoint ``ckpt`` (HF config ``hf``) as a ``deepseek2`` GGUF file, as :func:`write`."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path) + ".tmp", gguf_deepseek.ARCH)
+    w.add_name(Path(ckpt).name)
+    w.add_context_length(hf.get("max_position_embeddings", 2048))
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_layer_norm_rms_eps(hf.get("rms_norm_eps", 1e-6))
+    w.add_vocab_size(hf["vocab_size"])
+    gguf_deepseek.add_metadata(w, gguf, hf)
+    eos = hf.get("eos_token_id")
+    _add_vocab(w, gguf, hf["vocab_size"], hf.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
+    weights = experts.stack(read_weights(ckpt), experts.MoEConfig(hf["n_routed_experts"]), str(ckpt))
+    out = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
+    if not hf.get("tie_word_embeddings", False):
+        out["output.weight"] = weights["lm_head.weight"]
+    return _finish(w, gguf, {**out, **gguf_deepseek.tensors(hf, weights)}, kind, path)
+
+
+def _finish(w, gguf, named: dict[str, torch.Tensor], kind: str, path: Path) -> Path:
+    """Writes the file type, the tensors ``named`` (stored as ``kind``: 1-D ones and routers in f32) and the file,
+    then moves it into place at ``path``."""
+    file_types = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
+                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+    w.add_file_type(file_types[kind])
+    for name, t in named.items():
         if kind == "float32" or t.dim() == 1 or name.split(".")[-2] in FLOAT:
             w.add_tensor(name, t.float().contiguous().numpy())
         elif kind == "bfloat16":  # bf16 bits as int16, tagged BF16
@@ -173,10 +208,10 @@ def _add_moe(w, gguf, cfg, arch: str) -> None:
         w.add_nextn_predict_layers(0)
 
 
-def _add_vocab(w, gguf, cfg) -> None:
-    """A placeholder SentencePiece vocab (llama.cpp needs one): <unk>, byte tokens, BOS / EOS, filler names."""
-    n, bos, eos = cfg.vocab_size, cfg.bos_token_id, (cfg.eos_token_ids or (2,))[0]
-    bos = 1 if bos is None else bos
+def _add_vocab(w, gguf, n: int, bos, eos) -> None:
+    """A placeholder SentencePiece vocab of ``n`` tokens (llama.cpp needs one): <unk>, byte tokens, BOS / EOS
+    (1 and 2 where ``None``), filler names."""
+    bos, eos = 1 if bos is None else bos, 2 if eos is None else eos
     tokens = [f"t{i}" for i in range(n)]
     types = [gguf.TokenType.NORMAL] * n
     tokens[0], types[0] = "<unk>", gguf.TokenType.UNKNOWN

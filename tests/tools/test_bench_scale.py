@@ -65,6 +65,8 @@ def test_context_batch_and_profile(result):
         assert len(r["ms_per_token_passes"]) == 2
         assert r["ms_per_token"] == pytest.approx(sum(r["ms_per_token_passes"]) / 2)
     short, long_ = res["context"]["rows"]
+    p = res["context"]["paired"]  # the longest prompt against the shortest, alternating on the one engine
+    assert (p["context"], p["shortest"], p["rounds"]) == (32, 16, 3) and len(p["ours_ms"]) == 3 and p["ratio"] > 0
     assert short["vs_shortest"] == 1.0 and long_["vs_shortest"] == pytest.approx(long_["ms_per_token"] / short["ms_per_token"])
     assert [r["batch"] for r in res["batch"]["rows"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in res["batch"]["rows"])
@@ -82,6 +84,7 @@ def test_machine_info_and_llamacpp_note(result):
     assert set(m["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
     assert m["threads"] == torch.get_num_threads() and m["torch"] == torch.__version__ and m["cpu_capability"]
     assert m["llc_mib"] == scale.llc_mib() >= 0
+    assert len(m["load_average"]) == len(m["load_average_end"]) == 3  # other work on the cores, start and end
     assert res["bandwidth"]["copy_mb"] == 16  # as asked; unasked, the tensor outgrows the cache (DRAM's bandwidth)
     assert scale.default_copy_mb() == max(256, 4 * m["llc_mib"])
     if importlib.util.find_spec("llama_cpp") is None:
@@ -251,3 +254,27 @@ def test_weight_bytes_count_active_experts_and_no_untied_embedding(tmp_path, tie
     total = sum(p.numel() for p in model.parameters())  # a tied head is counted once by parameters()
     want = total - experts + experts * 2 // 8 - (0 if tied else embed)
     assert weight_bytes(tmp_path, "bfloat16") == (want, 2 * want)
+
+
+@pytest.mark.filterwarnings("ignore:.*vocabulary could not be converted")  # transformers: no deepseek2 vocabulary
+def test_deepseek_shape_runs_with_its_latent_cache_and_a_gguf_file(tmp_path):
+    """The DeepSeek-V2-Lite shape's structure at test size: funcspec AR reproduces HF greedy, the context phase
+    measures the latent cache (not the K/V it expands to), and the quant phase runs the Q8_0 GGUF file
+    (paired with llama.cpp on that file where llama-cpp-python is installed)."""
+    res = scale.run(shape="deepseek-tiny", phases="hf,ar,context,quant", backends="eager", sweep_backend="eager",
+                    contexts="8,16", new_tokens=4, prompt_tokens=8, reps=1, quantization="q8_0", quant_parts="",
+                    cache_dir=str(tmp_path / "c"), out=str(tmp_path / "o"))
+    hf_cfg = scale.SHAPES["deepseek-tiny"].config
+    assert res["arch"] == "deepseek_v2" and res["ar"][0]["tokens_equal_hf"] is True
+    layers, heads = hf_cfg["num_hidden_layers"], hf_cfg["num_attention_heads"]
+    latent = layers * (hf_cfg["kv_lora_rank"] + hf_cfg["qk_rope_head_dim"]) * 4  # float32
+    kv = layers * heads * (hf_cfg["qk_nope_head_dim"] + hf_cfg["qk_rope_head_dim"] + hf_cfg["v_head_dim"]) * 4
+    c = res["context"]
+    assert c["cache_bytes_per_token"] == latent and c["cache_bytes_from_config"] == {"latent": latent, "kv": kv}
+    assert [r["context"] for r in c["rows"]] == [8, 16] and all(r["ms_per_token"] > 0 for r in c["rows"])
+    (row,) = res["quant"]["rows"]
+    assert row["format"] == "q8_0" and row["llamacpp_file"] == "model-q8_0.gguf" and row["ms_per_token"] > 0
+    assert ("paired" in row) == (importlib.util.find_spec("llama_cpp") is not None)
+    md = next((tmp_path / "o").glob("*.md")).read_text()
+    assert f"the latent is {latent} bytes per token, the K/V it expands to {kv}" in md
+    assert "decode at 16 tokens of context is **" in md

@@ -114,6 +114,7 @@ def _run(o: dict) -> dict:
             ctx.model = load_model(path, dtype=DTYPES[o["dtype"]])
         PHASE_FNS[phase](ctx, o, result)
     bar.close()
+    result["machine"]["load_average_end"] = list(os.getloadavg())
     compare(result)
     stem = write(result, Path(o["out"]) if o["out"] else RESULTS / device_name("cpu"))
     bad = [r for r in result.get("ar", []) if r.get("tokens_equal_hf") is False]

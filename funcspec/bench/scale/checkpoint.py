@@ -23,13 +23,25 @@ near-ties between HF and funcspec; the embedding / lm_head are scaled by this
 class Shape:
     """A model family's shape: the HF config class kwargs and the non-special prompt-id range."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3_moe"
+    arch: str  # "llama" | "qwen2" | "qwen3_moe" | "deepseek_v2"
     config: dict
     prompt_ids: tuple[int, int]  # [lo, hi): ids sampled for prompts, no special tokens
 
 
 _LLAMA_32K = dict(vocab_size=32000, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   max_position_embeddings=8192)
+_DEEPSEEK_V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                         num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                         q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+                         norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy", rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, max_position_embeddings=163840, bos_token_id=100000,
+                         eos_token_id=100001,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                          "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+"""DeepSeek-V2-Lite's config.json (transformers 5's field names)."""
+
 SHAPES = {
     "tiny": Shape("llama", dict(_LLAMA_32K, vocab_size=512, hidden_size=64, intermediate_size=128,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), (3, 512)),
@@ -60,6 +72,18 @@ SHAPES = {
                                                     rope_theta=1000000.0, rms_norm_eps=1e-6,
                                                     max_position_embeddings=40960, bos_token_id=151643,
                                                     eos_token_id=151645), (0, 151643)),
+    # DeepSeek-V2-Lite's layers (MLA: 16 heads over a 512 + 64 latent; 64 experts of 1408, top-6, 2 shared; the
+    # first layer dense; YaRN) with 4 of its 27 layers: fits 24 GB.
+    "deepseek-v2-lite-4l": Shape("deepseek_v2", dict(_DEEPSEEK_V2_LITE, num_hidden_layers=4), (0, 100000)),
+    # The same structure at test size (every width a multiple of 32: GGUF's Q8_0 / Q4_0 blocks).
+    "deepseek-tiny": Shape("deepseek_v2", dict(_DEEPSEEK_V2_LITE, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                               moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=32,
+                                               qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                                               num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
+                                               max_position_embeddings=8192,
+                                               rope_parameters={**_DEEPSEEK_V2_LITE["rope_parameters"], "factor": 2.0,
+                                                                "original_max_position_embeddings": 4096}), (3, 512)),
 }
 
 
@@ -83,7 +107,8 @@ def build_checkpoint(shape: str, dtype: str = "float32", cache_dir=None, seed: i
     spec = SHAPES[shape]
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[spec.arch]
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)}[spec.arch]
     torch.manual_seed(seed)
     model = classes[1](classes[0](**spec.config)).eval()
     with torch.no_grad():
@@ -110,6 +135,22 @@ def weight_bytes(path: Path, dtype: str) -> tuple[int, int]:
         shapes = {k: s for k, s in shapes.items() if k != "model.embed_tokens.weight"}
     n = int(sum(math.prod(s) * (active if ".experts." in k else 1) for k, s in shapes.items()))
     return n, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
+def cache_bytes(path: Path, dtype: str) -> dict:
+    """Bytes per token of one sequence's decode cache, from the checkpoint's config: ``kv`` (keys and values of
+    every KV head), and for multi-head latent attention (DeepSeek) ``latent`` (``kv_lora_rank +
+    qk_rope_head_dim`` a layer, what an MLA cache holds) with ``kv`` the K/V the latent expands to."""
+    from funcspec.checkpoints import read_config
+
+    hf, size = read_config(path)[1], DTYPES[dtype].itemsize
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    if "kv_lora_rank" in hf:
+        k = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+        return {"latent": layers * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * size,
+                "kv": layers * heads * (k + hf["v_head_dim"]) * size}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return {"kv": 2 * layers * (hf.get("num_key_value_heads") or heads) * head_dim * size}
 
 
 def make_prompts(shape: str, num: int, length: int, seed: int) -> list[list[int]]:

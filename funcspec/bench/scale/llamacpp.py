@@ -32,8 +32,8 @@ def _skipped(ctx: ScaleContext) -> str | None:
         import gguf  # noqa: F401
     except ImportError:
         return "skipped: gguf not installed"
-    if SHAPES[ctx.shape].arch != "llama":
-        return "skipped: the GGUF export here is for llama-arch shapes only"
+    if SHAPES[ctx.shape].arch not in ("llama", "deepseek_v2"):
+        return "skipped: the GGUF export here is for llama and deepseek2 shapes only"
     return None
 
 

@@ -14,7 +14,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def machine_info() -> dict:
-    """CPU model, threads, ISA flags (avx2 ... amx_tile), torch version and ATen's CPU capability."""
+    """CPU model, threads, ISA flags (avx2 ... amx_tile), torch version, ATen's CPU capability, and the load
+    average (1, 5, 15 minutes) when the run starts: other work on the cores slows every timing."""
     model, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -27,7 +28,7 @@ def machine_info() -> dict:
         pass
     return {"cpu": model, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "llc_mib": llc_mib(),
             "flags": {f: f in flags for f in ISA_FLAGS}, "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average": list(os.getloadavg())}
 
 
 def llc_mib() -> int:

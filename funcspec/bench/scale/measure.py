@@ -9,7 +9,7 @@ import time
 
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec.bench.scale.checkpoint import DTYPES, make_prompts
+from funcspec.bench.scale.checkpoint import DTYPES, cache_bytes, make_prompts
 from funcspec.bench.scale.context import ScaleContext
 from funcspec.bench.timing import decode_ms, paired_ratios, step_ms, timed_generate
 
@@ -70,15 +70,18 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     Two passes, ascending (with warm-up) then descending (graphs already
     captured): a machine whose speed drifts over the sweep biases the two in
     opposite directions, so their mean is what each row reports, with its
-    ratio to the shortest prompt's.
+    ratio to the shortest prompt's. With two lengths or more, the longest and
+    the shortest also run alternately (:func:`paired_ratios`): the median of
+    the pairs' ratio is the one that holds when the machine is shared.
     """
     n = ctx.new_tokens
     max_len = max(contexts) + n + 64
     eng = engine(ctx, backend, 1, max_len)
     passes = collections.defaultdict(list)  # context -> one timed_generate result per pass
     order = [(c, True) for c in contexts] + [(c, False) for c in reversed(contexts)]
+    prompts = {c: make_prompts(ctx.shape, 1, c, ctx.seed + c) for c in contexts}  # one prompt each
     for c, warm in tqdm(order, desc="context", leave=False):
-        passes[c].append(timed_generate(eng, make_prompts(ctx.shape, 1, c, ctx.seed + c), n, ctx.reps, warm=warm))
+        passes[c].append(timed_generate(eng, prompts[c], n, ctx.reps, warm=warm))
     rows = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
@@ -89,10 +92,25 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     for row in rows:
         row["vs_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
     r = passes[contexts[-1]][-1]
-    cfg = eng.model.cfg
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * eng.t_max * cfg.head_dim * DTYPES[ctx.dtype].itemsize
-    return {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": kv, "rows": rows,
-            "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+    per_token = cache_bytes_per_token(eng)
+    out = {"backend": eng.backend, "max_model_len": max_len, "kv_bytes_per_slot": per_token * eng.t_max,
+           "cache_bytes_per_token": per_token, "cache_bytes_from_config": cache_bytes(ctx.path, ctx.dtype),
+           "rows": rows, "graphs_capture_s": r["capture_s_graphs"]}  # every graph the engine captured, by name
+    short, long_ = min(contexts), max(contexts)
+    if long_ > short:
+        p = paired_ratios(decode_ms(eng, prompts[long_], n), decode_ms(eng, prompts[short], n), max(ctx.reps, 3))
+        out["paired"] = {**p, "context": long_, "shortest": short}  # ratio: ms/token at long_ over at short
+    return out
+
+
+def cache_bytes_per_token(eng) -> int:
+    """Bytes the engine's target cache holds per position of one slot, measured on its state: every declared
+    per-slot tensor of the cache ([..., slots, ..., T, ...]), whatever the model keeps there (K and V, or a
+    latent), over its slots and ``t_max`` positions; the per-slot lengths left out."""
+    from funcspec.tree import slot_leaves
+
+    leaves = [(x, axis) for x, axis in slot_leaves(eng.runner.state.kv) if x.dim() > 1]
+    return sum(x.numel() * x.element_size() // x.shape[axis] for x, axis in leaves) // eng.t_max
 
 
 def batch_rows(ctx: ScaleContext, backend: str, batches: list[int]) -> dict:

@@ -98,13 +98,31 @@ def _md_context(r: dict) -> list[str]:
     if not c:
         return []
     title = (f"## Context sweep ({c['backend']}, one engine, max_model_len {c['max_model_len']}: "
-             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n")
+             f"{c['kv_bytes_per_slot'] / 2**20:.0f} MiB KV per slot)\n{_md_cache(c)}")
     first = c["rows"][0]["context"]
     rows = [[str(x["context"]), f"{x['ms_per_token']:.2f}",
              " / ".join(f"{v:.2f}" for v in x.get("ms_per_token_passes", [])) or "-",
              f"{_f(x.get('vs_shortest'))}x", _f(x["step_ms"]), f"{x['prefill_s']:.3f}"] for x in c["rows"]]
-    return _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
-                             f"vs {first}", "step ms", "prefill s"], rows)
+    out = _md_table(title, ["prompt tokens", "ms/token (mean of passes)", "ascending / descending pass",
+                            f"vs {first}", "step ms", "prefill s"], rows)
+    if p := c.get("paired"):
+        out.append(f"\nPaired ({p['rounds']} alternating runs, median of the pair ratios): decode at {p['context']} "
+                   f"tokens of context is **{p['ratio']:.2f}x** decode at {p['shortest']} (ms/token "
+                   f"{', '.join(f'{x:.1f}' for x in p['ours_ms'])} against "
+                   f"{', '.join(f'{x:.1f}' for x in p['theirs_ms'])}).\n")
+    return out
+
+
+def _md_cache(c: dict) -> str:
+    """The cache's bytes per token, measured, and for a latent cache the K/V it stands for."""
+    per_token, cfg = c.get("cache_bytes_per_token"), c.get("cache_bytes_from_config") or {}
+    if per_token is None:
+        return ""
+    line = f"\nCache: {per_token} bytes per token of context (measured on the engine's state)"
+    if "latent" in cfg:
+        line += (f"; the latent is {cfg['latent']} bytes per token, the K/V it expands to {cfg['kv']} "
+                 f"({cfg['kv'] / cfg['latent']:.1f}x)")
+    return line + ".\n"
 
 
 def _md_batch(r: dict) -> list[str]:
@@ -136,7 +154,16 @@ def _md_machine(r: dict) -> list[str]:
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
     llc = f", last-level cache {m['llc_mib']} MiB" if m.get("llc_mib") else ""
     return ["## Machine\n", f"- CPU: {m['cpu']} ({m['cores']} logical cores{llc}), torch threads: {m['threads']}",
-            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
+            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", *_md_load(m), ""]
+
+
+def _md_load(m: dict) -> list[str]:
+    """The load average at the run's start and end (1 / 5 / 15 minutes), where the run recorded it."""
+    if "load_average" not in m:
+        return []
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    end = f", at its end {fmt(m['load_average_end'])}" if "load_average_end" in m else ""
+    return [f"- load average (1 / 5 / 15 min) at the run's start {fmt(m['load_average'])}{end}"]
 
 
 
