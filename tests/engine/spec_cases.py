@@ -82,3 +82,22 @@ def assert_decode_equals_hf(model, hf, tokens, prefill: int, slots, atol: float 
     with torch.no_grad():
         want = hf(tokens).logits
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=atol, rtol=1e-5)
+
+
+def random_moe(model_cls, config, seed: int = 0, positive_bias: bool = False):
+    """A tiny random HF model in eval mode with wide greedy margins (its matrices scaled by 3), its routers'
+    correction bias random (non-negative with ``positive_bias``) so that it changes which experts are chosen, and
+    any LayerNorm (DeepSeek-V3.2's indexer) random so that it counts."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                bias = torch.randn(m.e_score_correction_bias.shape)
+                m.e_score_correction_bias.copy_((bias.abs() if positive_bias else bias) * 0.5)
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
+    return model

@@ -12,7 +12,7 @@ from funcspec.nn import init_kv_cache
 from funcspec.nn.deepseek import LatentCache, expanded_bytes_per_token, latent_bytes_per_token
 
 from spec_cases import (GREEDY, _ids, _prompts, _spec, ar_reference, assert_captured_lossless,
-                        assert_decode_equals_hf, assert_generate_equals_hf)
+                        assert_decode_equals_hf, assert_generate_equals_hf, random_moe)
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -39,14 +39,7 @@ def make_deepseek(path, family: str, seed: int = 0, **overrides):
     """Save a tiny random DeepSeek of ``family`` to ``path``; return the HF model (weights scaled up for wide
     greedy margins, V3's correction bias random so that it changes the experts chosen)."""
     config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**BASE, **extra, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape).abs() * 0.5)
+    model = random_moe(model_cls, config_cls(**{**BASE, **extra, **overrides}), seed, positive_bias=True)
     model.save_pretrained(str(path))
     return model
 

@@ -13,7 +13,7 @@ from funcspec.nn.deepseek import LatentCache, latent_bytes_per_token
 from funcspec.nn.llama import KVRead
 
 from spec_cases import (GREEDY, _ids, _spec, ar_reference, assert_captured_lossless,
-                        assert_decode_equals_hf, assert_generate_equals_hf)
+                        assert_decode_equals_hf, assert_generate_equals_hf, random_moe)
 
 TOPK = 6
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -29,17 +29,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 def make_v32(path=None, seed: int = 0, **overrides):
     """A tiny random DeepSeek-V3.2 (saved to ``path`` if given): weights scaled up for wide greedy margins, the
     router's correction bias and the indexer's LayerNorm random so that both count."""
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**{**BASE, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape).abs() * 0.5)
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.2)
+    model = random_moe(transformers.DeepseekV32ForCausalLM, transformers.DeepseekV32Config(**{**BASE, **overrides}),
+                       seed, positive_bias=True)
     if path is not None:
         model.save_pretrained(str(path))
     return model

@@ -15,6 +15,8 @@ from funcspec.checkpoints import experts, gguf_deepseek, gguf_write
 from funcspec.checkpoints import gguf as ggufmod
 from funcspec.checkpoints.files import read_config, read_weights
 
+from spec_cases import random_moe
+
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
@@ -48,15 +50,8 @@ def make_deepseek(path, kind: str):
     """A tiny random DeepSeek of ``kind`` (:data:`KINDS`) saved to ``path``; its weights scaled up (wide greedy
     margins) and V3's correction bias random, so that it changes which experts are chosen."""
     family, extra = KINDS[kind]
-    torch.manual_seed(0)
-    cls = getattr(transformers, f"{family}ForCausalLM")
-    model = cls(getattr(transformers, f"{family}Config")(**{**BASE, **extra})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.5)
+    model = random_moe(getattr(transformers, f"{family}ForCausalLM"),
+                       getattr(transformers, f"{family}Config")(**{**BASE, **extra}))
     model.save_pretrained(str(path))
     return model
 

@@ -15,7 +15,7 @@ from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.nn.moe import MoEConfig, local_experts, route
 from funcspec.parallel import TPGroup
 
-from spec_cases import GREEDY, _ids, _prompts, _spec, ar_reference, assert_captured_lossless
+from spec_cases import GREEDY, _ids, _prompts, _spec, ar_reference, assert_captured_lossless, random_moe
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -43,14 +43,7 @@ def make_moe(path, family: str, seed: int = 0, **overrides):
     """Save a tiny random MoE of ``family`` to ``path``; return the HF model. Weights are scaled up (wide greedy
     margins) and GLM's correction bias is random, so it changes which experts are chosen."""
     config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**BASE, **extra, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.5)
+    model = random_moe(model_cls, config_cls(**{**BASE, **extra, **overrides}), seed)
     model.save_pretrained(str(path))
     return model
 

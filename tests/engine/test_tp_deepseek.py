@@ -26,6 +26,8 @@ from funcspec.checkpoints.tp import shard_layer, shard_model
 from funcspec.parallel import TPGroup
 from funcspec.quant import formats
 
+from spec_cases import random_moe
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
 ENGINE = dict(max_batch_size=2, batch_buckets=[2], max_model_len=40, backend="eager", capture="lazy")
@@ -45,19 +47,9 @@ V32 = dict(index_n_heads=8, index_head_dim=32, index_topk=6)
 def make_v3(path, seed: int = 0, v32: bool = False, **overrides) -> None:
     """A tiny random DeepSeek-V3 (``v32``: V3.2, with its indexer) at ``path``: weights scaled up for wide greedy
     margins, the correction bias and the indexer's LayerNorm random so that they count."""
-    torch.manual_seed(seed)
     config, model = (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM) if v32 else \
         (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
-    model = model(config(**{**V3, **(V32 if v32 else {}), **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape).abs() * 0.5)
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.2)
+    model = random_moe(model, config(**{**V3, **(V32 if v32 else {}), **overrides}), seed, positive_bias=True)
     model.save_pretrained(str(path))
 
 
