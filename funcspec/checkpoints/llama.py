@@ -79,8 +79,9 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if hf["num_attention_heads"] % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={hf['num_attention_heads']} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    if arch in deepseek.ARCHS:  # MLA: RoPE rotates the qk_rope_head_dim part of each head (HF's head_dim)
-        hf = {**hf, "head_dim": hf.get("qk_rope_head_dim")}
+    if arch in deepseek.ARCHS:  # MLA: RoPE rotates the qk_rope_head_dim part of each head (HF's head_dim); its
+        # one latent replaces K/V heads, so num_key_value_heads (transformers' default: 128) means nothing
+        hf = {**hf, "head_dim": hf.get("qk_rope_head_dim"), "num_key_value_heads": hf["num_attention_heads"]}
     if (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) < 1:
         raise ValueError(f"{where}: head_dim is 0 (hidden_size={hf['hidden_size']} // "
                          f"num_attention_heads={hf['num_attention_heads']}); set head_dim or fewer heads")

@@ -99,6 +99,12 @@ def test_architectures_not_built_are_refused_naming_what_is_missing(tmp_path, ar
         Engine(str(tmp_path))
 
 
+def test_num_key_value_heads_is_ignored_under_latent_attention():
+    """transformers' DeepSeek-V3 config keeps its default num_key_value_heads=128 on a 4-head model."""
+    hf = {**BASE, **FAMILIES["v3"][2], "num_key_value_heads": 128, "architectures": ["DeepseekV3ForCausalLM"]}
+    assert model_config(hf).num_kv_heads == 4
+
+
 def test_latent_cache_bytes_per_token():
     """The cache holds R + rope values a token a layer; the expanded cache would hold H (nope + rope + v)."""
     cfg = model_config({**BASE, **FAMILIES["v3"][2], "architectures": ["DeepseekV3ForCausalLM"]})
