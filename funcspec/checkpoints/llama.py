@@ -75,13 +75,13 @@ def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     if empty:
         raise ValueError(f"{where}: decoder fields {empty} must be positive (layers: >= 0), got "
                          f"{[hf[k] for k in empty]}")
+    if arch in deepseek.ARCHS:  # MLA: RoPE rotates the qk_rope_head_dim part of each head (HF's head_dim); its
+        # one latent replaces K/V heads, so num_key_value_heads (transformers' default: 128) means nothing
+        hf = {**hf, "head_dim": hf.get("qk_rope_head_dim"), "num_key_value_heads": hf["num_attention_heads"]}
     kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if hf["num_attention_heads"] % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={hf['num_attention_heads']} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    if arch in deepseek.ARCHS:  # MLA: RoPE rotates the qk_rope_head_dim part of each head (HF's head_dim); its
-        # one latent replaces K/V heads, so num_key_value_heads (transformers' default: 128) means nothing
-        hf = {**hf, "head_dim": hf.get("qk_rope_head_dim"), "num_key_value_heads": hf["num_attention_heads"]}
     if (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) < 1:
         raise ValueError(f"{where}: head_dim is 0 (hidden_size={hf['hidden_size']} // "
                          f"num_attention_heads={hf['num_attention_heads']}); set head_dim or fewer heads")
