@@ -12,10 +12,9 @@ Public API::
 import os as _os
 import sys as _sys
 
-# NOTE: torch's OpenMP (libgomp) spins ~3 ms at a barrier before it sleeps: on cores that other work shares, a
-# thread spins out its time slice waiting for one that is not running, and a decode beside busy processes ran
-# many times slower than its share of the cores. A short spin (30000 iterations) keeps quiet speed and gives way
-# under contention (graphs/results/HISTORY.md, "Sharing the cores"). libgomp reads it once, when torch loads it,
+# NOTE: torch's OpenMP (libgomp) spins a long while at a barrier before it sleeps: on cores that other work
+# shares, a thread spins out its time slice waiting for one that is not running. A short spin (30000 iterations)
+# keeps quiet speed and gives way under contention (figures: graphs/results/HISTORY.md, "Sharing the cores"). libgomp reads it once, when torch loads it,
 # so it is set before anything imports torch, and never over the user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _os.environ.keys():
     _os.environ["GOMP_SPINCOUNT"] = "30000"

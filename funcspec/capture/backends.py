@@ -97,9 +97,8 @@ class Donation:
         """Raise a ValueError naming the first donated leaf whose shape or dtype differs from capture.
 
         NOTE: reads host metadata only (no sync). Each leaf is reached by its
-        key path, not by flattening the arguments: on an EAGLE-3 engine's
-        state (13 leaves) that took 9 us against 36 us for ``tree_leaves``,
-        and the whole check about 30 us a call (2 shared CPU cores).
+        key path, not by flattening the arguments, which is several times
+        cheaper (graphs/results/notes/code-notes.md).
         """
         for leaf in self.leaves:
             try:
@@ -196,10 +195,9 @@ class Captured:
 class TrustedAfterChecks(Captured):
     """An inductor bucket whose guards stop being evaluated once it is known to be static.
 
-    NOTE: the guards of a compiled function are checked at every call: on a
-    step whose params are ~100 tensors that took 0.6-1.5 ms of a 6 ms
-    llama-600m decode step (2-core Zen 4), 13% of the step in paired runs.
-    The host loop calls a bucket with the same shapes, dtypes and strides every
+    NOTE: the guards of a compiled function are checked at every call, and on a
+    step whose params are ~100 tensors they are a visible share of a small
+    model's decode step (graphs/results/notes/code-notes.md). The host loop calls a bucket with the same shapes, dtypes and strides every
     step, so after :data:`CHECKED_CALLS` calls its guards can only pass; the
     later calls skip them. A bucket that ever recompiled keeps its guards (an
     ahead-of-time function never recompiles: a call that fails its guards
@@ -220,7 +218,7 @@ class TrustedAfterChecks(Captured):
     def __call__(self, *args):
         if not self.trusted:
             # NOTE: the donated leaves are checked with the guards, on the calls that prove the bucket
-            # static; afterwards neither runs (~30 us a step on a 13-leaf state).
+            # static; afterwards neither runs.
             if self._check is not None:
                 self._check(args)
             self.checked += 1
@@ -259,7 +257,7 @@ INDUCTOR_OPTIONS = {"realize_opcount_threshold": 8}
 """Inductor config for bucket graphs. NOTE: inductor inlines funcspec.rng's hash
 chains (tens of int64 ops) into every consumer and re-traces them at codegen;
 materialising intermediates of more than 8 ops (default 30) cuts a bucket's
-cold compile about 3x on 2 CPU cores; replay time is in graphs/results/cpu/."""
+cold compile several fold (graphs/results/notes/code-notes.md)."""
 
 
 def _counting_inductor(stats: CaptureStats):
@@ -523,9 +521,8 @@ AUTO_BACKENDS = {"cuda": "cudagraph", "npu": "aclgraph"}
 
 NOTE: a fixed rule, not a lookup of benchmark files, so an installed package
 behaves as a checkout does. Device graphs replay a whole step in one launch.
-On CPU every committed ``funcspec bench capture`` run (graphs/results/cpu/,
-torch 2.13, ngram and mtp steps, B 1-8, K 0-5) measured inductor faster than
-eager in every bucket (median 1.8-2.8x); ``bench capture`` still reports the
+On CPU every committed ``funcspec bench capture`` run measured inductor
+faster than eager in every bucket (graphs/results/notes/code-notes.md); ``bench capture`` still reports the
 measured winner (:func:`funcspec.bench.capture.best_cpu_backend`)."""
 
 

@@ -12,9 +12,9 @@ steps as long as requests run, without waiting for the event loop::
     on the event loop:    push each request's new tokens (and its finish) to its batch's queue
 
 NOTE: the event loop is not on the path from one step to the next: a step
-starts as soon as the last one's tokens are read (a round trip through the
-event loop and back cost ~0.1 ms a step, and the loop's own work, streaming
-the last step's chunks, overlaps the next step instead of delaying it).
+starts as soon as the last one's tokens are read (no round trip through the
+event loop, and the loop's own work, streaming the last step's chunks, overlaps
+the next step instead of delaying it; graphs/results/notes/code-notes.md).
 
 A step that raises fails the requests it was running (each gets an error
 update: a 500 whose message is generic; the traceback goes to the log) and the
