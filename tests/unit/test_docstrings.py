@@ -28,8 +28,7 @@ MEASUREMENT = re.compile("|".join((
     _N + r"[×x](?=[\s,;:.)]|$)",  # a ratio: 1.8×, 2x faster (a shape, 8 x 2048 or 4x4, is not one)
     _N + r"\s*s\s+(?:against|vs\.?|versus|cold|warm)\b",  # a timing in seconds set against another
     _N + r"\s*% of (?:the |a |its )?(?:step|time|run|decode|prefill)",  # a share of measured time
-    r"\b(?:EPYC|Zen\s?4|Xeon)\b",  # the machine a figure was taken on
-    r"\b\d+-core\b",
+    r"\bEPYC\b|\b\d+-core\b",  # the machine a figure was taken on (a CPU family, "Zen 4 and AMX", is not one)
 )), re.IGNORECASE)
 
 
@@ -63,11 +62,11 @@ def test_no_measurements_in_docstrings_or_comments():
 
 def test_the_pattern_tells_figures_from_shapes_and_limits():
     figures = ["35 us a layer against 110", "0.8 ms a step", "1.8× faster", "median 1.8-2.8x", "at 12 GB/s",
-               "a 16-layer toy 32 s against 126 s", "13% of the step", "on a busy 2-core EPYC", "Zen 4 only",
+               "a 16-layer toy 32 s against 126 s", "13% of the step", "on a busy 2-core machine", "a Zen 4 EPYC",
                "200 tokens/s"]
     plain = ["KV caches [L, S+1, H_kv, T, D]", "8 slots x 2048 positions", "a 4x4 tile", "int64s >= 0",
              "a 300 s timeout", "K + 1 <= 64 tokens", "2 MiB-aligned", "A × [.., H_t]", "MASK × K", "top-p 0.95",
-             "sms", "x86"]
+             "sms", "x86", "CPUs so far: Cooper Lake, Sapphire Rapids, Zen 4"]
     assert [t for t in figures if not MEASUREMENT.search(t)] == []
     assert [t for t in plain if MEASUREMENT.search(t)] == []
 
