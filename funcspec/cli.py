@@ -24,7 +24,7 @@ def _generate(args) -> None:
     t0 = time.perf_counter()
     engine = Engine(args.model, speculative_config=spec, backend=args.backend,
                     max_batch_size=max(1, len(args.prompt)), max_model_len=args.max_model_len, capture=args.capture)
-    graphs = engine.stats["graphs"]
+    graphs = engine.stats()["graphs"]
     loaded = sum(g["loaded"] for g in graphs.values())
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}; captured {len(graphs)} "
           f"graph(s) at start-up in {engine.startup_seconds:.1f}s, {loaded} loaded from the compiled-step store: "
@@ -37,7 +37,7 @@ def _generate(args) -> None:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     for o in outs:
         print(f"Prompt: {o.prompt!r}\nGenerated: {o.outputs[0].text!r}\n")
-    st = engine.stats
+    st = engine.stats()
     print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s  (backend={st['backend']}, steps={st['steps']}, "
           f"mean acceptance length={st['mean_acceptance_length']:.2f})")
     if spec:
@@ -72,8 +72,8 @@ def _precompile(args) -> None:
         spec = json.loads(args.speculative_config) if args.speculative_config else None
         llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, dtype=args.dtype, quantization=args.quantization)
-        graphs = llm.engine.stats["graphs"]
-        steps = [g.stats.stored for g in llm.engine.runner.compiled.values() if g.stats.stored]
+        graphs = llm.engine.stats()["graphs"]
+        steps = [g["stored"] for g in graphs.values() if g["stored"]]
         held = cache.save(args.out, steps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

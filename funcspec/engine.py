@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
 import warnings
 from typing import Optional, Sequence
@@ -569,9 +570,16 @@ class Engine:
         self._accepted_per_pos = [0] * len(self._accepted_per_pos)
         self._buckets_used = collections.Counter()
 
-    @property
     def stats(self) -> dict:
-        """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance.
+        """A snapshot of the engine: counters, queues, graphs, step times, acceptance; what tools read instead
+        of the engine's parts (a plain dict, taken now: later steps do not change it).
+
+        ``waiting`` and ``running`` count sequences (a request with ``n`` completions counts ``n``): those that
+        wait for a slot, and those in one. ``graphs`` maps each captured step's :func:`graph_name` to its
+        capture stats (``stored``: its file in the compiled-step store, else ``None``; ``key``: its bucket
+        key, batch 0 where the batch is symbolic). ``bucket_timings`` maps each bucket that ran a step to
+        ``key``, ``calls`` (every step so far) and ``replay_ms``, the wall ms of its recent steps, oldest
+        first (at most :data:`~funcspec.capture.window.WINDOW`), and their median.
 
         ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
         ``per_position_acceptance[i]`` is the fraction of speculative row-steps
@@ -579,15 +587,18 @@ class Engine:
         with a token tree, whose accepted path reached depth i+1 (per-depth acceptance).
         """
         s = self._stats
-        graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.runner.compiled.items())}
+        graphs = {graph_name(key): {**g.stats.summary(), "key": key} for key, g in sorted(self.runner.compiled.items())}
         spec_rows = s["spec_row_steps"]
         return {
             "backend": self.backend,
             "steps": s["steps"],
             "tokens_generated": s["tokens_generated"],
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
             "recompiles": sum(g["recompiles"] for g in graphs.values()),
             "graph_breaks": sum(g["graph_breaks"] for g in graphs.values()),
             "graphs": graphs,
+            "bucket_timings": {graph_name(key): _timings(key, w) for key, w in sorted(self.runner.replay_ms.items())},
             "capture_seconds": sum(g["capture_seconds"] for g in graphs.values()),
             "startup_capture_seconds": self.startup_seconds,
             "buckets_used": dict(self._buckets_used),
@@ -596,6 +607,17 @@ class Engine:
             "capture_sizes": self.plan.bucket_plan.capture_sizes(),
         }
 
+    def waiting_ids(self) -> set[str]:
+        """The ``seq_id`` of every sequence still waiting for a slot (the request id, ``.i`` appended for
+        completion i > 0): the ones no step has touched yet (a server keeps them when a step fails)."""
+        return {r.seq_id for r in self.scheduler.waiting}
+
+
+def _timings(key, window) -> dict:
+    """One bucket's step times for :meth:`Engine.stats`: a copy of its bounded window, its median, every call."""
+    recent = tuple(window)
+    return {"key": key, "calls": window.total, "replay_ms": recent,
+            "replay_ms_median": round(statistics.median(recent), 4) if recent else None}
 
 def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
     """``reqs`` in order, cut into runs that share one request (its ``n`` completions admitted together)."""

@@ -11,7 +11,7 @@ Glossary: B is a batch bucket (the padded batch a graph runs), n
 an active batch size (1..max_batch), K the drafts per step, a_i the measured
 acceptance at draft position i.
 
-``Engine.stats["per_position_acceptance"][i]`` counts the speculative row-steps
+``Engine.stats()["per_position_acceptance"][i]`` counts the speculative row-steps
 that emitted more than i+1 tokens, over all speculative row-steps. So a_i is
 the unconditional probability that the first i+1 drafts were all accepted (not
 a rate conditional on position i-1), and a step with K drafts emits
@@ -177,7 +177,7 @@ def _check_acceptance(name: str, row: Mapping, per_k: bool = True) -> list[float
     if any(later > earlier for earlier, later in zip(acc, acc[1:])):
         raise ValueError(
             f"{name} must not increase with the position (it is P(the first i+1 drafts are all "
-            f"accepted), as Engine.stats reports it), got {acc}"
+            f"accepted), as Engine.stats() reports it), got {acc}"
         )
     return acc
 

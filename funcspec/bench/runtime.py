@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from funcspec.bench.capture import write_result
+from funcspec.bench.timing import new_replays
 
 WORKLOAD_PROMPTS = ["def parse(x):\n    ", "import os\nclass A:\n", "for i in range(10):\n", "x = [1, 2, 3]\n"]
 LONG_PROMPT = "def f(a, b):\n    return a + b\n" * 40
@@ -80,14 +81,14 @@ def host_split(engine, prompt_ids: list[int], batch: int, steps: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for _ in range(batch):
         engine.add_request({"prompt_token_ids": prompt_ids}, sp)
-    walls, graphs, replays = [], [], engine.runner.replay_ms
+    walls, graphs = [], []
     while engine.has_unfinished_requests():
-        admitting = bool(engine.scheduler.waiting)
-        before, t0 = {key: v.total for key, v in replays.items()}, time.perf_counter()
+        before = engine.stats()
+        t0 = time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
-        ran = [v[-1] for key, v in replays.items() if v.total > before.get(key, 0)]  # the bucket this step ran
-        if not admitting and len(ran) == 1:  # a pure decode step (no prefill in it)
+        ran = [times[-1] for times in new_replays(before, engine.stats()).values()]  # the bucket this step ran
+        if not before["waiting"] and len(ran) == 1:  # a pure decode step (no prefill in it)
             walls.append(wall)
             graphs.append(ran[0])
     step, graph = statistics.median(walls), statistics.median(graphs)
@@ -106,12 +107,12 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     t0 = time.perf_counter()
     llm = LLM(model=model, speculative_config=json.loads(spec) if spec else None, dtype=dtype)
     out = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
-           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats["graphs"].items()}}
+           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()}}
     runs = []
     for _ in range(2):
-        compiled, t0 = llm.engine.stats["graphs"], time.perf_counter()
+        compiled, t0 = llm.engine.stats()["graphs"], time.perf_counter()
         workload(llm, max_tokens)
-        st = llm.engine.stats
+        st = llm.engine.stats()
         runs.append({"seconds": time.perf_counter() - t0, "new_graphs": len(st["graphs"]) - len(compiled),
                      "recompiles": st["recompiles"]})
     out["workload"] = runs

@@ -286,7 +286,7 @@ def in_process(model: str, spec: Optional[dict], max_num_seqs: int, eager: bool,
         outs = [solo_timed(llm.engine, p, sampling_params(b)) for p, b in zip(prompts, bodies)]
     tpot = [t for _, t in outs if t is not None]
     engine = [closed_loop(llm.engine, prompts, bodies, c, 2 * len(bodies)) for c in concurrencies]
-    stats = llm.engine.stats
+    stats = llm.engine.stats()
     llm.close()
     del llm
     gc.collect()

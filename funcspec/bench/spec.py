@@ -100,14 +100,14 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
     outs = eng.generate(prompts, sp)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    st = eng.stats
+    st = eng.stats()
+    step_ms = [m for bucket in st["bucket_timings"].values() for m in bucket["replay_ms"]]
     k = k if nodes is None else nodes
     return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
             "tree": tree, "quantization": quantization, "draft_quantization": draft_quantization,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
-            "step_ms_median": statistics.median(
-                [m for times in eng.runner.replay_ms.values() for m in times]) if eng.runner.replay_ms else None,
+            "step_ms_median": statistics.median(step_ms) if step_ms else None,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 

@@ -50,7 +50,7 @@ class CaptureStats:
 
     def summary(self) -> dict:
         """JSON-friendly stats: capture seconds, median replay (of the recent calls), calls (all of them),
-        recompiles, graph breaks, memory."""
+        recompiles, whether it was loaded from (or filed in) the compiled-step store, graph breaks, memory."""
         return {
             "backend": self.backend,
             "capture_seconds": round(self.capture_seconds, 4),
@@ -58,6 +58,7 @@ class CaptureStats:
             "calls": self.replay_ms.total,
             "recompiles": self.recompiles,
             "loaded": self.loaded,
+            "stored": self.stored,
             "graph_breaks": self.graph_breaks,
             "graph_memory_bytes": self.graph_memory_bytes,
         }

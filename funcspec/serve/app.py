@@ -113,7 +113,7 @@ class GuardedRoute(APIRoute):
 
 def build_app(engine, settings: Settings, on_shutdown: Optional[Callable[[], None]] = None) -> FastAPI:
     """The app over ``engine``; its engine loop runs while the app does (``app.state.loop``)."""
-    metrics = Metrics(settings.served_names[0], len(engine.stats["per_position_acceptance"]))
+    metrics = Metrics(settings.served_names[0], len(engine.stats()["per_position_acceptance"]))
     loop = EngineLoop(engine, metrics)
     tokenizer = engine.model.tokenizer
 

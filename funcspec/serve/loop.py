@@ -195,7 +195,7 @@ class EngineLoop:
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
-        self._positions = len(engine.stats["per_position_acceptance"])
+        self._positions = len(engine.stats()["per_position_acceptance"])
         # Handed from the event loop to the engine thread, under _lock; _wake tells the thread.
         self._lock, self._wake = threading.Lock(), threading.Event()
         self._jobs: list[_Job] = []
@@ -252,13 +252,13 @@ class EngineLoop:
         """The engine's compiled graphs (an eager "graph" compiles nothing and is not counted) and their
         recompiles, read in the engine thread between two steps (never while a step runs or compiles).
 
-        NOTE: from each graph's capture stats, not ``Engine.stats``, whose summary takes a median over every
-        replay so far: a scrape's cost would grow with the server's uptime, and the engine waits for it.
+        NOTE: ``Engine.stats`` takes a median per graph and per bucket, each over a bounded window of recent
+        steps, so a scrape's cost stays flat however long the server has run (the engine waits for it).
         Raises ``RuntimeError`` when the engine thread is not running (stopped, or the engine died).
         """
         def count() -> tuple[int, int]:
-            stats = [g.stats for g in self.engine.runner.compiled.values()]
-            return sum(s.backend != "eager" for s in stats), sum(s.recompiles for s in stats)
+            graphs = self.engine.stats()["graphs"].values()
+            return sum(g["backend"] != "eager" for g in graphs), sum(g["recompiles"] for g in graphs)
 
         future = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -467,7 +467,7 @@ class EngineLoop:
         NOTE: the step may have finished some requests before it raised; their
         outputs are lost with the exception, so they fail too rather than hang.
         """
-        waiting = {r.seq_id for r in self.engine.scheduler.waiting}
+        waiting = self.engine.waiting_ids()
         failed = [rid for rid in self._seen if rid not in waiting]
         self._drop(failed)  # if this raises too, the engine is dead (_run)
         return {rid: Update(error=STEP_FAILED) for rid in failed}

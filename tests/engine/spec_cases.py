@@ -42,7 +42,7 @@ def assert_captured_lossless(target, spec, prompts, want, warm: int, **engine) -
     assert _ids(eng.generate(prompts[:warm], GREEDY)) == want[:warm]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[warm:], GREEDY)) == want[warm:]
-    assert eng.stats["recompiles"] == 0
+    assert eng.stats()["recompiles"] == 0
     return eng
 
 

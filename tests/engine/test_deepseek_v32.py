@@ -131,7 +131,7 @@ def test_captured_speculation_on_v32_equals_ar(v32, reference, method):
     prompts, want = reference
     spec = _spec("ngram", 3) if method == "ngram" else _spec("ngram", 5, speculative_token_tree=TREE)
     eng = assert_captured_lossless(v32, spec, prompts, want, warm=4)
-    assert eng.stats["graph_breaks"] == 0 and eng.stats["mean_acceptance_length"] > 1.2
+    assert eng.stats()["graph_breaks"] == 0 and eng.stats()["mean_acceptance_length"] > 1.2
 
 
 def test_sparse_attention_gathers_only_the_selected_latents(tmp_path, monkeypatch):

@@ -41,8 +41,8 @@ def test_continuous_batching_equals_single_requests(tiny_llama):
     for p, sp, o in zip(prompts, params, batched):
         assert single.generate([p], sp)[0].outputs[0].token_ids == o.outputs[0].token_ids
         assert len(o.outputs[0].token_ids) == sp.max_tokens
-    assert set(eng.stats["buckets_used"]) <= {"B1_K0", "B2_K0", "B4_K0"}
-    assert "B4_K0" in eng.stats["buckets_used"]
+    assert set(eng.stats()["buckets_used"]) <= {"B1_K0", "B2_K0", "B4_K0"}
+    assert "B4_K0" in eng.stats()["buckets_used"]
 
 
 def test_seeds_reproduce_and_differ(tiny_llama):
@@ -58,10 +58,10 @@ def test_seeds_reproduce_and_differ(tiny_llama):
 def test_engine_keeps_state_between_calls(tiny_llama):
     eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
     first = eng.generate([[4, 5, 6]], GREEDY.__class__(temperature=0.0, max_tokens=8, ignore_eos=True))
-    steps = eng.stats["steps"]
+    steps = eng.stats()["steps"]
     second = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
-    assert eng.stats["steps"] == 2 * steps and len(eng.graphs) == 1
+    assert eng.stats()["steps"] == 2 * steps and len(eng.graphs) == 1
 
 
 def test_stop_token_ids_and_max_model_len(tiny_llama):
@@ -110,7 +110,7 @@ def test_prompt_forms(tiny_llama):
 def test_stats_keys(tiny_llama):
     eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    st = eng.stats
+    st = eng.stats()
     for key in ("steps", "tokens_generated", "recompiles", "graphs", "capture_seconds",
                 "mean_acceptance_length", "per_position_acceptance"):
         assert key in st
@@ -173,14 +173,14 @@ def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, metho
 
     for what in ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(torch.Tensor, what, counted(what, getattr(torch.Tensor, what)))
-    steps0 = eng.stats["steps"]
+    steps0 = eng.stats()["steps"]
     eng.add_request([5, 6, 5, 6, 5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
                                                     logprobs=logprobs))
     eng.step()  # admission (prefill) and a first step
     calls.clear()
     for _ in range(4):
         assert eng.step() == []
-    assert eng.stats["steps"] - steps0 == 5
+    assert eng.stats()["steps"] - steps0 == 5
     assert calls["cpu", "readback"] == 4
     req = eng.running[0]
     assert (req.logprobs and len(req.logprobs)) == (logprobs and len(req.output_ids))

@@ -140,6 +140,59 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
     assert not eng.has_unfinished_requests()
 
 
+def test_stats_counts_waiting_and_running_sequences_as_requests_come_and_go(tiny_llama):
+    """``Engine.stats()`` counts the sequences waiting for a slot and those in one (a request's ``n``
+    completions each), at every step; ``waiting_ids`` names the waiting ones; a snapshot does not change later."""
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    counts = lambda: (eng.stats()["waiting"], eng.stats()["running"])  # noqa: E731
+    assert counts() == (0, 0) and eng.waiting_ids() == set()
+    for m in (3, 8, 8):
+        eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+    eng.add_request([9, 8], SamplingParams(temperature=0.0, max_tokens=2, n=2, ignore_eos=True))
+    first = eng.stats()
+    assert counts() == (5, 0) and eng.waiting_ids() == {"0", "1", "2", "3", "3.1"}
+    eng.step()  # admits requests 0 and 1 (two slots); each has its first token and one more
+    assert counts() == (3, 2) and eng.waiting_ids() == {"2", "3", "3.1"}
+    assert (first["waiting"], first["running"], first["steps"]) == (5, 0, 0) and eng.stats()["steps"] == 1
+    eng.step()  # request 0 has its 3 tokens: its slot is free after the step
+    assert counts() == (3, 1)
+    eng.abort_request("3")  # both waiting completions leave the queue
+    assert counts() == (1, 1) and eng.waiting_ids() == {"2"}
+    eng.step()  # request 2 takes the free slot
+    assert counts() == (0, 2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert counts() == (0, 0)
+
+
+def test_stats_keeps_each_buckets_step_times_in_a_bounded_window(tiny_llama):
+    """``bucket_timings`` holds each bucket's recent step times, never more than its window, while ``calls``
+    counts every step; ``graphs`` names each graph's bucket key and its compiled-step file (none when eager)."""
+    import collections
+    import statistics
+
+    from funcspec.bench.timing import new_replays
+    from funcspec.capture.window import WINDOW, Window
+
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64)
+    eng.runner.replay_ms = collections.defaultdict(lambda: Window(4))  # a small window, to overflow it
+    greedy = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    eng.generate([[1, 2, 3]], greedy)  # 10 steps after the prefill's token
+    st = eng.stats()
+    ((name, bucket),) = st["bucket_timings"].items()
+    ((graph_name, graph),) = st["graphs"].items()
+    assert name == graph_name == "B1_K0_T65_greedy" and bucket["key"] == graph["key"] == (1, 0, 65, "greedy")
+    assert bucket["calls"] == 10 and len(bucket["replay_ms"]) == 4 and all(ms > 0 for ms in bucket["replay_ms"])
+    assert bucket["replay_ms_median"] == round(statistics.median(bucket["replay_ms"]), 4)
+    assert graph["stored"] is None and graph["calls"] == 10 and graph["backend"] == "eager"
+    eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    after = eng.stats()
+    assert len(st["bucket_timings"][name]["replay_ms"]) == 4 and after["bucket_timings"][name]["calls"] == 12
+    assert new_replays(st, after) == {name: list(after["bucket_timings"][name]["replay_ms"][-2:])}
+    assert new_replays(after, after) == {} and len(new_replays({"bucket_timings": {}}, after)[name]) == 4
+    assert Engine(tiny_llama, max_batch_size=1, max_model_len=64).runner.replay_ms.default_factory().maxlen == WINDOW
+
+
 def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
     """Per-step replay times are kept for the last ``WINDOW`` steps only (a server steps forever), per graph and
     per bucket, while ``calls`` still counts every step; ``since`` gives what came after a mark."""
@@ -156,4 +209,4 @@ def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
     (bucket,) = eng.runner.replay_ms.values()
     for kept in (graph.stats.replay_ms, bucket):
         assert isinstance(kept, Window) and kept.maxlen == WINDOW and kept.total == len(kept) == 9
-    assert [g["calls"] for g in eng.stats["graphs"].values()] == [9]
+    assert [g["calls"] for g in eng.stats()["graphs"].values()] == [9]

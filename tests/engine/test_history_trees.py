@@ -113,7 +113,7 @@ def test_history_tree_greedy_equals_autoregressive(tiny_llama, reference, method
     spec = {**_spec(method, None), **TREES[shape]}
     eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
     assert _ids(eng.generate(prompts, GREEDY)) == want
-    st = eng.stats
+    st = eng.stats()
     assert st["mean_acceptance_length"] > 1.0 and st["per_position_acceptance"][0] > 0
 
 
@@ -133,7 +133,7 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
     assert _ids(eng.generate(prompts[:4], GREEDY)) == want[:4]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[4:], GREEDY)) == want[4:]
-    assert [key[:2] for key in eng.graphs] == [(4, n)] and eng.stats["recompiles"] == 0
+    assert [key[:2] for key in eng.graphs] == [(4, n)] and eng.stats()["recompiles"] == 0
     (graph,) = eng.graphs.values()
     assert graph.stats.graph_breaks == 0 and graph.stats.compiles == (0 if graph.stats.loaded else 1)  # or loaded
 
@@ -148,7 +148,7 @@ def test_ngram_tree_size_per_batch_size(tiny_llama, reference):
     eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
     assert _ids(eng.generate(prompts[:1], GREEDY)) == want[:1]
     assert _ids(eng.generate(prompts[1:], GREEDY)) == want[1:]
-    assert {"B1_K8", "B4_K3"} <= set(eng.stats["buckets_used"])
+    assert {"B1_K8", "B4_K3"} <= set(eng.stats()["buckets_used"])
     # ngram expands no frontiers: the tree cut to 3 nodes may stay 3 deep (a head's cut is 3 // 2 + 1 = 2)
     assert eng.runner.step_config(3, 96, sampling.GREEDY).tree == DynamicTree(2, 3, 4)
     assert truncate(DynamicTree(2, 8, 9), 3) == DynamicTree(2, 2, 4)

@@ -247,7 +247,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
         _assert_close_lps(have, want, TREE_ATOL if EXACT else OTHER_ATOL)
     else:
         assert have == want
-    assert spec.stats["recompiles"] == 0 and {key[0] for key in spec.runner.compiled} == {2}  # padded rows only
+    assert spec.stats()["recompiles"] == 0 and {key[0] for key in spec.runner.compiled} == {2}  # padded rows only
 
 
 def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(zoo_target, zoo_prompts, traced_codegen):
@@ -281,4 +281,4 @@ def test_each_request_carries_its_own_acceptance(zoo_target, zoo_prompts):
         assert o.outputs[0].metrics["num_accepted_tokens_per_pos"] == p
     total = [sum(x) for x in zip(*per_pos)]
     spec_rows = sum(o.metrics["steps"] for o in out)
-    assert eng.stats["per_position_acceptance"] == [a / spec_rows for a in total]
+    assert eng.stats()["per_position_acceptance"] == [a / spec_rows for a in total]

@@ -246,7 +246,7 @@ def test_tree_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_draft, heads, reference, method):
     eng = assert_captured_lossless(qwen3_moe, _config(method, heads, tiny_draft), *reference, warm=4)
-    assert eng.stats["graph_breaks"] == 0
+    assert eng.stats()["graph_breaks"] == 0
 
 
 # ----------------------------------------------------------------------------- quantized on load
@@ -283,7 +283,7 @@ def test_captured_quantized_moe_steps_are_lossless(qwen3_moe, tiny_draft, heads,
     scheme, _, prompts, want = quantized_reference
     eng = assert_captured_lossless(qwen3_moe, _config("eagle3", heads, tiny_draft), prompts, want, warm=4,
                                    quantization=scheme)
-    assert eng.stats["graph_breaks"] == 0
+    assert eng.stats()["graph_breaks"] == 0
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped where there is none)
@@ -337,4 +337,4 @@ def test_cudagraph_speculation_on_a_moe_target_equals_ar(qwen3_moe, tiny_draft, 
     assert "_grouped_mm" in log.names
     eng = Engine(qwen3_moe, backend="cudagraph", speculative_config=_config(method, heads, tiny_draft), **kw)
     assert _ids(eng.generate(prompts, GREEDY)) == want
-    assert eng.stats["recompiles"] == 0
+    assert eng.stats()["recompiles"] == 0

@@ -181,7 +181,7 @@ def test_mtp_drafts_equal_vllms_module(host):
 def test_mtp_greedy_speculation_equals_greedy_ar(host, k):
     eng = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": k}, max_batch_size=4, max_model_len=96)
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
-    assert len(eng.stats["per_position_acceptance"]) == k
+    assert len(eng.stats()["per_position_acceptance"]) == k
 
 
 def test_mtp_token_tree_equals_greedy_ar(host):
@@ -198,7 +198,7 @@ def test_mtp_captured_steps_are_lossless_and_never_recompile(host):
     """K = 2 (the guide's): the layer reused once inside the captured step (eager covers K = 1, 2, 3)."""
     eng = assert_captured_lossless(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, PROMPTS, host["ar"],
                                    warm=4)
-    assert eng.stats["graph_breaks"] == 0
+    assert eng.stats()["graph_breaks"] == 0
 
 
 def test_k_defaults_to_num_nextn_predict_layers(host, tmp_path):
@@ -222,7 +222,7 @@ def test_k_defaults_to_num_nextn_predict_layers(host, tmp_path):
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
     one = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=4, max_model_len=96)
     one.generate(PROMPTS, GREEDY)
-    assert eng.stats["per_position_acceptance"] == one.stats["per_position_acceptance"]  # the second layer unread
+    assert eng.stats()["per_position_acceptance"] == one.stats()["per_position_acceptance"]  # the second layer unread
     assert Engine(str(two), {"method": "mtp", "num_speculative_tokens": 3}, max_batch_size=4,
                   max_model_len=96).spec.num_speculative_tokens == 3
 

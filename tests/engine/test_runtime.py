@@ -38,9 +38,9 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
                                            (1, 2, t, "filtered"), (1, 2, t, "greedy")]
     with torch.compiler.set_stance("fail_on_recompile"):
         out = _mixed(eng)
-    assert len(eng.runner.compiled) == 4 and eng.stats["recompiles"] == 0
+    assert len(eng.runner.compiled) == 4 and eng.stats()["recompiles"] == 0
     assert {key[3] for key in eng.graphs} == {"greedy", "filtered"}
-    assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats["buckets_used"])
+    assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats()["buckets_used"])
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96,
                                 ops=rows_free_ops))
 

@@ -594,12 +594,12 @@ def test_synthetic_rates_change_without_recapture(tiny_llama):
     eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
     eng.generate([[5, 6, 7]], params)
-    assert eng.stats["mean_acceptance_length"] == 4.0  # every draft accepted: 40 tokens in 10 steps
+    assert eng.stats()["mean_acceptance_length"] == 4.0  # every draft accepted: 40 tokens in 10 steps
     graphs = dict(eng.graphs)
     eng.set_synthetic_acceptance_rates([0.0, 0.0, 0.0])
     eng.reset_stats()
     eng.generate([[5, 6, 7]], params)
-    assert eng.stats["mean_acceptance_length"] == 1.0 and eng.graphs == graphs
+    assert eng.stats()["mean_acceptance_length"] == 1.0 and eng.graphs == graphs
     with pytest.raises(ValueError, match=r"synthetic_acceptance_rates must have length K=3"):
         eng.set_synthetic_acceptance_rates([0.5])
     with pytest.raises(ValueError, match="not 'synthetic'"):

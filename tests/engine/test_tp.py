@@ -145,7 +145,7 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
             if backend == "inductor":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     res[f"{name}/again"] = tokens(eng)
-                res[f"{name}/stats"] = [eng.stats["recompiles"], eng.stats["graph_breaks"]]
+                res[f"{name}/stats"] = [eng.stats()["recompiles"], eng.stats()["graph_breaks"]]
             else:
                 b = eng.bucket(2, eng.plan.bucket_plan.ks[-1], mode="random")
                 ex = torch._dynamo.explain(b.fn)(*b.args)

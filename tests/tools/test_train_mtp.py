@@ -146,4 +146,4 @@ def test_funcspec_drafts_with_the_trained_module_and_stays_lossless(trained):
     eng = Engine(str(out), {"method": "mtp"}, max_batch_size=2, max_model_len=64)
     assert eng.spec.num_speculative_tokens == 1
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, greedy)] == ar
-    assert eng.stats["per_position_acceptance"][0] > 0.5
+    assert eng.stats()["per_position_acceptance"][0] > 0.5

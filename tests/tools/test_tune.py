@@ -201,4 +201,4 @@ def test_exported_file_drives_the_engine(tiny_llama, tmp_path, monkeypatch):
     assert all(k == table_k[n] for n, k in seen)
     assert {n for n, _ in seen} == {1, 2, 3, 4} and {k for _, k in seen} == {0, 2, 3}
     bucket = {1: 1, 2: 2, 3: 4, 4: 4}
-    assert set(eng.stats["buckets_used"]) == {f"B{bucket[n]}_K{k}" for n, k in seen}
+    assert set(eng.stats()["buckets_used"]) == {f"B{bucket[n]}_K{k}" for n, k in seen}

@@ -109,7 +109,7 @@ def cache_bytes_per_token(eng) -> int:
     latent), over its slots and ``t_max`` positions; the per-slot lengths left out."""
     from funcspec.tree import slot_leaves
 
-    leaves = [(x, axis) for x, axis in slot_leaves(eng.runner.state.kv) if x.dim() > 1]
+    leaves = [(x, axis) for x, axis in slot_leaves(eng.state.kv) if x.dim() > 1]
     return sum(x.numel() * x.element_size() // x.shape[axis] for x, axis in leaves) // eng.t_max
 
 
