@@ -129,7 +129,8 @@ class Engine:
         tp: this rank's :class:`~funcspec.parallel.TPGroup`.
         followers: the spawned ranks (:class:`~funcspec.distributed.Followers`), or ``None``.
         scheduler: requests and slots (:class:`~funcspec.scheduler.Scheduler`).
-        runner: device state and graphs (:class:`~funcspec.runner.Runner`).
+        runner: device state and graphs (:class:`~funcspec.runner.Runner`). Tools (server, benchmarks,
+            CLI) read :meth:`stats` and the public methods instead of these two, which may change.
     """
 
     def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
@@ -579,7 +580,8 @@ class Engine:
         capture stats (``stored``: its file in the compiled-step store, else ``None``; ``key``: its bucket
         key, batch 0 where the batch is symbolic). ``bucket_timings`` maps each bucket that ran a step to
         ``key``, ``calls`` (every step so far) and ``replay_ms``, the wall ms of its recent steps, oldest
-        first (at most :data:`~funcspec.capture.window.WINDOW`), and their median.
+        first (at most :data:`~funcspec.capture.window.WINDOW`), and their median. A read of this rank's
+        engine: tensor-parallel followers do not replay it.
 
         ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
         ``per_position_acceptance[i]`` is the fraction of speculative row-steps
@@ -618,6 +620,7 @@ def _timings(key, window) -> dict:
     recent = tuple(window)
     return {"key": key, "calls": window.total, "replay_ms": recent,
             "replay_ms_median": round(statistics.median(recent), 4) if recent else None}
+
 
 def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
     """``reqs`` in order, cut into runs that share one request (its ``n`` completions admitted together)."""

@@ -144,7 +144,11 @@ def test_stats_counts_waiting_and_running_sequences_as_requests_come_and_go(tiny
     """``Engine.stats()`` counts the sequences waiting for a slot and those in one (a request's ``n``
     completions each), at every step; ``waiting_ids`` names the waiting ones; a snapshot does not change later."""
     eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
-    counts = lambda: (eng.stats()["waiting"], eng.stats()["running"])  # noqa: E731
+
+    def counts():
+        st = eng.stats()
+        return st["waiting"], st["running"]
+
     assert counts() == (0, 0) and eng.waiting_ids() == set()
     for m in (3, 8, 8):
         eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))

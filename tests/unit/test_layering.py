@@ -284,7 +284,8 @@ def tool_sources() -> list[tuple[str, str]]:
     tools = dict(LAYERS)["tools"]
     files = [p for name, p in module_names().items() if unit(name) in tools] + sorted((ROOT / "tools").rglob("*.py"))
     out = [(str(p.relative_to(ROOT)), p.read_text()) for p in files]
-    return out + [cell for nb in sorted((ROOT / "notebooks").glob("*.ipynb")) for cell in notebook_cells(nb, str(nb.relative_to(ROOT)))]
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    return out + [cell for nb in notebooks for cell in notebook_cells(nb, str(nb.relative_to(ROOT)))]
 
 
 def test_tools_read_no_engine_parts():
