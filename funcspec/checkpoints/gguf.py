@@ -253,16 +253,26 @@ def quantized_linear(q: np.ndarray, scales: np.ndarray, offsets, bits: int, name
                           offsets=None if offsets is None else torch.from_numpy(offsets))
 
 
+def _reader(path):
+    """A ``gguf.GGUFReader`` of ``path`` (it maps the file: nothing is read until asked), or a ``ValueError``."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def read_config(path) -> dict:
+    """A GGUF file's HF ``config.json`` dict, from its metadata alone (no tensor data is read)."""
+    return config(_reader(path), str(path))
+
+
 def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict, dict]:
     """A GGUF file's ``(hf_config, flat float tensors under HF names, quantized linears by HF module path)``:
     ``model.layers.0.self_attn.q_proj`` (its ``.weight``), and ``lm_head`` for a tied model's quantized head."""
-    import gguf
-
     where = str(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
-        raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    reader = _reader(path)
     hf = config(reader, where)
     arch = _field(reader, "general.architecture")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]

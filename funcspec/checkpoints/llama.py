@@ -254,6 +254,16 @@ def _embedded_head(key: str, num_layers: int) -> bool:
     return False
 
 
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of checkpoint ``path`` (a directory or a GGUF file), read without its weights:
+    what an engine plans from before it loads them. Errors as :func:`load_model`'s."""
+    gguf_file = gguf.path_of(path)
+    if gguf_file is not None:
+        return model_config(gguf.read_config(gguf_file), str(gguf_file))
+    path, hf = read_config(path)
+    return model_config(hf, str(path / "config.json"))
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
                tokenizer: Optional[str | os.PathLike] = None, quantization: Optional[str] = None) -> Model:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not),
