@@ -78,7 +78,10 @@ class Engine:
     """
 
     def __init__(self, model, speculative_config=None, *, _plan: Optional[dict] = None, **kwargs):
-        self.args = args = _engine_args(model, speculative_config, kwargs)
+        if isinstance(model, EngineArgs) and (speculative_config is not None or kwargs):
+            raise ValueError("Engine takes an EngineArgs alone, or a model and keywords: not both")
+        self.args = args = model if isinstance(model, EngineArgs) else EngineArgs.from_kwargs(
+            {"model": model, "speculative_config": speculative_config, **kwargs}, "Engine")
         self.followers = None
         planned = build.plan(args, _plan)  # a spawned follower runs rank 0's plan (``_plan``), never its own
         prepared = build.prepare(args, planned, build.load(args, planned))
@@ -475,11 +478,3 @@ def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
             groups.append([r])
     return groups
 
-
-def _engine_args(model, speculative_config, kwargs: dict) -> EngineArgs:
-    """``Engine``'s arguments as one :class:`EngineArgs`: the one given, or the one its keywords build."""
-    if not isinstance(model, EngineArgs):
-        return EngineArgs.from_kwargs({"model": model, "speculative_config": speculative_config, **kwargs}, "Engine")
-    if speculative_config is not None or kwargs:
-        raise ValueError("Engine takes an EngineArgs alone, or a model and keywords: not both")
-    return model

@@ -298,17 +298,17 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
                 out.append(forward(cfg, params, init_kv_cache(cfg, 1, len(seq)), torch.tensor([seq]), z, z)[0][0])
         return out  # [T, V] each
 
-    base = logits_of(Engine(str(model_dir), max_batch_size=1))
+    base = logits_of(Engine(str(model_dir), max_num_seqs=1, enforce_eager=True))
     rows = [_quality_row("unquantized", base, base, sequences)]
     for fmt in formats:
         where, q = FORMATS[fmt]
         cache = cache_dir or Path.home() / ".cache" / "funcspec" / "quality" / Path(model_dir).resolve().name
         if where == "load":
-            eng = Engine(str(model_dir), max_batch_size=1, quantization=q)
+            eng = Engine(str(model_dir), max_num_seqs=1, quantization=q, enforce_eager=True)
         elif where == "published":
-            eng = Engine(str(published_checkpoint(model_dir, fmt, cache)), max_batch_size=1)
+            eng = Engine(str(published_checkpoint(model_dir, fmt, cache)), max_num_seqs=1, enforce_eager=True)
         else:
-            eng = Engine(str(gguf_file(model_dir, fmt, threads, cache)), max_batch_size=1)
+            eng = Engine(str(gguf_file(model_dir, fmt, threads, cache)), max_num_seqs=1, enforce_eager=True)
         row = _quality_row(fmt, logits_of(eng), base, sequences)
         row["cross_entropy_weights_only"] = _quality_row(fmt, logits_of(eng, True), base, sequences)["cross_entropy"]
         rows.append(row)

@@ -51,7 +51,8 @@ def ar_reference(target: str, n: int = 12):
     from funcspec import Engine
 
     prompts = _prompts(n)
-    return prompts, _ids(Engine(target, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+    return prompts, _ids(Engine(target, max_batch_size=4, max_model_len=96,
+                                enforce_eager=True).generate(prompts, GREEDY))
 
 
 def assert_generate_equals_hf(path, hf, new: int, seed: int = 2) -> None:

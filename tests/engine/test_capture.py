@@ -63,7 +63,7 @@ def test_padding_rows_never_change_real_rows(eager_engine):
 
 
 def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=32)
+    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=32, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     k_real = eng.state.kv.k[:, :4].clone()
     lens, hist = eng.state.kv.lens.clone(), eng.state.history[:4].clone()

@@ -18,8 +18,9 @@ def test_add_request_and_step_match_generate(tiny_llama, tiny_draft):
     prompts = [[5, 6, 7], [9, 8, 7, 6], [3, 4]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 12, 9)]
     want = [o.outputs[0].token_ids for o in
-            Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64).generate(prompts, params)]
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64)
+            Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64,
+                   enforce_eager=True).generate(prompts, params)]
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64, enforce_eager=True)
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     assert ids == ["0", "1", "2"] and eng.has_unfinished_requests()
     done = {}
@@ -34,9 +35,9 @@ def test_add_request_and_step_match_generate(tiny_llama, tiny_draft):
 def test_bucket_is_the_step_the_engine_runs(tiny_llama):
     """Calling bucket.fn on live rows yields the tokens that Engine.step would have emitted."""
     prompt = [5, 6, 7, 8]
-    ref = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    ref = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
     want = ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
     eng.add_request(prompt, GREEDY)
     eng.step()  # prefill + one decode step: two tokens
     got = list(eng.running[0].output_ids)
@@ -56,7 +57,8 @@ def test_one_step_serves_chains_and_trees_and_refuses_drafts_without_parents(tin
     from funcspec.proposers import echo
     from funcspec.types import Proposal
 
-    eng = Engine(tiny_llama, {"method": "echo", "num_speculative_tokens": 2}, max_batch_size=2, max_model_len=64)
+    eng = Engine(tiny_llama, {"method": "echo", "num_speculative_tokens": 2}, max_batch_size=2, max_model_len=64,
+                 enforce_eager=True)
     eng.add_request([5, 6, 7, 8], GREEDY)
     eng.step()
     bucket = eng.bucket(1, 2, live=1)
@@ -73,7 +75,7 @@ def test_one_step_serves_chains_and_trees_and_refuses_drafts_without_parents(tin
 
 
 def test_bucket_refuses_bad_arguments(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
     with pytest.raises(ValueError, match=r"k must be one of this engine's K values \(0,\)"):
         eng.bucket(1, 3)
     with pytest.raises(ValueError, match=r"live rows must be in \[0, 2\]"):
@@ -84,7 +86,7 @@ def test_bucket_refuses_bad_arguments(tiny_llama):
 
 def test_incremental_text_equals_a_full_decode(default_model):
     """The streamed text of any id sequence is the tokenizer's decode of all of it, fast and slow paths."""
-    tok = Engine(default_model, max_batch_size=1, max_model_len=32).model.tokenizer
+    tok = Engine(default_model, max_batch_size=1, max_model_len=32, enforce_eager=True).model.tokenizer
     rng = random.Random(0)
     for trial in range(20):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
@@ -99,7 +101,7 @@ def test_incremental_text_equals_a_full_decode(default_model):
 
 def test_stop_strings_decode_each_token_once(default_model, monkeypatch):
     """Stop strings are found without re-decoding the output: the tokenizer decodes once, at the end."""
-    eng = Engine(default_model, max_batch_size=1, max_model_len=128)
+    eng = Engine(default_model, max_batch_size=1, max_model_len=128, enforce_eager=True)
     tok = eng.model.tokenizer
     calls = {"decode": 0}
     real = type(tok).decode
@@ -133,7 +135,7 @@ def test_a_stop_string_completed_before_min_tokens_is_not_found_again():
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=32)
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=32, enforce_eager=True)
     assert eng.model.tokenizer is None
     with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["x"]))
@@ -207,7 +209,7 @@ def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
         window.append(x)
     assert list(window) == [6, 7, 8, 9] and window.total == 10
     assert window.since(7) == [7, 8, 9] and window.since(2) == [6, 7, 8, 9] and window.since(10) == []
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64)
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     (graph,) = eng.runner.compiled.values()
     (bucket,) = eng.runner.replay_ms.values()

@@ -134,11 +134,12 @@ def test_checkpoint_round_trip_and_bad_keys(zoo, method, tmp_path):
 
 def test_bad_head_configs(zoo):
     with pytest.raises(ValueError, match="medusa_num_heads"):  # K larger than the number of heads
-        Engine(zoo.target, {"method": "medusa", "model": zoo.paths["medusa"], "num_speculative_tokens": 5})
+        Engine(zoo.target, {"method": "medusa", "model": zoo.paths["medusa"], "num_speculative_tokens": 5},
+               enforce_eager=True)
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         eagle.load_params(zoo.paths["eagle3"], zoo.target, version=3, aux_layers=(0, 1, 4))
     with pytest.raises(ValueError, match="no MTP module"):
-        Engine(zoo.target, {"method": "mtp", "num_speculative_tokens": 1})
+        Engine(zoo.target, {"method": "mtp", "num_speculative_tokens": 1}, enforce_eager=True)
 
 
 # ----------------------------------------------------------------------------- state, padding

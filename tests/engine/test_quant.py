@@ -158,7 +158,7 @@ PROMPTS = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 9, 8, 9, 9]]
 
 
 def _run(target, spec=None, **kw):
-    eng = Engine(target, spec, max_batch_size=4, **kw)
+    eng = Engine(target, spec, max_batch_size=4, **kw, enforce_eager=True)
     return [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)], eng
 
 
@@ -200,9 +200,10 @@ def _run_again(eng):
 def test_quantization_names_are_checked(target):
     """funcspec's schemes quantize; vLLM's stored formats quantize nothing; anything else names the field."""
     with pytest.raises(ValueError, match="quantization must be one of .*got 'int3'"):
-        Engine(target, quantization="int3")
+        Engine(target, quantization="int3", enforce_eager=True)
     with pytest.raises(ValueError, match="speculative_config.quantization must be one of .*got 'int3'"):
-        Engine(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 2, "quantization": "int3"})
+        Engine(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 2, "quantization": "int3"},
+               enforce_eager=True)
     assert formats.on_load("gguf") is None and formats.on_load("ascend") is None and formats.on_load("int4") == "int4"
 
 
@@ -215,7 +216,7 @@ def zoo_int4_ar():
 
     prompts = [[5, 17, 300, 41, 5, 17, 300], [9, 100, 2000, 31]]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    eng = Engine(str(zoo.model_path("target")), max_batch_size=2, quantization="int4")
+    eng = Engine(str(zoo.model_path("target")), max_batch_size=2, quantization="int4", enforce_eager=True)
     return prompts, sp, [o.outputs[0].token_ids for o in eng.generate(prompts, sp)]
 
 
@@ -229,7 +230,7 @@ def test_every_zoo_method_on_an_int4_target_equals_its_ar(zoo_int4_ar, method, h
     prompts, sp, ar = zoo_int4_ar
     extra = {"quantization": head} if head else {}
     eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 3, **extra), max_batch_size=2,
-                 quantization="int4")
+                 quantization="int4", enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, sp)] == ar
     assert eng.stats()["mean_acceptance_length"] > 1.0  # the trained heads still draft tokens the int4 target keeps
 
@@ -242,6 +243,6 @@ def test_a_quantized_head_keeps_its_state_in_the_activation_dtype(method):
     from funcspec.tree import tree_leaves
 
     eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 2, quantization="int8"),
-                 max_batch_size=1, quantization="int8", dtype=torch.bfloat16)
+                 max_batch_size=1, quantization="int8", dtype=torch.bfloat16, enforce_eager=True)
     floats = {x.dtype for x in tree_leaves(eng.runner.state.proposer) if x.is_floating_point()}
     assert floats == {torch.bfloat16}

@@ -64,7 +64,7 @@ def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
     llm = LLM(tiny_llama, max_num_seqs=2, max_model_len=32, compilation_config={"capture": "lazy"})
     assert llm.engine.backend == "inductor" and llm.engine.runner.compiled == {}
     with pytest.raises(ValueError, match="capture must be one of \\('startup', 'lazy'\\), got 'eventually'"):
-        Engine(tiny_llama, capture="eventually")
+        Engine(tiny_llama, capture="eventually", enforce_eager=True)
 
 
 def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
@@ -94,7 +94,7 @@ def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny
     eager = Engine(tiny_llama, backend="eager", max_batch_size=1, max_model_len=32)
     assert _ids(eng.generate(PROMPTS[:1], greedy)) == _ids(eager.generate(PROMPTS[:1], greedy))
     with pytest.raises(ValueError, match="compile_cache: .*missing.zip is not a file written by `funcspec precompile`"):
-        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"))
+        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"), enforce_eager=True)
 
 
 def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch,

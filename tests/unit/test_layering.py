@@ -46,8 +46,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("capture", {"capture"}),
     ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture
     # host loop: scheduler (requests, slots) and runner (device state, graphs), wired by engine;
-    # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks
-    ("engine", {"engine", "scheduler", "runner", "plan", "extract", "distributed"}),
+    # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks;
+    # args: every engine argument (EngineArgs); build: the engine's build steps
+    ("engine", {"engine", "scheduler", "runner", "plan", "extract", "distributed", "args", "build"}),
     ("llm", {"llm", "__init__"}),
     # public API users; serve: the OpenAI-compatible server (it drives an Engine by add/abort/step)
     ("tools", {"bench", "tune", "train", "zoo", "cli", "serve"}),
