@@ -114,7 +114,8 @@ class EngineArgs:
     ``tokenizer`` directory without a tokenizer), before any checkpoint weight is read. The parsed forms replace
     the given ones: ``speculative_config`` becomes a :class:`~funcspec.config.SpecConfig` (or ``None``; an empty
     dict or string is ``None``), ``compilation_config`` a :class:`~funcspec.config.CompilationConfig`, ``ops`` an
-    :class:`~funcspec.kernels.Ops`. ``backend``, when given, wins over ``enforce_eager``.
+    :class:`~funcspec.kernels.Ops`, a torch ``dtype`` its name. ``backend``, when given, wins over
+    ``enforce_eager``.
     """
 
     model: Any = dataclasses.field(metadata=_flag("positional", "the target checkpoint: a directory or a .gguf file"))
@@ -153,7 +154,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         _check_scalars(self)
-        torch_dtype(self.dtype)
+        torch_dtype(self.dtype)  # a ValueError naming dtype for anything but a float's name or torch dtype
+        if isinstance(self.dtype, torch.dtype):
+            self._set("dtype", str(self.dtype).removeprefix("torch."))  # one spelling: its name
         check_device(self.device)
         self._set("ops", _ops(self.ops, self.cpu_kernels))
         if self.context_buckets is not None:
@@ -256,15 +259,14 @@ class EngineArgs:
     def to_dict(self) -> dict[str, Any]:
         """These arguments as plain data (JSON-able): what a spawned tensor-parallel rank 0 sends its followers.
 
-        ``speculative_config``, ``compilation_config`` and ``ops`` become dicts of their fields, ``dtype`` its
-        name, ``device`` its string. A loaded :class:`~funcspec.checkpoints.Model` does not travel: followers
+        ``speculative_config``, ``compilation_config`` and ``ops`` become dicts of their fields, ``device`` its
+        string. A loaded :class:`~funcspec.checkpoints.Model` does not travel: followers
         load their own from a path (``ValueError`` naming ``model``)."""
         if isinstance(self.model, Model):
             raise ValueError("model: a spawned tensor-parallel engine needs a checkpoint path (each rank loads "
                              "its own), got a loaded Model")
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         out["model"] = os.fspath(self.model)
-        out["dtype"] = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")
         out["device"] = str(self.device)
         return out
 
