@@ -52,7 +52,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

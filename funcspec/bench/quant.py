@@ -142,8 +142,9 @@ def target_of(ctx: dict, fmt: str):
 def _engine(model, quantization, backend: str, batch: int, max_len: int, spec=None):
     from funcspec import Engine
 
-    return Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch, max_model_len=max_len,
-                  dtype=torch.bfloat16, quantization=quantization, capture="lazy")  # greedy only
+    return Engine(model, speculative_config=spec, backend=backend, max_num_seqs=batch, max_model_len=max_len,
+                  dtype=torch.bfloat16, quantization=quantization,
+                  compilation_config={"capture": "lazy"})  # greedy only
 
 
 def _rates(alpha: float, k: int) -> list[float]:

@@ -271,6 +271,8 @@ def read_config(path) -> dict:
 def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict, dict]:
     """A GGUF file's ``(hf_config, flat float tensors under HF names, quantized linears by HF module path)``:
     ``model.layers.0.self_attn.q_proj`` (its ``.weight``), and ``lm_head`` for a tied model's quantized head."""
+    import gguf
+
     where = str(path)
     reader = _reader(path)
     hf = config(reader, where)

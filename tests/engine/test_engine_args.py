@@ -194,8 +194,8 @@ def test_each_build_step_can_be_stopped_after(tiny_llama, monkeypatch):
     loaded = build.load(args, planned)
     assert loaded.model.cfg == planned.cfg and loaded.quantization is None
     prepared = build.prepare(args, planned, loaded)
-    assert prepared.proposer.module.__name__ == "funcspec.proposers.ngram" and prepared.dyn is None and prepared.hooks == () \
-        and not prepared.shard_draft
+    assert prepared.proposer.module.__name__ == "funcspec.proposers.ngram"
+    assert prepared.dyn is None and prepared.hooks == () and not prepared.shard_draft
     dist = build.distribute(args, planned, prepared, Engine)
     assert dist.tp == SINGLE and dist.followers is None
     captured = build.capture(args, planned, prepared, dist)

@@ -103,7 +103,7 @@ def test_shards_tile_the_weights_and_heads_stay_with_their_kv_head(tp_models):
 
 
 @pytest.mark.parametrize("size, field", [(3, "num_key_value_heads=2"), (4, "num_key_value_heads=2"),
-                                         (0, "an int >= 1")])
+                                         (0, "must be >= 1, got 0")])
 def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, size, field):
     with pytest.raises(ValueError, match=f"tensor_parallel_size.*{field}"):
         Engine(tp_models["target"], tensor_parallel_size=size, enforce_eager=True)

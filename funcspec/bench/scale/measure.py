@@ -18,8 +18,8 @@ def engine(ctx: ScaleContext, backend: str, max_batch: int, max_len: int, spec: 
     """A greedy engine over the context's model, capturing each bucket on first use."""
     from funcspec import Engine
 
-    return Engine(ctx.model, speculative_config=spec, backend=backend, max_batch_size=max_batch,
-                  max_model_len=max_len, dtype=DTYPES[ctx.dtype], capture="lazy")
+    return Engine(ctx.model, speculative_config=spec, backend=backend, max_num_seqs=max_batch,
+                  max_model_len=max_len, dtype=DTYPES[ctx.dtype], compilation_config={"capture": "lazy"})
 
 
 def ar_row(ctx: ScaleContext, backend: str) -> dict:
