@@ -145,7 +145,7 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
 def test_stats_counts_waiting_and_running_sequences_as_requests_come_and_go(tiny_llama):
     """``Engine.stats()`` counts the sequences waiting for a slot and those in one (a request's ``n``
     completions each), at every step; ``waiting_ids`` names the waiting ones; a snapshot does not change later."""
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64)
+    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
 
     def counts():
         st = eng.stats()
@@ -180,7 +180,7 @@ def test_stats_keeps_each_buckets_step_times_in_a_bounded_window(tiny_llama):
     from funcspec.bench.timing import new_replays
     from funcspec.capture.window import WINDOW, Window
 
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64)
+    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, enforce_eager=True)
     eng.runner.replay_ms = collections.defaultdict(lambda: Window(4))  # a small window, to overflow it
     greedy = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
     eng.generate([[1, 2, 3]], greedy)  # 10 steps after the prefill's token
@@ -196,7 +196,8 @@ def test_stats_keeps_each_buckets_step_times_in_a_bounded_window(tiny_llama):
     assert len(st["bucket_timings"][name]["replay_ms"]) == 4 and after["bucket_timings"][name]["calls"] == 12
     assert new_replays(st, after) == {name: list(after["bucket_timings"][name]["replay_ms"][-2:])}
     assert new_replays(after, after) == {} and len(new_replays({"bucket_timings": {}}, after)[name]) == 4
-    assert Engine(tiny_llama, max_batch_size=1, max_model_len=64).runner.replay_ms.default_factory().maxlen == WINDOW
+    assert Engine(tiny_llama, max_batch_size=1, max_model_len=64,
+                  enforce_eager=True).runner.replay_ms.default_factory().maxlen == WINDOW
 
 
 def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
