@@ -127,7 +127,7 @@ def config(reader, where: str) -> dict:
           "rope_theta": float(get("rope.freq_base", 10000.0)),
           "max_position_embeddings": int(get("context_length", 2048)),
           "tie_word_embeddings": "output.weight" not in names,
-          "attention_bias": f"blk.0.attn_q.bias" in names}
+          "attention_bias": "blk.0.attn_q.bias" in names}
     for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                         ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         value = _field(reader, key)
@@ -261,7 +261,7 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
     where = str(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
+    except Exception as e:  # gguf's reader fails on a bad file with whatever it meets first
         raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     hf = config(reader, where)
     arch = _field(reader, "general.architecture")

@@ -69,7 +69,8 @@ DESCRIPTION = "quant_model_description.json"
 DESCRIPTIONS = "quant_model_description*.json"
 """The description files read (older msmodelslim writes ``quant_model_description_w8a8.json``)."""
 
-ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "gptq_bitblas": "gptq", "compressed_tensors": "compressed-tensors"}
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "gptq_bitblas": "gptq",
+           "compressed_tensors": "compressed-tensors"}
 """vLLM ``quantization`` names that read the same stored format (a kernel choice, not a layout)."""
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -156,7 +157,8 @@ def _gptq_scheme(qc: dict, where: str) -> Scheme:
     if qc.get("dynamic"):
         raise ValueError(f"{where}.dynamic (per-module overrides) is not read: every quantized module must have "
                          f"the declared bits and group size")
-    summary = (f"GPTQ {bits}-bit, group {group or 'per channel'}, {'symmetric' if qc.get('sym', True) else 'asymmetric'}"
+    symmetry = "symmetric" if qc.get("sym", True) else "asymmetric"
+    summary = (f"GPTQ {bits}-bit, group {group or 'per channel'}, {symmetry}"
                f"{', act-order (desc_act)' if qc.get('desc_act') else ''}, checkpoint_format {fmt}")
     return Scheme("gptq", summary, qc, where)
 
