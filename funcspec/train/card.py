@@ -48,8 +48,8 @@ ROLE_TEXT = {
                   "the embedding zeroed at position 0 as vLLM does), an MLA + MoE block, then `shared_head.norm` and "
                   "the main model's head, on x_t+2; its final loss is next-token cross-entropy plus `mtp_lambda` "
                   "(0.3) × the module's. Expert balance by DeepSeek-V3's auxiliary-loss-free bias update "
-                  "(`e_score_correction_bias`, speed `bias_speed`), no balance loss (the expert load below: the trunk's "
-                  "three MoE layers, then the MTP block). Saved in bfloat16 (routers in "
+                  "(`e_score_correction_bias`, speed `bias_speed`), no balance loss (the expert load below: the "
+                  "trunk's three MoE layers, then the MTP block). Saved in bfloat16 (routers in "
                   "float32), the module as `model.layers.4.*` under DeepSeek-V3's names (`enorm`, `hnorm`, `eh_proj`, "
                   "`shared_head.{norm,head}`, `embed_tokens`, the block), `num_nextn_predict_layers: 1`; "
                   "transformers loads the trunk and leaves those keys unused.",
