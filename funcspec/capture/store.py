@@ -411,7 +411,7 @@ def load(path: Path) -> Optional[Callable]:
         import io
 
         fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
-    except Exception as e:  # NOTE: an untrusted, stale or corrupt file is a cache miss, never an error
+    except Exception as e:  # noqa: BLE001 (an untrusted, stale or corrupt file is a cache miss, never an error)
         discard(path, f"{type(e).__name__}: {e}")
         return None
     try:
@@ -440,7 +440,7 @@ def save(compiled, path: Path) -> bool:
     warning, if it cannot be serialized or written (the graph still runs; the next start compiles it again)."""
     try:
         payload = serialized(compiled)
-    except Exception as e:  # e.g. a graph over oneDNN-packed weights, which torch cannot serialize
+    except Exception as e:  # noqa: BLE001 (e.g. a graph over oneDNN-packed weights, which torch cannot serialize)
         warn(f"a graph could not be filed, so the next start compiles it again ({type(e).__name__}: "
              f"{str(e)[:200]})")
         return False

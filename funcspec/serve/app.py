@@ -105,7 +105,7 @@ class GuardedRoute(APIRoute):
                 return await handler(request)
             except (P.APIError, StarletteHTTPException, RequestValidationError):
                 raise
-            except Exception:  # noqa: BLE001 (a server fault: logged, answered without its text)
+            except Exception:  # a server fault: logged, answered without its text
                 log.exception("%s %s failed", request.method, request.url.path)
                 return JSONResponse(P.APIError(500, P.INTERNAL_ERROR).body(), 500)
         return guarded
@@ -375,7 +375,7 @@ async def _guarded(events):
     try:
         async for event in events:
             yield event
-    except Exception:  # noqa: BLE001 (a server fault: logged, answered without its text)
+    except Exception:  # a server fault: logged, answered without its text
         log.exception("a stream failed")
         yield P.sse(P.APIError(500, P.INTERNAL_ERROR).body()) + P.DONE
     finally:
