@@ -73,7 +73,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 
 def replace(obj: T, **changes: Any) -> T:
     """A copy of the frozen dataclass ``obj`` with some fields changed."""
-    return dataclasses.replace(obj, **changes)
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]  # obj: a dataclass instance
 
 
 def tree_map(fn: Callable, tree: Any) -> Any:

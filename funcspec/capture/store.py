@@ -249,7 +249,7 @@ def _package_digest(memo_dir: Optional[Path]) -> str:
         h.update(f"{path.relative_to(_PACKAGE)}:{digest}\n".encode())
     if memo_path is not None and fresh != memo:
         try:
-            _publish(memo_dir, memo_path, json.dumps(fresh).encode())
+            _publish(memo_dir, memo_path, json.dumps(fresh).encode())  # type: ignore[arg-type]  # a memo_path: a dir
         except OSError:
             pass
     return h.hexdigest()
@@ -293,7 +293,7 @@ def global_state() -> str:
 
     configs = [repr(_canonical(m.save_config_portable())) for m in (inductor_config, dynamo_config,
                                                                    functorch_config)]
-    return "|".join([torch._C._dynamo.guards.GlobalStateGuard().__getstate__(), *configs])
+    return "|".join([torch._C._dynamo.guards.GlobalStateGuard().__getstate__(), *configs])  # type: ignore[list-item]  # a str
 
 
 def fingerprint(obj: Any, h: "hashlib._Hash", values: bool = True) -> None:
@@ -359,7 +359,7 @@ def aliasing(leaves: list) -> list[tuple[int, int, int]]:
             continue
         where = (x.device.type, x.untyped_storage().data_ptr())
         if where in first:
-            shared.append((i, first[where], x.storage_offset()))
+            shared.append((i, first[where], int(x.storage_offset())))  # (an int: eager tensors)
         else:
             first[where] = i
     return shared

@@ -164,9 +164,9 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
     if version == 3:
         # NOTE: stream -1 of the seed: random_tensors uses 0, 1, ... for the weights.
         order = torch.argsort(rng.uniform(rng.fold_in(rng.key(seed), -1), target_cfg.vocab_size))
-        ids = torch.sort(order[:cfg.draft_vocab_size]).values  # [V_d] target ids of the draft vocabulary
-        tensors["d2t"] = ids - torch.arange(cfg.draft_vocab_size)
-        tensors["t2d"] = torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        draft_ids = torch.sort(order[:cfg.draft_vocab_size]).values  # [V_d] target ids of the draft vocabulary
+        tensors["d2t"] = draft_ids - torch.arange(cfg.draft_vocab_size)
+        tensors["t2d"] = torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True)
     return hf, nest(tensors)
 
 

@@ -242,7 +242,7 @@ def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
     return path, read_json_object(cfg_file)
 
 
-def read_json_object(file: Path) -> dict:
+def read_json_object(file: str | os.PathLike) -> dict:
     """A JSON file that must hold an object; ``ValueError`` naming the file otherwise."""
     try:
         value = json.loads(Path(file).read_text())

@@ -202,7 +202,7 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple:
+def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """A quantized tensor's rows [N, row bytes] as ``(q [N, K] uint8, scales [N, K/32], offsets or None)``."""
     data = np.ascontiguousarray(data).reshape(n, -1)
     if kind == "Q8_0":
@@ -267,7 +267,10 @@ def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, 
     arch = _field(reader, "general.architecture")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     permute = hf["model_type"] in ("llama", "mixtral")
-    floats, quantized, experts, kv_b = {}, {}, {}, {}
+    floats: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    experts: dict[int, dict] = {}
+    kv_b: dict[int, dict] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk" and int(parts[1]) >= hf["num_hidden_layers"]:

@@ -286,7 +286,8 @@ def detect(path, family: Optional[str] = None) -> tuple[Layout, Weights, dict, f
     """
     path, hf = read_config(path)
     _refuse_known(path, hf)
-    tried, seen = [lay for lay in LAYOUTS if family in (None, lay.family)], {}
+    tried = [lay for lay in LAYOUTS if family in (None, lay.family)]
+    seen: dict[tuple[str, ...], Optional[tuple]] = {}
     for layout in tried:
         probe = seen.get(layout.files) if layout.files in seen else _probe(path, layout, hf)
         seen[layout.files] = probe
@@ -296,7 +297,7 @@ def detect(path, family: Optional[str] = None) -> tuple[Layout, Weights, dict, f
     if found is None:
         files = dict.fromkeys(f for lay in tried for f in lay.files)
         raise FileNotFoundError(f"{path}: no weight file; looked for {looked_for(files)}")
-    what = FAMILIES.get(family, "draft head")
+    what = FAMILIES.get(family, "draft head")  # type: ignore[arg-type]  # None: the default
     raise ValueError(f"{path}: no {what} in a layout funcspec reads ({', '.join(lay.name for lay in tried)}); "
                      f"config architectures={_archs(hf)}, {len(found[1])} keys in {found[0]}, e.g. "
                      f"{sorted(found[1])[:6]}")

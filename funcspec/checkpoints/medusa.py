@@ -25,7 +25,8 @@ heads, without the target)."""
 
 def head_shapes(cfg: MedusaConfig, bias: bool = True) -> dict:
     """Every tensor of the heads under funcspec's names and its shape (``bias``: the ResBlocks have biases)."""
-    h, shapes = cfg.hidden_size, {}
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
     for k in range(cfg.num_heads):
         for j in range(cfg.num_layers):
             shapes[f"medusa_head.{k}.{j}.linear.weight"] = (h, h)

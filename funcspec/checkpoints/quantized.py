@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
@@ -115,7 +115,7 @@ def detect(path: Path, hf: dict) -> Optional[Scheme]:
     where = f"{Path(path) / 'config.json'}: quantization_config"
     if not isinstance(qc, dict):
         raise ValueError(f"{where} must be an object, got {type(qc).__name__}")
-    method = ALIASES.get(qc.get("quant_method"), qc.get("quant_method"))
+    method = ALIASES.get(qc.get("quant_method"), qc.get("quant_method"))  # type: ignore[arg-type]  # None: no alias
     if method not in _SCHEMES:
         raise ValueError(f"{where}.quant_method {qc.get('quant_method')!r} is not a format funcspec reads "
                          f"(it reads {sorted(_SCHEMES)} and vLLM-Ascend's {DESCRIPTIONS})")
@@ -252,7 +252,8 @@ class _Module:
     """One module's tensors (``<module>.<name>``), recording which were read."""
 
     def __init__(self, tensors: dict, module: str, where: str):
-        self.tensors, self.module, self.where, self.used = tensors, module, where, set()
+        self.tensors, self.module, self.where = tensors, module, where
+        self.used: set[str] = set()
 
     def get(self, name: str) -> Optional[torch.Tensor]:
         key = f"{self.module}.{name}"
@@ -273,7 +274,7 @@ class _Module:
                              f"got {t.dtype}")
         return t
 
-    def fail(self, msg: str):
+    def fail(self, msg: str) -> NoReturn:
         raise ValueError(f"{self.where}: {self.module}: {msg}")
 
 
