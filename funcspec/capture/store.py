@@ -359,10 +359,10 @@ def aliasing(leaves: list) -> list[tuple[int, int, int]]:
             continue
         where = (x.device.type, x.untyped_storage().data_ptr())
         if where in first:
-            shared.append((i, first[where], int(x.storage_offset())))  # (an int: eager tensors)
+            shared.append((i, first[where], x.storage_offset()))
         else:
             first[where] = i
-    return shared
+    return shared  # type: ignore[return-value]  # offsets of real tensors: ints
 
 
 def key(fn: Callable, example_args: tuple, symbolic: tuple, options: dict,
