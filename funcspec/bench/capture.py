@@ -74,7 +74,8 @@ def tree_size(method: str, tree: dict) -> int:
     """N, the node count of the token tree that ``tree`` (speculative_config keys) describes."""
     from funcspec.config import SpecConfig
 
-    return SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False).num_speculative_tokens
+    spec = SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False)
+    return spec.num_speculative_tokens  # type: ignore[union-attr]  # a method given: a config
 
 
 def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None,

@@ -297,7 +297,7 @@ def wrap_int64_overflow() -> None:
         cflags, ldflags = orig(*args, **kwargs)
         return cflags + ["fwrapv"], ldflags
 
-    with_fwrapv.funcspec_fwrapv = True
+    with_fwrapv.funcspec_fwrapv = True  # type: ignore[attr-defined]  # a marker on the function
     cpp_builder._get_optimization_cflags = with_fwrapv
 
 
@@ -342,25 +342,25 @@ def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at
     args, symbolic = _with_symbolic(args, at) if at else (args, [])
     where = store.open_store() if store.enabled() else None
     key = store.key(fn, args, tuple(symbolic), INDUCTOR_OPTIONS, where) if where is not None else None
-    path = store.path_for(where, name, key) if key else None
+    path = store.path_for(where, name, key) if where is not None and key else None  # (a key: a store)
     loaded = store.load(path) if path else None
     if loaded is not None:
         reason = guard_failure(loaded, args)
         if reason is None:
             stats.loaded, stats.stored = True, str(path)
             return loaded
-        store.discard(path, f"its guards fail in this process: {reason}")
+        store.discard(path, f"its guards fail in this process: {reason}")  # type: ignore[arg-type]  # loaded: a path
     if where is not None and key is None:
         store.warn(f"{name}'s static config holds an object no key can name; it compiles without the store")
     # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
     # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
     for tensor, dim in symbolic:
         torch._dynamo.mark_dynamic(tensor, dim)
-    compiled = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False,
-                             options={**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+    options: dict[str, Any] = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+    compiled: Any = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False, options=options)
     try:
         aot = compiled.aot_compile((args, {}))
-    except Exception as e:  # NOTE: a real error in the function raises again from the plain compile
+    except Exception as e:  # noqa: BLE001 (a real error in the function raises again from the plain compile)
         store.warn(f"{name} cannot be compiled ahead of time, so it is compiled at its first call and not "
                    f"filed ({type(e).__name__}: {str(e)[:200]})")
         return None
@@ -377,7 +377,7 @@ def guard_failure(compiled, args: tuple) -> Optional[str]:
     try:
         f_locals = compiled.prepare_f_locals(*args)
         return " ".join(str(compiled._artifacts.guard_manager.check_verbose(f_locals)).split())[:300]
-    except Exception:  # NOTE: the reason is for a warning; its absence must not stop the fallback
+    except Exception:  # noqa: BLE001 (the reason is for a warning; its absence must not stop the fallback)
         return "its guards fail"
 
 
@@ -415,7 +415,7 @@ class AheadOfTime:
         if compiled is None:  # a plain compile, which checks its own guards (and recompiles) at every call
             self.checking = False
             return _compile_plain(self._fn, self._name, self._stats, args, self._at)
-        compiled.disable_guard_check()
+        compiled.disable_guard_check()  # type: ignore[attr-defined]  # an ahead-of-time function
         self.variants.insert(0, compiled)
         return compiled
 
@@ -505,7 +505,7 @@ def _npu_module():
             "backend='aclgraph' needs an Ascend NPU host with CANN and `pip install 'funcspec[npu]'` "
             f"(torch-npu==2.13.0, which brings torchair); torch_npu could not be imported here: {e}"
         ) from e
-    return torch.npu
+    return torch.npu  # type: ignore[attr-defined]  # torch_npu adds it
 
 
 def _graph_module(backend: str):

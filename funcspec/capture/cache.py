@@ -76,7 +76,7 @@ def load(path) -> dict:
         data = z.read(_TORCH)
         info = torch.compiler.load_cache_artifacts(data) if data else None
         for name in steps:
-            store.import_payload(target, name[len(_STEPS):], z.read(name))
+            store.import_payload(target, name[len(_STEPS):], z.read(name))  # type: ignore[arg-type]  # steps: a target
     return {"bytes": path.stat().st_size, "steps": len(steps), **_counts(info)}
 
 

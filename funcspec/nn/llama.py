@@ -437,7 +437,7 @@ def attention_qkv(cfg: ModelConfig, p: dict, x, cos, sin):
 def attention_out(cfg: ModelConfig, p: dict, k_cache, v_cache, q, slots, pos, window=None,
                   read: KVRead = FULL_READ, tree: Optional[TreeMask] = None):
     """o_proj(attention of q [B, T, H, D] over one layer's caches [S+1, H_kv, T_max, D], already written); [B, T, H]."""
-    kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # the layer's [1, S+1, H_kv, T_max, D]
+    kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # type: ignore[arg-type]  # lens unread; the layer's [1, S+1, H_kv, T_max, D]
     keys, vals = read_cache(kv.k, 0, slots, read), read_cache(kv.v, 0, slots, read)  # [B, H_kv, T_read, D]
     visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
     return row_parallel(cfg, attend(cfg.ops, q, keys, vals, visible), p["o_proj"])
@@ -551,7 +551,8 @@ def _qkv_region(statics: tuple, p, x, cos, sin):
     quantized linears' formats as tuples, too.
     """
     cfg, p = _from_constants(ModelConfig, statics[0]), _formats_back(p)
-    q, k, v = attention_qkv(cfg, p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps), cos, sin)
+    h = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
+    q, k, v = attention_qkv(cfg, p["self_attn"], h, cos, sin)
     # NOTE: one output tensor: with q, k, v as three outputs (v a view of the fused product) the compiled
     # step read wrong values (torch 2.13 CPU: greedy tokens went to 0 after the first)
     return torch.cat([q, k, v], dim=2)  # [B, T, H + 2 H_kv, D]

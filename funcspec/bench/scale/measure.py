@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from typing import Any
 
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
@@ -82,7 +83,7 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     prompts = {c: make_prompts(ctx.shape, 1, c, ctx.seed + c) for c in contexts}  # one prompt each
     for c, warm in tqdm(order, desc="context", leave=False):
         passes[c].append(timed_generate(eng, prompts[c], n, ctx.reps, warm=warm))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
         steps = [s for s in (step_ms(r, 1, 0) for r in passes[c]) if s is not None]
