@@ -15,12 +15,13 @@ import sys as _sys
 
 # NOTE: torch's OpenMP (libgomp) spins a long while at a barrier before it sleeps: on cores that other work
 # shares, a thread spins out its time slice waiting for one that is not running. A short spin (30000 iterations)
-# keeps quiet speed and gives way under contention (figures: graphs/results/HISTORY.md, "Sharing the cores"). libgomp reads it once, when torch loads it,
-# so it is set before anything imports torch, and never over the user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT.
+# keeps quiet speed and gives way under contention (figures: graphs/results/HISTORY.md, "Sharing the cores").
+# libgomp reads it once, when torch loads it, so it is set before anything imports torch, and never over the
+# user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _os.environ.keys():
     _os.environ["GOMP_SPINCOUNT"] = "30000"
 
-from funcspec.args import EngineArgs  # noqa: E402 (after the OpenMP default)
+from funcspec.args import EngineArgs  # after the OpenMP default
 from funcspec.checkpoints import Model, load_model
 from funcspec.config import SamplingParams, SpecConfig
 from funcspec.engine import Engine

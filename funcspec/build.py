@@ -170,6 +170,7 @@ def shards_draft(spec: Optional[SpecConfig], proposer, size: int) -> bool:
     if draft != size:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={draft} must be 1 or the engine's "
                          f"tensor_parallel_size={size}")
+    assert spec is not None  # a draft size was read from it
     proposer.module.check_shard(proposer.cfg, proposer.params, size, spec.quantization)
     return True
 
@@ -186,9 +187,15 @@ def distribute(args: EngineArgs, planned: Planned, prepared: Prepared, engine_cl
         # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
         model, proposer = shard_model(prepared.model, tp, prepared.quantization), prepared.proposer
         if prepared.shard_draft:
-            proposer = proposer.shard(tp, planned.plan.spec.quantization)
+            proposer = proposer.shard(tp, _draft_quantization(planned))
         model, proposer = pack(model, proposer, planned, prepared.quantization)
     return Distributed(tp, followers, model, proposer)
+
+
+def _draft_quantization(planned: Planned) -> Optional[str]:
+    """The drafter's on-load scheme (``speculative_config["quantization"]``); ``None`` without a drafter."""
+    spec = planned.plan.spec
+    return spec.quantization if spec is not None else None
 
 
 def pack(model: Model, proposer, planned: Planned, quantization: Optional[str]) -> tuple[Model, Any]:
@@ -198,7 +205,7 @@ def pack(model: Model, proposer, planned: Planned, quantization: Optional[str]) 
     ops = planned.cfg.ops
     model = dataclasses.replace(model, params=prepare_params(model.params, ops, memo, quantization))
     if proposer is not None:
-        draft = prepare_params(proposer.params, ops, memo, planned.plan.spec.quantization)
+        draft = prepare_params(proposer.params, ops, memo, _draft_quantization(planned))
         proposer = dataclasses.replace(proposer, params=draft)
     return model, proposer
 
@@ -243,7 +250,7 @@ def startup_graphs(plan: EnginePlan, runner: Runner, dyn, modes: tuple[str, ...]
     bucket, and each of ``modes``."""
     spec, bp = plan.spec, plan.bucket_plan
     ks = lambda n: bp.ks if dyn is not None else (spec.k_for_batch_size(n) if spec else 0,)  # noqa: E731
-    todo = {}
+    todo: dict = {}
     for n in range(1, plan.num_slots + 1):
         b = bp.batch_bucket(n)
         for k in ks(n):

@@ -175,7 +175,9 @@ def _group(size: int) -> TPGroup:
     world = dist.get_world_size()
     if world != size:
         raise ValueError(f"tensor_parallel_size={size} must equal the torch.distributed world size {world}")
-    return TPGroup(size, dist.get_rank(), dist.group.WORLD.group_name)
+    world_group = dist.group.WORLD
+    assert world_group is not None  # initialized: the caller checked
+    return TPGroup(size, dist.get_rank(), world_group.group_name)
 
 
 def check_devices(size: int, device) -> None:
@@ -208,6 +210,7 @@ def setup(size: int, device, engine_cls, engine_args, plan) -> tuple[TPGroup, Op
         _init_group(device, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         return _group(size), None
     followers = Followers.spawn(size, device, engine_cls, engine_args.to_dict(), plan.to_dict())
+    assert followers.tp is not None  # spawn() sets it once the group is up
     return followers.tp, followers
 
 
@@ -240,7 +243,7 @@ def _follow(rank: int, size: int, port: int, name: str, threads: int, engine_cls
                 conn.send(("refused", traceback.format_exc()))
                 continue
             conn.send(("ok", None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (a follower reports whatever killed it, then exits)
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
@@ -288,7 +291,7 @@ class _Ranks:
         if self.pg is not None:
             try:
                 dist.destroy_process_group(self.pg)
-            except Exception as e:  # NOTE: keep the name reserved: torch may still hold a group under it
+            except Exception as e:  # noqa: BLE001 (keep the name reserved: torch may still hold a group under it)
                 warnings.warn(f"tensor-parallel group {self.name} was not destroyed: {e!r}", stacklevel=2)
                 return killed
             self.pg = None
@@ -346,7 +349,7 @@ class Followers:
         followers._acks("up")  # NOTE: a follower that dies starting up must not leave rank 0 in the rendezvous
         try:
             followers._ranks.pg = _new_group(device, 0, size, store, name)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (fail() stops every rank and re-raises)
             followers.fail(e)
         followers.tp = TPGroup(size, 0, name)
         return followers
@@ -369,7 +372,7 @@ class Followers:
         except ValueError as e:  # bad input (checked before any collective): every rank refuses it alike
             self._acks("refused", e)
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (fail() stops every rank and re-raises)
             self.fail(e)
         finally:
             self.busy = False

@@ -106,7 +106,7 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     llm = LLM(model=model, speculative_config=json.loads(spec) if spec else None, dtype=dtype)
-    out = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
+    out: dict = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
            "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()}}
     runs = []
     for _ in range(2):
@@ -171,7 +171,7 @@ def decode_rate(max_tokens: int, pairs: int, busy: int) -> dict:
                  backend="auto", max_batch_size=len(zoo.RUN_PROMPTS))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(zoo.RUN_PROMPTS, sp)
-    runs = {"quiet": [], "busy": [], "others": []}
+    runs: dict[str, list] = {"quiet": [], "busy": [], "others": []}
 
     def rate(spinning: int) -> None:
         before = _cpu_seconds()
@@ -297,14 +297,14 @@ def run(args) -> Path:
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
     if args.contention != "none":
         names = list(CONTENTION_SETTINGS) if args.contention == "all" else ["funcspec", "libgomp"]
-        busy = args.busy if args.busy is not None else os.cpu_count()
+        busy = args.busy if args.busy is not None else (os.cpu_count() or 1)
         result["contention"] = {"busy": busy, "rounds": args.rounds, "max_tokens": args.rate_tokens,
                                 "pairs": args.rate_pairs,
                                 "rows": contention({n: CONTENTION_SETTINGS[n] for n in names}, busy, args.rounds,
                                                    args.rate_tokens, args.rate_pairs)}
-    path = write_result(result, args.out, markdown)
-    print(f"wrote {path} and .md")
-    return path
+    written = write_result(result, args.out, markdown)
+    print(f"wrote {written} and .md")
+    return written
 
 
 def markdown(result: dict) -> str:
@@ -350,7 +350,9 @@ def markdown(result: dict) -> str:
                          f"{r['quiet_range'][1]:.0f}) | {r['busy_tokens_per_s']:.0f} ({r['busy_range'][0]:.0f}-"
                          f"{r['busy_range'][1]:.0f}) | {r['slowdown']:.1f}x "
                          f"({r['slowdown_range'][0]:.1f}-{r['slowdown_range'][1]:.1f}) | {r['others_median']:.0%} |")
-    lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items()), f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
+    isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
+    lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + isa,
+              f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
     return "\n".join(lines)
 
 

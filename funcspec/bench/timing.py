@@ -4,6 +4,7 @@ machine, llama.cpp sessions, and deterministic random prompts."""
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 import statistics
 import time
 
@@ -52,7 +53,9 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
         eng.generate(prompts, sp)
     eng.reset_stats()
     marks = eng.stats()  # per bucket: the replays before the timed runs (buckets of a symbolic batch share a graph)
-    ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
+    ms: list[float] = []
+    prefill: list[float] = []
+    retries, decode_s, decode_tokens = 0, 0.0, 0
     while len(ms) < reps:
         before = set(eng.stats()["graphs"])
         outs = eng.generate(prompts, sp)
@@ -66,7 +69,8 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
                   / max(tokens - 1, 1) * 1e3)
         prefill.append(statistics.median(o.metrics["time_to_first_token_s"] for o in outs))
     st = eng.stats()
-    replay, capture = collections.defaultdict(list), collections.defaultdict(float)
+    replay: dict[str, list] = collections.defaultdict(list)
+    capture: dict[str, float] = collections.defaultdict(float)
     for name, times in new_replays(marks, st).items():
         replay[bucket_name(st["bucket_timings"][name]["key"])] += times
     for g in st["graphs"].values():
@@ -97,7 +101,8 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
 
     def gen():
         llm.reset()
-        toks, t0, t_first = [], time.perf_counter(), None
+        toks: list[int] = []
+        t0, t_first = time.perf_counter(), 0.0
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             t_first = t_first or time.perf_counter()
             toks.append(int(tok))

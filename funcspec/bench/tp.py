@@ -82,7 +82,7 @@ def run(args) -> Path:
 
     torch.set_num_threads(args.threads)  # NOTE: spawned ranks take the same count
     model = args.model or str(zoo.model_path("target"))
-    specs = [None]
+    specs: list[dict | None] = [None]
     if args.method != "none":
         specs.append(zoo.speculative_config(args.method, args.k))
     prompts = [[5 + (7 * i + j) % 200 for j in range(args.prompt_tokens)] for i in range(args.batch)]

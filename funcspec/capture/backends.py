@@ -198,11 +198,12 @@ class TrustedAfterChecks(Captured):
 
     NOTE: the guards of a compiled function are checked at every call, and on a
     step whose params are ~100 tensors they are a visible share of a small
-    model's decode step (graphs/results/notes/code-notes.md). The host loop calls a bucket with the same shapes, dtypes and strides every
-    step, so after :data:`CHECKED_CALLS` calls its guards can only pass; the
-    later calls skip them. A bucket that ever recompiled keeps its guards (an
-    ahead-of-time function never recompiles: a call that fails its guards
-    raises). The stance in force (e.g. a test's ``fail_on_recompile``) is kept.
+    model's decode step (graphs/results/notes/code-notes.md). The host loop calls a
+    bucket with the same shapes, dtypes and strides every step, so after
+    :data:`CHECKED_CALLS` calls its guards can only pass; the later calls skip
+    them. A bucket that ever recompiled keeps its guards (an ahead-of-time
+    function never recompiles: a call that fails its guards raises). The stance
+    in force (e.g. a test's ``fail_on_recompile``) is kept.
     """
 
     CHECKED_CALLS = 2

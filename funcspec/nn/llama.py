@@ -547,7 +547,8 @@ def _qkv_region(statics: tuple, p, x, cos, sin):
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
     dataclass argument made it trace a fresh copy per call site (then inline it,
-    its cache writes becoming copies of the whole stack's cache); so the tree's mask comes in as its tensors (``masks``), and
+    its cache writes becoming copies of the whole stack's cache); so the tree's mask comes in as its tensors
+    (``masks``), and
     quantized linears' formats as tuples, too.
     """
     cfg, p = _from_constants(ModelConfig, statics[0]), _formats_back(p)

@@ -354,8 +354,8 @@ class EngineLoop:
         if self.metrics is None:
             return
         now = now or time.perf_counter()
-        self.metrics.finished(reason, now - track.arrival,
-                              (now - track.t_first) / (track.n_out - 1) if track.n_out > 1 else None)
+        per_token = (now - track.t_first) / (track.n_out - 1) if track.n_out > 1 and track.t_first else None
+        self.metrics.finished(reason, now - track.arrival, per_token)
 
     def _die(self, err: BaseException, jobs: list[_Job]) -> None:
         """The engine is unusable: fail every live request and every queued job."""
@@ -370,7 +370,7 @@ class EngineLoop:
         for _, future in calls:
             if not future.done():
                 future.set_exception(RuntimeError(message))
-        for rid, track in list(self._tracks.items()):
+        for track in list(self._tracks.values()):
             track.batch.queue.put_nowait((track.index, Update(error=message)))
             self._count_finish(track, "error")
         self._tracks.clear()
@@ -403,6 +403,7 @@ class EngineLoop:
 
     def _post(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the event loop (in order with everything posted before)."""
+        assert self._aloop is not None, "posted before start()"
         try:
             self._aloop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: the server is gone, nobody waits
@@ -431,7 +432,7 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 finished = engine.step()
-            except Exception:  # noqa: BLE001 (a failed step fails its requests, not the server)
+            except Exception:  # a failed step fails its requests, not the server (logged)
                 log.exception("an engine step failed: its requests get a 500")
                 result.updates = self._fail_step()
             else:
