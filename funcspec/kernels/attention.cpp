@@ -15,16 +15,21 @@
 // Every query row is computed by the same instructions in the same order
 // whatever the other rows are: AR (1 token) and verification (K+1) agree bit
 // for bit. Plain C ABI, called through ctypes (funcspec/nn/decode_attention.py).
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "bf16.h"
+#include "simd.h"
+
+#if defined(FUNCSPEC_ISA_AVX512BF16)
+#include <immintrin.h>
+
 
 namespace {
 
@@ -282,6 +287,104 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
 }
 
 }  // namespace
+
+#else  // the portable builds: simd.h's 16-lane vectors
+
+namespace {
+
+using namespace funcspec::simd;
+
+constexpr int RG = 4;  // query rows (heads of one KV head) per pass: each K and V row is converted once for them
+
+// R (<= RG) query rows q[r] (the heads of one KV head, at one token) over keys/vals [TR, D] (token strides ks,
+// vs) where vis [TR]. Scratch: qf [RG][DP], row [DP] (DP = D rounded up to 16, the tail zero), s [RG][TR + 16],
+// acc [RG][DP]. Each row's scores, softmax and weighted sum are its own operations in a fixed order.
+template <class T>
+void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t* vis, T* const* out, int64_t D,
+                 int64_t TR, int64_t ks, int64_t vs, float scale, float* qf, float* row, float* s, float* acc) {
+  const int64_t CH = (D + L - 1) / L, DP = CH * L, SP = TR + L;
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < D; ++c) qf[r * DP + c] = funcspec::to_float<T>(q[r][c]);
+  int64_t seen = 0;
+  for (int64_t j = 0; j < TR; ++j) {
+    if (!vis[j]) continue;
+    ++seen;
+    for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(k[j * ks + c]);
+    for (int r = 0; r < R; ++r) {
+      f32x16 dot{};
+      for (int64_t c = 0; c < CH; ++c) dot = dot + load(qf + r * DP + c * L) * load(row + c * L);
+      s[r * SP + j] = hsum(dot) * scale;
+    }
+  }
+  if (seen == 0) {  // sees nothing (never a real row): zeros
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < D; ++c) out[r][c] = funcspec::from_float<T>(0.0f);
+    return;
+  }
+  float inv[RG];
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * SP;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < TR; ++j)
+      if (vis[j]) mx = std::max(mx, sr[j]);
+    f32x16 sum{};
+    for (int64_t j = 0; j < TR; j += L) {
+      f32x16 p = exp_neg(load(sr + j) - mx);  // past TR: scratch, dropped below
+      for (int i = 0; i < L; ++i)
+        if (j + i >= TR || !vis[j + i]) p[i] = 0.0f;
+      store(sr + j, p);
+      sum = sum + p;
+    }
+    inv[r] = 1.0f / hsum(sum);
+  }
+  for (int i = 0; i < R * DP; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < TR; ++j) {
+    if (!vis[j]) continue;
+    for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(v[j * vs + c]);
+    for (int r = 0; r < R; ++r) {
+      const float p = s[r * SP + j];
+      for (int64_t c = 0; c < CH; ++c) store(acc + r * DP + c * L, load(acc + r * DP + c * L) + p * load(row + c * L));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < D; ++c) out[r][c] = funcspec::from_float<T>(acc[r * DP + c] * inv[r]);
+}
+
+// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
+// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time.
+template <class T>
+void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
+            int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
+            int threads) {
+  const int64_t G = H / HKV, DP = (D + L - 1) / L * L;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qf(RG * DP, 0.0f), row(DP, 0.0f), s(RG * (TR + L)), acc(RG * DP);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * HKV; ++bh) {
+      const int64_t b = bh / HKV, hk = bh % HKV;
+      const T* kb = k + b * kst[0] + hk * kst[1];
+      const T* vb = v + b * vst[0] + hk * vst[1];
+      for (int64_t t = 0; t < Tq; ++t)
+        for (int64_t g0 = 0; g0 < G; g0 += RG) {
+          const int R = (int)(G - g0 < RG ? G - g0 : RG);
+          const T* qs[RG];
+          T* os[RG];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = (b * Tq + t) * H + hk * G + g0 + r;
+            qs[r] = q + i * D;
+            os[r] = out + i * D;
+          }
+          attend_rows<T>(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, D, TR, kst[2], vst[2], scale, qf.data(),
+                         row.data(), s.data(), acc.data());
+        }
+    }
+  }
+}
+
+}  // namespace
+
+#endif
 
 extern "C" {
 

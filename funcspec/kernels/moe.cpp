@@ -99,7 +99,7 @@ void activate(const T* h, T* act, int64_t rows, int64_t hw, int64_t iw, int64_t 
 // the thread it waits for may be waiting for a core.
 inline void wait(const std::atomic<int64_t>& count, int64_t target) {
   for (int spins = 0; count.load(std::memory_order_acquire) < target; ++spins) {
-    if (spins < 4096) _mm_pause();
+    if (spins < 4096) funcspec::simd::pause();
     else std::this_thread::yield();
   }
 }

@@ -320,8 +320,7 @@ def resolve(device=None, cpu_kernels: bool = True) -> Ops:
     if kind != "cpu":
         return REFERENCE
     kernels = cpu_kernels and build.available()
-    streams = cpu.avx512_bf16() and not cpu.amx() and kernels
-    return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
+    return Ops(stream=kernels, onednn_bf16=cpu.onednn_bf16() and not kernels,
                half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
                decode_attention=kernels, quantized=kernels, routed_experts="cpu_kernel" if kernels else "reference")
 

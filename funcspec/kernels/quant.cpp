@@ -25,7 +25,6 @@
 //   s, o  [N/32][K/G][32] fp16
 //
 // Plain C ABI, called through ctypes; OpenMP binds to torch's own libgomp.
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -2,10 +2,11 @@
 //
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
-// one fp32 accumulator over the blocks in order: quant.cpp's header says why.
+// one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
+// are VNNI intrinsics; the other builds' are simd.h's vectors: each block's integer sum in fp32 lanes (exact:
+// every partial sum is an integer below 2^24), then the same scaling.
 #pragma once
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,6 +14,10 @@
 #include <algorithm>
 
 #include "bf16.h"
+#include "simd.h"
+#if defined(FUNCSPEC_ISA_AVX512BF16)
+#include <immintrin.h>
+#endif
 
 namespace funcspec::quantized {
 
@@ -45,6 +50,8 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
     sums[2 * b + 1] = sum[1];
   }
 }
+
+#if defined(FUNCSPEC_ISA_AVX512BF16)
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
@@ -141,6 +148,80 @@ constexpr int max_rows() {
   return BITS == 4 && ASYM ? 4 : 6;
 }
 constexpr int MAX_MB = 6;
+
+#else  // the portable builds: simd.h's 16-lane vectors
+
+// acc [MB][32] (fp32) = the rows' products with one column block, as the avx512bf16 tile computes them: per
+// unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (in fp32
+// lanes: every partial sum is an integer of magnitude below 32 * 255 * 127 < 2^24), then scaled, unit after unit.
+template <int BITS, bool ASYM, int U, int MB>
+void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
+          const uint16_t* sb, const uint16_t* ob, float* acc) {
+  using namespace funcspec::simd;
+  const int64_t units = K / U, per_group = G / U, blocks = K / AB;
+  constexpr float zero = BITS == 8 ? 128.0f : 8.0f;
+  alignas(64) float sf[QB], of[QB];
+  for (int i = 0; i < MB * QB; ++i) acc[i] = 0.0f;
+  for (int64_t u = 0; u < units; ++u) {
+    if (u % per_group == 0) {
+      const int64_t g = u / per_group;
+      for (int c = 0; c < QB; ++c) sf[c] = half_to_float(sb[g * QB + c]);
+      if (ASYM)
+        for (int c = 0; c < QB; ++c) of[c] = half_to_float(ob[g * QB + c]);
+    }
+    for (int h = 0; h < 2; ++h) {  // outputs 16h .. 16h + 15
+      f32x16 ai[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) ai[m] = f32x16{};
+      if (BITS == 8) {
+        const uint8_t* w = wb + u * (U / 4) * STEP + 64 * h;
+        for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
+          const u32x16 v = load_u32(w + q * STEP);
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b) {
+            const f32x16 wk = cvt((v >> (8 * b)) & 0xffu);
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; ++m) ai[m] = ai[m] + (float)xq[m * K + u * U + 4 * q + b] * wk;
+          }
+        }
+      } else {
+        const uint8_t* w = wb + u * 4 * STEP + 64 * h;
+        for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
+          const u32x16 v = load_u32(w + o * STEP);
+#pragma GCC unroll 8
+          for (int b = 0; b < 8; ++b) {
+            const f32x16 wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; ++m) ai[m] = ai[m] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+          }
+        }
+      }
+      const f32x16 s = load(sf + 16 * h);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const float dm = d[m * blocks + u * U / AB];
+        const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+        const float sum = (float)(U == 16 ? half[0] : half[0] + half[1]);
+        float* am = acc + m * QB + 16 * h;
+        if (ASYM) {
+          const f32x16 t = ai[m] * s - load(of + 16 * h) * sum;
+          store(am, load(am) + t * dm);
+        } else {
+          store(am, load(am) + (ai[m] - zero * sum) * (s * dm));
+        }
+      }
+    }
+  }
+}
+
+// Rows per pass: MB integer sums of 16 outputs and the unpacked weights stay in registers.
+template <int BITS, bool ASYM>
+constexpr int max_rows() {
+  return 4;
+}
+constexpr int MAX_MB = 6;
+
+#endif
 
 // tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB].
 template <int BITS, bool ASYM, int U, int MB = max_rows<BITS, ASYM>()>

@@ -1,11 +1,11 @@
 // The weight-streaming tiles of stream.cpp, shared with the routed-expert kernel (moe.cpp).
 //
 // A column block of 64 outputs of a weight packed by funcspec/kernels/stream.py (pack_weight) is
-// multiplied by M rows of x in passes of up to 6 rows (all 64 columns) or 12 (two halves of 32),
-// each output one fp32 accumulator over k in order: stream.cpp's header says why.
+// multiplied by M rows of x in passes of a few rows, each output one fp32 accumulator over k in order:
+// stream.cpp's header says why. The avx512bf16 build's tiles are AVX-512 intrinsics (vdpbf16ps); the
+// other builds' are simd.h's vectors, the same layout and order of k.
 #pragma once
 
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -13,16 +13,22 @@
 #include <atomic>
 
 #include "bf16.h"
+#include "simd.h"
+#if defined(FUNCSPEC_ISA_AVX512BF16)
+#include <immintrin.h>
+#endif
 
 namespace funcspec::streaming {
 
 constexpr int64_t BLOCK = 64;     // outputs per column block: 4 zmm of fp32 accumulators
 constexpr int64_t STEP_BYTES = 256;  // weight bytes per k step (BLOCK outputs)
+constexpr int PREFETCH_MB = 6;    // passes of this many rows or more prefetch the next chunk
+constexpr int64_t KC = 256;       // k steps per chunk: 64 KB of a block, L2-resident for the next pass
+
+#if defined(FUNCSPEC_ISA_AVX512BF16)
 constexpr int FULL_MB = 6;        // rows of a pass over all 64 columns: 6 x 4 accumulators + 4 weights = 28 zmm
 constexpr int HALF_MB = 12;       // rows of a pass in two halves of 32 columns: 12 x 2 + 2 = 26 zmm
 constexpr int HALF_ROWS = 24;     // products of up to this many rows take half passes, more take full ones
-constexpr int PREFETCH_MB = 6;    // passes of this many rows or more prefetch the next chunk
-constexpr int64_t KC = 256;       // k steps per chunk: 64 KB of a block, L2-resident for the next pass
 
 struct BF16 {
   using T = uint16_t;
@@ -96,6 +102,106 @@ inline void pass(const typename E::T* x, int64_t K, const typename E::T* wb, int
     tile<E, MB, 2, 2>(x, K, wb, s0, s1, acc, pf ? pf + 128 * (s1 - s0) : nullptr);
   }
 }
+
+#else  // the portable builds: simd.h's 16-lane vectors
+
+// Accumulators (16-lane vectors) a pass keeps in registers: 32 zmm hold 24 with the weights, 16 ymm hold 6
+// (2 registers each), NEON's 32 q hold 6 (4 each), SSE's 16 xmm hold 3.
+#if defined(__AVX512F__)
+constexpr int ACC = 24;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int ACC = 6;
+#else
+constexpr int ACC = 3;
+#endif
+constexpr int FULL_MB = ACC >= 6 ? 6 : ACC;  // rows a pass takes at most; its columns split to fit (pass)
+constexpr int HALF_MB = FULL_MB;
+constexpr int HALF_ROWS = 0;
+
+struct BF16 {
+  using T = uint16_t;
+  static constexpr int64_t P = 2;
+  static float bias(const T* b, int64_t n) { return funcspec::bf16_to_float(b[n]); }
+  static T out(float f) { return funcspec::float_to_bf16(f); }
+};
+
+struct F32 {
+  using T = float;
+  static constexpr int64_t P = 1;
+  static float bias(const T* b, int64_t n) { return b[n]; }
+  static T out(float f) { return f; }
+};
+
+// acc[m][16 J0 : 16 (J0 + NJ)] += sum over steps s in [s0, s1) of x[m, s*P : s*P+P] . w_block[s], as the
+// avx512bf16 tile: per output, k in order (bf16: the even k of a pair, then the odd one).
+template <class E, int MB, int J0, int NJ>
+inline void tile(const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1, float* acc,
+                 const char* pf) {
+  using namespace funcspec::simd;
+  using T = typename E::T;
+  constexpr int64_t step = STEP_BYTES / sizeof(T);  // elements per step
+  constexpr int64_t vec = step / 4;                 // elements per 16 outputs
+  f32x16 a[MB][NJ];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) a[m][j] = load(acc + m * BLOCK + 16 * (J0 + j));
+  for (int64_t s = s0; s < s1; ++s) {
+    if (MB >= PREFETCH_MB && pf) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) prefetch_l2(pf + 64 * (NJ * (s - s0) + j));
+    }
+    if constexpr (E::P == 2) {
+      f32x16 lo[NJ], hi[NJ];  // w[c, 2s] and w[c, 2s + 1] of 16 outputs c: the low and high halves of a pair
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) {
+        const u32x16 u = load_u32(wb + s * step + (J0 + j) * vec);
+        lo[j] = as_float(u << 16);
+        hi[j] = as_float(u & 0xffff0000u);
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const float x0 = funcspec::bf16_to_float(x[m * K + 2 * s]), x1 = funcspec::bf16_to_float(x[m * K + 2 * s + 1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; ++j) {
+          a[m][j] = a[m][j] + x0 * lo[j];
+          a[m][j] = a[m][j] + x1 * hi[j];
+        }
+      }
+    } else {
+      f32x16 w[NJ];
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) w[j] = load(reinterpret_cast<const float*>(wb) + s * step + (J0 + j) * vec);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const float xv = reinterpret_cast<const float*>(x)[m * K + s];
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; ++j) a[m][j] = a[m][j] + xv * w[j];
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) store(acc + m * BLOCK + 16 * (J0 + j), a[m][j]);
+}
+
+// One pass of MB rows over steps [s0, s1): the 64 columns in the fewest parts of 1, 2 or 4 vectors whose
+// accumulators fit ACC (the later parts read the chunk from L1 / L2).
+template <class E, int MB>
+inline void pass(const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1, float* acc,
+                 const char* pf) {
+  constexpr int NJ = MB * 4 <= ACC ? 4 : MB * 2 <= ACC ? 2 : 1;
+  const int64_t part = 64 * NJ * (s1 - s0);  // prefetch bytes per part
+  tile<E, MB, 0, NJ>(x, K, wb, s0, s1, acc, pf);
+  if constexpr (NJ <= 2) tile<E, MB, NJ, NJ>(x, K, wb, s0, s1, acc, pf ? pf + part : nullptr);
+  if constexpr (NJ == 1) {
+    tile<E, MB, 2, 1>(x, K, wb, s0, s1, acc, pf ? pf + 2 * part : nullptr);
+    tile<E, MB, 3, 1>(x, K, wb, s0, s1, acc, pf ? pf + 3 * part : nullptr);
+  }
+}
+
+#endif
 
 // pass<E, mb> for a runtime mb in [1, MB].
 template <class E, int MB = HALF_MB>
