@@ -207,7 +207,9 @@ def quantize_activations(x: torch.Tensor) -> tuple:
     """x [R, K] as int8 per row and block of 32 k: ``(xq [R, K/32, 32] int32, d [R, K/32], sums [R, K/32])``."""
     xb = x.float().view(x.shape[0], -1, AB)  # [R, K/32, 32]
     amax = xb.abs().amax(-1)  # [R, K/32]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # NOTE: a tensor divided, as the kernel divides: ``127.0 / amax`` is torch's reciprocal() * 127, another
+    # rounding, which at a tie (bf16 inputs make many) rounds x to the other integer.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int32)
     return xq, amax / 127.0, xq.sum(-1)
 
