@@ -288,7 +288,7 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
 
 }  // namespace
 
-#else  // the portable builds: simd.h's 16-lane vectors
+#else  // the portable builds: simd.h's vectors
 
 namespace {
 
@@ -297,12 +297,12 @@ using namespace funcspec::simd;
 constexpr int RG = 4;  // query rows (heads of one KV head) per pass: each K and V row is converted once for them
 
 // R (<= RG) query rows q[r] (the heads of one KV head, at one token) over keys/vals [TR, D] (token strides ks,
-// vs) where vis [TR]. Scratch: qf [RG][DP], row [DP] (DP = D rounded up to 16, the tail zero), s [RG][TR + 16],
+// vs) where vis [TR]. Scratch: qf [RG][DP], row [DP] (DP = D rounded up to W, the tail zero), s [RG][TR + W],
 // acc [RG][DP]. Each row's scores, softmax and weighted sum are its own operations in a fixed order.
 template <class T>
 void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t* vis, T* const* out, int64_t D,
                  int64_t TR, int64_t ks, int64_t vs, float scale, float* qf, float* row, float* s, float* acc) {
-  const int64_t CH = (D + L - 1) / L, DP = CH * L, SP = TR + L;
+  const int64_t CH = (D + W - 1) / W, DP = CH * W, SP = TR + W;
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < D; ++c) qf[r * DP + c] = funcspec::to_float<T>(q[r][c]);
   int64_t seen = 0;
@@ -311,8 +311,8 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     ++seen;
     for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(k[j * ks + c]);
     for (int r = 0; r < R; ++r) {
-      f32x16 dot{};
-      for (int64_t c = 0; c < CH; ++c) dot = dot + load(qf + r * DP + c * L) * load(row + c * L);
+      vf dot{};
+      for (int64_t c = 0; c < CH; ++c) dot = dot + load(qf + r * DP + c * W) * load(row + c * W);
       s[r * SP + j] = hsum(dot) * scale;
     }
   }
@@ -327,10 +327,10 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     float mx = -INFINITY;
     for (int64_t j = 0; j < TR; ++j)
       if (vis[j]) mx = std::max(mx, sr[j]);
-    f32x16 sum{};
-    for (int64_t j = 0; j < TR; j += L) {
-      f32x16 p = exp_neg(load(sr + j) - mx);  // past TR: scratch, dropped below
-      for (int i = 0; i < L; ++i)
+    vf sum{};
+    for (int64_t j = 0; j < TR; j += W) {
+      vf p = exp_neg(load(sr + j) - mx);  // past TR: scratch, dropped below
+      for (int i = 0; i < W; ++i)
         if (j + i >= TR || !vis[j + i]) p[i] = 0.0f;
       store(sr + j, p);
       sum = sum + p;
@@ -343,7 +343,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(v[j * vs + c]);
     for (int r = 0; r < R; ++r) {
       const float p = s[r * SP + j];
-      for (int64_t c = 0; c < CH; ++c) store(acc + r * DP + c * L, load(acc + r * DP + c * L) + p * load(row + c * L));
+      for (int64_t c = 0; c < CH; ++c) store(acc + r * DP + c * W, load(acc + r * DP + c * W) + p * load(row + c * W));
     }
   }
   for (int r = 0; r < R; ++r)
@@ -356,10 +356,10 @@ template <class T>
 void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
             int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
             int threads) {
-  const int64_t G = H / HKV, DP = (D + L - 1) / L * L;
+  const int64_t G = H / HKV, DP = (D + W - 1) / W * W;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> qf(RG * DP, 0.0f), row(DP, 0.0f), s(RG * (TR + L)), acc(RG * DP);
+    std::vector<float> qf(RG * DP, 0.0f), row(DP, 0.0f), s(RG * (TR + W)), acc(RG * DP);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * HKV; ++bh) {
       const int64_t b = bh / HKV, hk = bh % HKV;

@@ -149,7 +149,7 @@ constexpr int max_rows() {
 }
 constexpr int MAX_MB = 6;
 
-#else  // the portable builds: simd.h's 16-lane vectors
+#else  // the portable builds: simd.h's vectors
 
 // acc [MB][32] (fp32) = the rows' products with one column block, as the avx512bf16 tile computes them: per
 // unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (in fp32
@@ -158,6 +158,7 @@ template <int BITS, bool ASYM, int U, int MB>
 void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
           const uint16_t* sb, const uint16_t* ob, float* acc) {
   using namespace funcspec::simd;
+  constexpr int NV = 16 / W;  // registers per 16 outputs
   const int64_t units = K / U, per_group = G / U, blocks = K / AB;
   constexpr float zero = BITS == 8 ? 128.0f : 8.0f;
   alignas(64) float sf[QB], of[QB];
@@ -170,44 +171,56 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
         for (int c = 0; c < QB; ++c) of[c] = half_to_float(ob[g * QB + c]);
     }
     for (int h = 0; h < 2; ++h) {  // outputs 16h .. 16h + 15
-      f32x16 ai[MB];
+      vf ai[MB][NV];
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) ai[m] = f32x16{};
+      for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) ai[m][j] = vf{};
       if (BITS == 8) {
         const uint8_t* w = wb + u * (U / 4) * STEP + 64 * h;
         for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
-          const u32x16 v = load_u32(w + q * STEP);
 #pragma GCC unroll 4
-          for (int b = 0; b < 4; ++b) {
-            const f32x16 wk = cvt((v >> (8 * b)) & 0xffu);
+          for (int j = 0; j < NV; ++j) {
+            const vu v = load_u32(w + q * STEP + 4 * W * j);
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; ++b) {
+              const vf wk = cvt((v >> (8 * b)) & 0xffu);
 #pragma GCC unroll 8
-            for (int m = 0; m < MB; ++m) ai[m] = ai[m] + (float)xq[m * K + u * U + 4 * q + b] * wk;
+              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 4 * q + b] * wk;
+            }
           }
         }
       } else {
         const uint8_t* w = wb + u * 4 * STEP + 64 * h;
         for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
-          const u32x16 v = load_u32(w + o * STEP);
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) {
+            const vu v = load_u32(w + o * STEP + 4 * W * j);
 #pragma GCC unroll 8
-          for (int b = 0; b < 8; ++b) {
-            const f32x16 wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
+            for (int b = 0; b < 8; ++b) {
+              const vf wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
 #pragma GCC unroll 8
-            for (int m = 0; m < MB; ++m) ai[m] = ai[m] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+            }
           }
         }
       }
-      const f32x16 s = load(sf + 16 * h);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const float dm = d[m * blocks + u * U / AB];
         const int32_t* half = sums + m * 2 * blocks + u * U / 16;
         const float sum = (float)(U == 16 ? half[0] : half[0] + half[1]);
-        float* am = acc + m * QB + 16 * h;
-        if (ASYM) {
-          const f32x16 t = ai[m] * s - load(of + 16 * h) * sum;
-          store(am, load(am) + t * dm);
-        } else {
-          store(am, load(am) + (ai[m] - zero * sum) * (s * dm));
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+          const int c = 16 * h + W * j;
+          const vf s = load(sf + c);
+          float* am = acc + m * QB + c;
+          if (ASYM) {
+            const vf t = ai[m][j] * s - load(of + c) * sum;
+            store(am, load(am) + t * dm);
+          } else {
+            store(am, load(am) + (ai[m][j] - zero * sum) * (s * dm));
+          }
         }
       }
     }

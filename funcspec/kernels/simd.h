@@ -1,7 +1,8 @@
 // The portable builds' vectors (avx512, avx2, portable: funcspec/kernels/build.py's BUILDS): GCC / Clang
-// vector extensions of 16 fp32 lanes, which the compiler lowers to the ISA it is given (one zmm, two ymm,
-// four xmm or four NEON registers). Every lane op is an ordinary IEEE op on that lane, so a kernel written
-// with them computes each output by the same sequence of operations on every build of the same flags.
+// vector extensions of the ISA's native width W (16 fp32 lanes with AVX-512, 8 with AVX, else 4: SSE2, NEON).
+// Every lane op is an ordinary IEEE op on that lane, so a kernel computes each output by the same sequence of
+// operations whichever lane or register holds it; only the horizontal sums (hsum) depend on W, in one fixed
+// order per build.
 #pragma once
 
 #include <stdint.h>
@@ -9,43 +10,55 @@
 
 namespace funcspec::simd {
 
-constexpr int L = 16;  // lanes
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int W = 16;     // fp32 lanes of a register
+constexpr int REGS = 32;  // vector registers
+#elif defined(__AVX__)
+constexpr int W = 8;
+constexpr int REGS = 16;
+#elif defined(__aarch64__)
+constexpr int W = 4;
+constexpr int REGS = 32;
+#else
+constexpr int W = 4;
+constexpr int REGS = 16;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
 
-inline f32x16 load(const float* p) {
-  f32x16 v;
+inline vf load(const float* p) {
+  vf v;
   memcpy(&v, p, sizeof v);
   return v;
 }
-inline u32x16 load_u32(const void* p) {
-  u32x16 v;
+inline vu load_u32(const void* p) {
+  vu v;
   memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store(float* p, f32x16 v) { memcpy(p, &v, sizeof v); }
-inline f32x16 splat(float f) { return f32x16{} + f; }
-inline f32x16 as_float(u32x16 u) { return (f32x16)u; }  // the same bits
-inline f32x16 cvt(u32x16 u) { return __builtin_convertvector((i32x16)u, f32x16); }  // values < 2^31
+inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
+inline vf splat(float f) { return vf{} + f; }
+inline vf as_float(vu u) { return (vf)u; }  // the same bits
+inline vf cvt(vu u) { return __builtin_convertvector((vi)u, vf); }  // values < 2^31
 
-// The sum of the 16 lanes in one fixed order (a tree).
-inline float hsum(f32x16 v) {
-  float t[L];
+// The sum of the W lanes in one fixed order (a tree).
+inline float hsum(vf v) {
+  float t[W];
   memcpy(t, &v, sizeof t);
-  for (int w = L / 2; w >= 1; w /= 2)
+  for (int w = W / 2; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) t[i] += t[i + w];
   return t[0];
 }
 
 // exp(x) for x <= 0 (scores minus their max): 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-7 Taylor
 // polynomial (relative error ~5e-9), 2^n built in the exponent bits (n >= -126 after the clamp).
-inline f32x16 exp_neg(f32x16 x) {
+inline vf exp_neg(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;  // e^-87 ~ 1.6e-38: tiny but normal
-  const f32x16 t = x * 1.44269504088896341f;
-  const f32x16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
-  const f32x16 f = (t - n) * 0.693147180559945309f;
-  f32x16 p = splat(1.0f / 5040);
+  const vf t = x * 1.44269504088896341f;
+  const vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const vf f = (t - n) * 0.693147180559945309f;
+  vf p = splat(1.0f / 5040);
   p = p * f + 1.0f / 720;
   p = p * f + 1.0f / 120;
   p = p * f + 1.0f / 24;
@@ -53,8 +66,8 @@ inline f32x16 exp_neg(f32x16 x) {
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * (f32x16)e;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)e;
 }
 
 // IEEE half to float, exactly (scales and offsets of the quantized weights).

@@ -103,18 +103,12 @@ inline void pass(const typename E::T* x, int64_t K, const typename E::T* wb, int
   }
 }
 
-#else  // the portable builds: simd.h's 16-lane vectors
+#else  // the portable builds: simd.h's vectors
 
-// Accumulators (16-lane vectors) a pass keeps in registers: 32 zmm hold 24 with the weights, 16 ymm hold 6
-// (2 registers each), NEON's 32 q hold 6 (4 each), SSE's 16 xmm hold 3.
-#if defined(__AVX512F__)
-constexpr int ACC = 24;
-#elif defined(__AVX__) || defined(__aarch64__)
-constexpr int ACC = 6;
-#else
-constexpr int ACC = 3;
-#endif
-constexpr int FULL_MB = ACC >= 6 ? 6 : ACC;  // rows a pass takes at most; its columns split to fit (pass)
+// A pass keeps its accumulators in 3/4 of the registers (the rest: weights); 16 columns take NV of them.
+constexpr int NV = 16 / funcspec::simd::W;
+constexpr int ACC = funcspec::simd::REGS * 3 / 4;
+constexpr int FULL_MB = ACC / NV < 6 ? ACC / NV : 6;  // rows a pass takes at most; its columns split to fit (pass)
 constexpr int HALF_MB = FULL_MB;
 constexpr int HALF_ROWS = 0;
 
@@ -140,58 +134,58 @@ inline void tile(const typename E::T* x, int64_t K, const typename E::T* wb, int
   using namespace funcspec::simd;
   using T = typename E::T;
   constexpr int64_t step = STEP_BYTES / sizeof(T);  // elements per step
-  constexpr int64_t vec = step / 4;                 // elements per 16 outputs
-  f32x16 a[MB][NJ];
+  constexpr int64_t vec = W * 4 / sizeof(T);         // elements per register of weights
+  constexpr int V = NJ * NV;                         // registers per row
+  const int64_t c0 = 16 * J0;                        // first column
+  vf a[MB][V];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) a[m][j] = load(acc + m * BLOCK + 16 * (J0 + j));
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) a[m][j] = load(acc + m * BLOCK + c0 + W * j);
   for (int64_t s = s0; s < s1; ++s) {
     if (MB >= PREFETCH_MB && pf) {
 #pragma GCC unroll 4
       for (int j = 0; j < NJ; ++j) prefetch_l2(pf + 64 * (NJ * (s - s0) + j));
     }
+    const T* ws = wb + s * step + c0 * E::P;
     if constexpr (E::P == 2) {
-      f32x16 lo[NJ], hi[NJ];  // w[c, 2s] and w[c, 2s + 1] of 16 outputs c: the low and high halves of a pair
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) {
-        const u32x16 u = load_u32(wb + s * step + (J0 + j) * vec);
-        lo[j] = as_float(u << 16);
-        hi[j] = as_float(u & 0xffff0000u);
-      }
+      float x0[MB], x1[MB];
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
-        const float x0 = funcspec::bf16_to_float(x[m * K + 2 * s]), x1 = funcspec::bf16_to_float(x[m * K + 2 * s + 1]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NJ; ++j) {
-          a[m][j] = a[m][j] + x0 * lo[j];
-          a[m][j] = a[m][j] + x1 * hi[j];
+        x0[m] = funcspec::bf16_to_float(x[m * K + 2 * s]);
+        x1[m] = funcspec::bf16_to_float(x[m * K + 2 * s + 1]);
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < V; ++j) {
+        const vu u = load_u32(ws + j * vec);
+        const vf lo = as_float(u << 16), hi = as_float(u & 0xffff0000u);  // w[c, 2s], w[c, 2s + 1]
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m) {
+          a[m][j] = a[m][j] + x0[m] * lo;
+          a[m][j] = a[m][j] + x1[m] * hi;
         }
       }
     } else {
-      f32x16 w[NJ];
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) w[j] = load(reinterpret_cast<const float*>(wb) + s * step + (J0 + j) * vec);
 #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        const float xv = reinterpret_cast<const float*>(x)[m * K + s];
-#pragma GCC unroll 4
-        for (int j = 0; j < NJ; ++j) a[m][j] = a[m][j] + xv * w[j];
+      for (int j = 0; j < V; ++j) {
+        const vf w = load(reinterpret_cast<const float*>(ws) + j * vec);
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m) a[m][j] = a[m][j] + reinterpret_cast<const float*>(x)[m * K + s] * w;
       }
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) store(acc + m * BLOCK + 16 * (J0 + j), a[m][j]);
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) store(acc + m * BLOCK + c0 + W * j, a[m][j]);
 }
 
-// One pass of MB rows over steps [s0, s1): the 64 columns in the fewest parts of 1, 2 or 4 vectors whose
+// One pass of MB rows over steps [s0, s1): the 64 columns in the fewest parts of 64, 32 or 16 whose
 // accumulators fit ACC (the later parts read the chunk from L1 / L2).
 template <class E, int MB>
 inline void pass(const typename E::T* x, int64_t K, const typename E::T* wb, int64_t s0, int64_t s1, float* acc,
                  const char* pf) {
-  constexpr int NJ = MB * 4 <= ACC ? 4 : MB * 2 <= ACC ? 2 : 1;
+  constexpr int NJ = MB * 4 * NV <= ACC ? 4 : MB * 2 * NV <= ACC ? 2 : 1;
   const int64_t part = 64 * NJ * (s1 - s0);  // prefetch bytes per part
   tile<E, MB, 0, NJ>(x, K, wb, s0, s1, acc, pf);
   if constexpr (NJ <= 2) tile<E, MB, NJ, NJ>(x, K, wb, s0, s1, acc, pf ? pf + part : nullptr);
