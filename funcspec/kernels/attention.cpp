@@ -1,20 +1,21 @@
-// Attention of a few query tokens over a KV cache, for decode on x86 CPUs with AVX-512 and AVX512-BF16.
+// Attention of a few query tokens over a KV cache, for decode, on every build of the kernels (build.py).
 //
 // out[b, t, h] = softmax_j(q[b, t, h] . k[b, h / G, j] * scale over visible j) @ v[b, h / G, :]
 // where visible[b, t, j] (causal, tree, window: the caller's mask) and G = H / H_kv.
 //
 // A decode or verify step has 1-65 query tokens and reads 128-4096+ cached
 // positions, so it should cost what streaming K and V once costs; SDPA's CPU
-// flash kernel spends 3-8x that at these shapes. This reads K and V in place
+// flash kernel spends several times that at these shapes. This reads K and V in place
 // (any slot / head / token strides, each row of D contiguous), skips positions
 // a query cannot see, and runs the query heads of one KV head together (RG at
 // a time), so each K and V row is loaded once for them. Scores, softmax and the
-// sums are fp32; bf16 multiplies raw pairs with vdpbf16ps (q . k exactly per
-// pair; p rounded to bf16 for p . v, as SDPA's bf16 kernels do).
+// sums are fp32; on the avx512bf16 build, bf16 multiplies raw pairs with vdpbf16ps (q . k exactly per
+// pair; p rounded to bf16 for p . v, as SDPA's bf16 kernels do); the other builds (simd.h's vectors) take
+// K and V to fp32 and keep p in fp32.
 //
 // Every query row is computed by the same instructions in the same order
 // whatever the other rows are: AR (1 token) and verification (K+1) agree bit
-// for bit. Plain C ABI, called through ctypes (funcspec/nn/decode_attention.py).
+// for bit. Plain C ABI, called through ctypes (funcspec/kernels/attention.py).
 #include <stdint.h>
 #include <string.h>
 

@@ -10,7 +10,7 @@ the rows beside it. The build is picked at first use (:func:`selected`): the
 best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names.
 
 The kernels are compiled with ``$CXX`` (default ``g++``, which inductor needs
-on the CPU anyway; about 2 s, 20 s on a busy 2-core machine; ``CXX`` may carry
+on the CPU anyway; seconds, longer on a busy machine; ``CXX`` may carry
 arguments, as in ``CXX="ccache g++"``), cached under
 ``$XDG_CACHE_HOME/funcspec/kernels`` (else ``~/.cache/funcspec/kernels``) keyed
 by the sources, compiler command and flags, and called through ``ctypes``;

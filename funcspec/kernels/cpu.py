@@ -95,8 +95,7 @@ def huge_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     grant huge pages to memory that asks (``madvise``), as this VM's does, so
     the tensor is a 2 MiB-aligned view into a buffer one page larger, advised
     before anything touches it. The unaligned ends are never touched, so they
-    take no memory. Interleaved over the same bf16 weights, huge pages streamed
-    5.5% faster (30.9 against 29.0 GB/s, 2-core Zen 4 EPYC).
+    take no memory (huge pages stream faster: graphs/results/notes/kernels.md).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()

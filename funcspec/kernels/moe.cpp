@@ -1,4 +1,4 @@
-// Routed experts of a mixture-of-experts layer for decode on x86 CPUs with AVX-512 and AVX512-BF16.
+// Routed experts of a mixture-of-experts layer for decode, on every build of the kernels (build.py).
 //
 // out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], for a few tokens x [T, H]
 // and experts far beyond the caches: each selected expert's weights are read from memory once per call,

@@ -236,7 +236,7 @@ void block(const typename E::T* x, const typename E::T* wb, const typename E::T*
 // Guided self-scheduling of `total` work items over a team of `team` threads: the next run [*b0, *b1) of
 // contiguous items, a share of what is left that shrinks to one item at the end; false when none is left.
 // NOTE: on a VM the cores' speeds differ from moment to moment, and equal static shares left the faster one
-// waiting at the join (libgomp's spin took 13% of a bf16 decode's samples).
+// waiting at the join (libgomp's spin).
 inline bool take(std::atomic<int64_t>& taken, int64_t total, int64_t team, int64_t* b0, int64_t* b1) {
   int64_t start = taken.load(std::memory_order_relaxed), run = 0;
   do {

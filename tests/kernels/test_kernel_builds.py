@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import OpLog, make_hf_model
+
 from funcspec import Engine, SamplingParams, kernels
 from funcspec.kernels import Ops, QuantFormat, attention, build, cpu, moe, quant, stream
 from funcspec.quant import prepare_params
@@ -231,11 +231,13 @@ def test_decode_attention(kernel_build, dtype, two_threads):
         q = torch.randn(1, t, 6, d, generator=g).to(dtype)
         cache = torch.randn(2, 2, 2, tr + 8, d, generator=g).to(dtype)  # [K/V, slots, H_kv, T_max, D]
         keys, vals = cache[0, :1, :, :tr], cache[1, :1, :, :tr]
-        alone, counts = alone_and_counts(
-            lambda i, j: attention.decode_attention(q[:, i:j], keys, vals, visible[:, i:j]).transpose(0, 1), t)
+        def rows(i, j, q=q, keys=keys, vals=vals):
+            return attention.decode_attention(q[:, i:j], keys, vals, visible[:, i:j]).transpose(0, 1)
+
+        alone, counts = alone_and_counts(rows, t)
         alone = alone.transpose(0, 1)  # [1, T, H·D]
         torch.testing.assert_close(alone.double(), reference_attention(q, keys, vals, visible), **ATTEND_TOL[dtype],
-                                   msg=lambda m: f"head size {d}: {m}")
+                                   msg=lambda m, d=d: f"head size {d}: {m}")
         for r, s, got in counts:
             assert torch.equal(got.transpose(0, 1), alone[:, s:s + r]), f"head size {d}, {r} tokens"
 
