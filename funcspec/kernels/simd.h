@@ -54,7 +54,8 @@ inline float hsum(vf v) {
 // exp(x) for x <= 0 (scores minus their max): 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-7 Taylor
 // polynomial (relative error ~5e-9), 2^n built in the exponent bits (n >= -126 after the clamp).
 inline vf exp_neg(vf x) {
-  x = x < -87.0f ? splat(-87.0f) : x;  // e^-87 ~ 1.6e-38: tiny but normal
+  const vi low = x < -87.0f;  // lanes of all ones where true (bit ops: older Clang has no vector ?:)
+  x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));  // e^-87 ~ 1.6e-38: tiny but normal
   const vf t = x * 1.44269504088896341f;
   const vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
   const vf f = (t - n) * 0.693147180559945309f;
