@@ -226,10 +226,11 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
   }
 }
 
-// Rows per pass: MB integer sums of 16 outputs and the unpacked weights stay in registers.
+// Rows per pass: the MB rows' sums of 16 outputs fit 3/4 of the registers, the unpacked weights the rest.
 template <int BITS, bool ASYM>
 constexpr int max_rows() {
-  return 4;
+  constexpr int rows = funcspec::simd::REGS * 3 / 4 / (16 / funcspec::simd::W);
+  return rows < 6 ? rows : 6;
 }
 constexpr int MAX_MB = 6;
 
