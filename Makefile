@@ -24,7 +24,8 @@ run: setup
 # NOTE: one pytest worker per core (-n auto): the tests pin torch to one thread each, and most of the
 # suite's time is inductor compiling graphs, one process at a time
 test: setup lint
-	$(BIN)/python -m pytest -x -n auto -p no:cacheprovider tests
+	@start=$$(date +%s); $(BIN)/python -m pytest -x -n auto -p no:cacheprovider tests; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s (pytest exit status $$rc)"; exit $$rc
 
 # ruff, then mypy (both configured in pyproject.toml); make test runs them before the suite
 lint: setup
