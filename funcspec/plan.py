@@ -41,7 +41,6 @@ class EnginePlan:
             verified past the limit never writes out of bounds.
         num_slots: KV slots (``max_num_seqs``), plus the scratch slot.
         backend: the resolved capture backend.
-        startup: every graph is captured before the engine returns.
         bucket_plan: the (B, K, T) buckets and their graphs (:class:`~funcspec.capture.BucketPlan`).
         tree_frontiers: a draft network expands a tree's frontiers (``False`` for
             ngram and suffix, which caps the depth of a cut dynamic tree).
@@ -53,9 +52,13 @@ class EnginePlan:
     t_max: int
     num_slots: int
     backend: str
-    startup: bool
     bucket_plan: BucketPlan
     tree_frontiers: bool = True
+
+    @property
+    def startup(self) -> bool:
+        """Every graph is captured before the engine returns (``BucketPlan.startup``)."""
+        return self.bucket_plan.startup
 
     @property
     def tree(self):
@@ -192,4 +195,4 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     buckets = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, startup, t_max, context_buckets,
                                     tree=tree, tree_sizes=sizes, symbolic_batch=symbolic)
     frontiers = spec is None or methods.lookup(spec.method).model != methods.NONE
-    return EnginePlan(spec, max_k, max_model_len, t_max, max_batch_size, backend, startup, buckets, frontiers)
+    return EnginePlan(spec, max_k, max_model_len, t_max, max_batch_size, backend, buckets, frontiers)

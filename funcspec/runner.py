@@ -218,7 +218,7 @@ class Runner:
         """The exact bucket's graph; after a start-up capture, a mode that was not captured runs in the
         general mode's graph (``filtered`` serves every request), so that no step compiles; a logprobs
         mode runs in ``filtered_logprobs``, captured on its first use."""
-        if self.plan.bucket_plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
+        if self.plan.bucket_plan.startup and self.graph_key(b, k, t, mode) not in self.compiled:
             # NOTE: logprobs graphs are not captured at start-up (they would double its graphs for a
             # feature few requests use): the first logprobs step of a (B, K, T) graph captures the general
             # mode with logprobs, once, and every logprobs mode runs in it afterwards.

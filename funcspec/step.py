@@ -288,8 +288,8 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
                                   sc.read, tree=attention(sc.tree, proposal.parents, lens))  # [B, K+1, V] float32
-    block = verifiers.Block(keys[:, 0], logits, proposal, samp, keys, inputs.synthetic_cond)
-    out, n, path = verifiers.verify(sc.verify, block)  # [B, D+1], [B], [B, D+1]
+    vin = verifiers.VerifyInput(keys[:, 0], logits, proposal, samp, keys, inputs.synthetic_cond)
+    out, n, path = verifiers.verify(sc.verify, vin)  # [B, D+1], [B], [B, D+1]
     keep_path(sc.tree, kv, slots, lens, path)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:

@@ -15,8 +15,8 @@ Glossary (after vLLM's ``rejection_sampler.py``), for one row of the batch:
 
 Every rule, chain or tree, has the signature
 
-    verify(cfg, block) -> (tokens, num_emitted, path)
-    #  block: common.Block (key [B], logits [B, N+1, V], proposal.tokens/parents [B, N], sampling,
+    verify(cfg, vin) -> (tokens, num_emitted, path)
+    #  vin: common.VerifyInput (key [B], logits [B, N+1, V], proposal.tokens/parents [B, N], sampling,
     #         keys [B, D+1] decoding's key per position, rates [K] for synthetic)
     #  -> tokens [B, D+1] int64 (PLACEHOLDER after the emitted ones) · num_emitted [B] int32
     #     · path [B, D+1] the tree indices of the accepted root path (a chain's: 0..K)
@@ -53,7 +53,7 @@ from funcspec import rng
 from funcspec.token_tree import Chain
 from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import block, common, entropy, greedy, magicmtp, standard, synthetic, tree
-from funcspec.verifiers.common import Block, Verdict
+from funcspec.verifiers.common import Verdict, VerifyInput
 
 VERIFIERS: dict[str, Callable[..., Verdict]] = {
     "greedy": greedy.verify,
@@ -64,7 +64,7 @@ VERIFIERS: dict[str, Callable[..., Verdict]] = {
     "synthetic": synthetic.verify,
     "tree": tree.verify,
 }
-"""Rule name -> ``verify(cfg, block)`` function."""
+"""Rule name -> ``verify(cfg, vin)`` function."""
 
 OWN_GREEDY = ("synthetic", "tree")
 """Rules that do not reduce to the greedy rule when every row is greedy: synthetic accepts by
@@ -159,14 +159,14 @@ def verify_config(spec, k: int, shape=None) -> VerifyConfig:
     )
 
 
-def verify(cfg: VerifyConfig, block: Block) -> Verdict:
+def verify(cfg: VerifyConfig, vin: VerifyInput) -> Verdict:
     """Run the rule of ``cfg``; see the module docstring for shapes.
 
     With ``cfg.greedy`` (static: the host knows every row has temperature 0)
     every rule but those of :data:`OWN_GREEDY` runs as the greedy rule.
     """
     method = "greedy" if cfg.greedy and cfg.method not in OWN_GREEDY else cfg.method
-    return VERIFIERS[method](cfg, block)
+    return VERIFIERS[method](cfg, vin)
 
 
 def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:
@@ -228,7 +228,7 @@ def rejection_sample(
     check_method(method)
     if method == "tree":
         raise ValueError("method 'tree' verifies token trees, whose drafts need parents: call verifiers.verify "
-                         "with a common.Block whose proposal carries them")
+                         "with a common.VerifyInput whose proposal carries them")
     common.check_inputs(None, target_logits, draft_tokens, draft_probs)
     batch, k = draft_tokens.shape
     rates = None
@@ -247,9 +247,9 @@ def rejection_sample(
         _checked_row_tensor("top_p", top_p, batch, torch.float32, device, lambda t: 0 < t <= 1, "in (0, 1]"),
     )
     proposal = Proposal.chain(draft_tokens, draft_probs)
-    tokens, num_emitted, _ = verify(cfg, Block(_row_keys(key, batch), target_logits, proposal, sampling))
+    tokens, num_emitted, _ = verify(cfg, VerifyInput(_row_keys(key, batch), target_logits, proposal, sampling))
     return tokens, num_emitted
 
 
-__all__ = ["VERIFIERS", "Block", "Verdict", "VerifyConfig", "verify", "verify_config", "rejection_sample",
+__all__ = ["VERIFIERS", "Verdict", "VerifyConfig", "VerifyInput", "verify", "verify_config", "rejection_sample",
            "check_method"]
