@@ -127,7 +127,8 @@ class Runner:
         plan: the engine's :class:`~funcspec.plan.EnginePlan`: slots, cache length,
             backend, buckets, and per bucket K its verify rule and token tree.
         model: the loaded target (:class:`~funcspec.checkpoints.Model`).
-        proposer: the built proposer handle, or ``None`` (autoregressive).
+        proposer: the built proposer (:class:`~funcspec.proposers.BoundProposer`, which holds the draft
+            params), or ``None`` (autoregressive).
         device, dtype: where and in what the state lives.
         dyn: the confidence scheduler (dynamic verify length; host state that
             changes every step, so not part of the plan), or ``None``.
@@ -142,12 +143,17 @@ class Runner:
         self.backend, self.num_slots, self.t_max = plan.backend, plan.num_slots, plan.t_max
         self.synthetic_rates = plan.synthetic_rates  # NOTE: a tensor input: set_synthetic_acceptance_rates changes it
         self.prefill_hooks = tuple(prefill_hooks)
-        self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
         self.compiled: dict[BucketKey, Any] = {}  # (plan.graph_batch(B), K, T, mode name) -> captured step
         self.pool = graph_pool(self.backend)  # device graphs: one memory pool for this runner's buckets
         self.replay_ms: dict[BucketKey, Window] = collections.defaultdict(Window)  # per bucket: recent step wall ms
+
+    @property
+    def params(self) -> dict:
+        """``{"target": ..., "draft": ...}``: the params pytree every bucket takes, read from where they are
+        held (the target's ``model.params`` and the proposer's ``params``)."""
+        return {"target": self.model.params, "draft": self.proposer.params if self.proposer else None}
 
     def _init_state(self, dtype) -> EngineState:
         s, dev = self.num_slots, self.device
@@ -164,7 +170,7 @@ class Runner:
         """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
         p = self.proposer
         verify = dataclasses.replace(self.plan.verify(k), filters=mode.filters, greedy=mode.greedy)
-        return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
+        return StepConfig(self.model.cfg, k, p, verify,
                           p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
                           KVRead(t, aligned=True), mode, self.plan.bucket_tree(k))
 
@@ -288,8 +294,8 @@ class Runner:
             hook(leads, tokens, lens, tuple(by_layer[x] for x in hook.layers))
         if self.proposer is not None:
             for i, r in enumerate(leads):
-                pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,
-                                               lens[i], tuple(by_layer[x][i:i + 1] for x in own))
+                pstate = self.proposer.prefill(self.state.proposer, tokens[i:i + 1], r.slot, lens[i],
+                                               tuple(by_layer[x][i:i + 1] for x in own))
                 self.state = replace(self.state, proposer=pstate)
         for req in reqs:
             if req.index > 0:  # a sibling: the prompt's KV, history, sampling and drafter state, copied

@@ -165,7 +165,7 @@ class StepConfig:
 
     model: ModelConfig
     k: int
-    proposer: Optional["BoundProposer"] = None  # module + static cfg; None without speculation
+    proposer: Optional["BoundProposer"] = None  # equal by (module, cfg); None without speculation
     verify: verifiers.VerifyConfig = verifiers.VerifyConfig()  # the bucket's rule (K = 0: standard)
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based

@@ -3,6 +3,7 @@ against a from-scratch recompute, checkpoint round trips, state structure, paddi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -36,7 +37,7 @@ def record_drafts(eng):
         return proposal, new
 
     wrapped.propose = propose
-    eng.proposer.module = wrapped
+    eng.proposer = eng.runner.proposer = dataclasses.replace(eng.proposer, module=wrapped)
     return rec
 
 
@@ -208,7 +209,7 @@ def test_draft_window_does_not_depend_on_k(zoo):
     drafts = {}
     for k in (2, 3):
         state = clone_state(eng.state)
-        drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1], k), k)[0].tokens
+        drafts[k] = h.propose(params, state.proposer, _ctx(state, [0, 1], k), k)[0].tokens
     assert torch.equal(drafts[3][:, :2], drafts[2])
 
 

@@ -58,9 +58,10 @@ def test_proposers_are_built_from_the_context_only():
 
 
 def test_bound_proposer_is_static_and_calls_the_module():
-    handle = build_proposer(SpecConfig("echo", 2), None, CTX)
-    bound = handle.bound
-    assert bound == BoundProposer(handle.module, None) and hash(bound) == hash(handle.bound)
+    bound = build_proposer(SpecConfig("echo", 2), None, CTX)
+    # equal and hashable by (module, cfg): the params and the host drafter are carried, not compared
+    assert bound == BoundProposer(bound.module, None, params={"other": 1}) and hash(bound) == hash(
+        BoundProposer(bound.module, None))
     ctx = types.SimpleNamespace(history=torch.tensor([[4, 9, 3], [0, 0, 0]]), slots=torch.tensor([0]),
                                 lens=torch.tensor([1]))
     proposal, state = bound.propose(None, "state", ctx, 3)
