@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 import warnings
 from typing import Optional, Sequence
@@ -27,8 +28,8 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, kernels, rng, sampling
-from funcspec.capture import CAPTURE_MODES, STARTUP_SAMPLING, cache
+from funcspec import distributed, kernels, logprobs, rng, sampling
+from funcspec.capture import CAPTURE_MODES, cache
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
 from funcspec.config import SamplingParams, SpecConfig
@@ -36,11 +37,11 @@ from funcspec.config.checks import check_bool
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
-from funcspec.plan import EnginePlan, plan_engine
+from funcspec.plan import EnginePlan, plan_engine, startup_modes
 from funcspec.quant import prepare_params
 from funcspec.quant.formats import on_load
 from funcspec.runner import Bucket, Runner, graph_name
-from funcspec.scheduler import Request, Scheduler, logprob_dict
+from funcspec.scheduler import Request, Scheduler
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
 
@@ -148,7 +149,7 @@ class Engine:
         check_bool("enable_expert_parallel", enable_expert_parallel)
         if ops is not None and not cpu_kernels:
             raise ValueError("cpu_kernels=False shapes the default ops: pass ops or cpu_kernels, not both")
-        self.startup_modes = STARTUP_SAMPLING + (("filtered_logprobs",) if capture_logprobs else ())
+        self.startup_modes = startup_modes(capture_logprobs)
         self.quantization = on_load(quantization)
         self.followers = None
         if tensor_parallel_size != 1:
@@ -236,8 +237,9 @@ class Engine:
     def startup_graphs(self) -> list[tuple[int, int, int, str]]:
         """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch
         size up to ``max_batch_size`` with the K it runs (the K table, or every K under a confidence budget),
-        every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING` (and the general mode
-        with logprobs under ``capture_logprobs``)."""
+        every context bucket, and the modes of :func:`funcspec.plan.startup_modes` (``startup_modes``: those
+        of :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under
+        ``capture_logprobs``)."""
         ks = lambda n: self.plan.bucket_plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
         todo = {}
         for n in range(1, self.num_slots + 1):
@@ -245,7 +247,7 @@ class Engine:
             for k in ks(n):
                 for t in self.plan.bucket_plan.context_buckets or (self.t_max,):
                     for mode in self.startup_modes:
-                        todo.setdefault(self.runner.graph_key(b, k, t, sampling.MODES[mode]), (b, k, t, mode))
+                        todo.setdefault(self.runner.graph_key(b, k, t, mode), (b, k, t, mode.name))
         return sorted(todo.values())
 
     def _capture_all(self) -> None:
@@ -253,9 +255,10 @@ class Engine:
         t0 = time.perf_counter()
         todo = self.startup_graphs()
         with tqdm(todo, desc="capturing graphs", unit="graph") as bar:
-            for b, k, t, mode in bar:
-                bar.set_postfix_str(graph_name(self.runner.graph_key(b, k, t, sampling.MODES[mode])))
-                self.runner.graph(b, k, t, sampling.MODES[mode])
+            for b, k, t, name in bar:
+                mode = sampling.MODES[name]
+                bar.set_postfix_str(graph_name(self.runner.graph_key(b, k, t, mode)))
+                self.runner.graph(b, k, t, mode)
         self.startup_seconds = time.perf_counter() - t0
 
     def _prepare(self, ops) -> None:
@@ -289,11 +292,13 @@ class Engine:
         """Running requests by slot (slots 0..n-1)."""
         return self.scheduler.running
 
-    def bucket(self, b: int, k: int, t: Optional[int] = None, mode: str = "filtered", live: int = 0) -> Bucket:
+    def bucket(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED,
+               live: int = 0) -> Bucket:
         """The pure step function of bucket (b, k, t, mode) and example arguments for it.
 
-        ``t`` defaults to the whole cache; ``mode`` is greedy, random or
-        filtered. A token-tree engine takes any node count ``k`` = N up to its
+        ``t`` defaults to the whole cache; ``mode`` is a :class:`funcspec.sampling.Mode`
+        (``sampling.GREEDY``, ``RANDOM``, ``FILTERED``, or one of ``sampling.MODES`` by
+        name, with logprobs). A token-tree engine takes any node count ``k`` = N up to its
         tree's size (the tree cut to N nodes), planned or not. With ``live=0`` every row points at the scratch slot, so
         calling or capturing ``bucket.fn(*bucket.args)`` changes no request;
         ``live=n`` makes the first n rows the running requests (slots 0..n-1).
@@ -303,7 +308,9 @@ class Engine:
             raise ValueError(f"k must be a node count 0..{tree.size} of this engine's token tree, got {k}")
         if tree is None and k not in self.plan.bucket_plan.ks:
             raise ValueError(f"k must be one of this engine's K values {self.plan.bucket_plan.ks}, got {k}")
-        return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
+        if not isinstance(mode, sampling.Mode):
+            raise ValueError(f"mode must be a funcspec.sampling.Mode (sampling.MODES[name] for a name), got {mode!r}")
+        return self.runner.bucket(b, k, t, mode, live)
 
     @mirrored
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
@@ -422,13 +429,14 @@ class Engine:
             seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
                                          else (self.seed << 32) + int(r.request_id), r.index) for r in group]
             try:
-                firsts, first_lps, prompt_lps = self.runner.prefill(group, seeds)
+                mode = sampling.mode_for(r.params for r in group)  # as a step's: the engine decides it
+                firsts, first_lps, prompt_lps = self.runner.prefill(group, seeds, mode)
                 for req, first, lp, plp in zip(group, firsts, first_lps, prompt_lps):
                     req.t_first = time.perf_counter()
                     if plp is not None:
-                        req.prompt_logprobs = [None] + self._logprob_dicts(req.prompt_ids[1:], plp,
-                                                                           req.params.prompt_logprobs)
-                    self._append(req, [first], None if lp is None else tuple([x] for x in lp))
+                        req.prompt_logprobs = [None] + logprobs.dicts(req.prompt_ids[1:], plp,
+                                                                      req.params.prompt_logprobs, self._decode)
+                    self._append(req, [first], lp)
             except Exception as err:  # noqa: BLE001 (one request's failure is its own)
                 self._fail(group, err)
         done = [r for r in reqs if r.finish_reason]
@@ -436,13 +444,13 @@ class Engine:
             self._retire(req)
         return done
 
-    def _append(self, req: Request, new: list[int], lps: Optional[tuple] = None) -> int:
-        """Append ``new`` tokens under the stop rules, with their logprobs ``lps`` (per-position lists) where the
-        request asked for them; returns how many the stop rules kept."""
+    def _append(self, req: Request, new: list[int], lps: Optional[logprobs.HostRow] = None) -> int:
+        """Append ``new`` tokens under the stop rules, with their logprobs ``lps`` (the row's, one position per
+        token) where the request asked for them; returns how many the stop rules kept."""
         before = len(req.output_ids)
         self.scheduler.append(req, new)
         if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
-            req.logprobs += self._logprob_dicts(req.output_ids[before:], lps, req.params.logprobs)
+            req.logprobs += logprobs.dicts(req.output_ids[before:], lps, req.params.logprobs, self._decode)
         return len(req.output_ids) - before
 
     @staticmethod
@@ -481,20 +489,10 @@ class Engine:
         used = max(drafts[:rows], default=0)
         self._dyn_k = min(self.dyn.max_k, max(self.dyn.budget_k, used + (used == k)))
 
-    def _decode_one(self, token: int):
-        """The text of one token id (``Logprob.decoded_token``), ``None`` without a tokenizer; memoised, as
-        logprobs decode the same top tokens over and over."""
-        memo = self.__dict__.setdefault("_decoded", {})
-        if token not in memo:
-            tok = self.model.tokenizer
-            memo[token] = tok.decode([token]) if tok is not None else None
-        return memo[token]
-
-    def _logprob_dicts(self, tokens: list[int], lps: tuple, k: int) -> list[dict]:
-        """vLLM's dicts for ``tokens`` from unpacked logprobs ``(logprob [E], rank [E], top [E][M], ids [E][M])``."""
-        lp, rank, top, ids = lps
-        decode = self._decode_one
-        return [logprob_dict(t, lp[j], rank[j], top[j], ids[j], k, decode) for j, t in enumerate(tokens)]
+    @functools.cached_property
+    def _decode(self) -> logprobs.Decoder:
+        """Token id -> text for logprobs' ``decoded_token`` (memoised)."""
+        return logprobs.Decoder(self.model.tokenizer)
 
     def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int, lps=None) -> list[Request]:
         """Count the step, append each row's tokens (and logprobs), retire the finished rows; returns them."""
@@ -515,8 +513,7 @@ class Engine:
                     self._accepted_per_pos[j] += 1
                     req.accepted_per_pos[j] += 1
             try:
-                self._stats["tokens_generated"] += self._append(req, tokens[i][:n[i]],
-                                                                lps and tuple(x[i] for x in lps))
+                self._stats["tokens_generated"] += self._append(req, tokens[i][:n[i]], lps and lps[i])
             except Exception as err:  # noqa: BLE001 (one request's failure is its own)
                 self._fail([req], err)
             if req.finish_reason:

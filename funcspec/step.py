@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
+from funcspec.logprobs import TokenLogprobs, token_logprobs
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import Chain, Shape, ancestors, depths, tree_parents
@@ -87,31 +88,14 @@ class StepOutput:
         num_drafts: [B] int64 drafts that were verified (not ``PLACEHOLDER``).
         confidence: [B, K] float32 draft confidences (confidence-based verify
             length only), else ``None``.
-        logprobs: a logprobs bucket's :class:`TokenLogprobs` of ``tokens``, else ``None``.
+        logprobs: a logprobs bucket's ``logprobs.TokenLogprobs`` of ``tokens``, else ``None``.
     """
 
     tokens: torch.Tensor
     num_emitted: torch.Tensor
     num_drafts: torch.Tensor
     confidence: Optional[torch.Tensor] = None
-    logprobs: Optional["TokenLogprobs"] = None
-
-
-@pytree_dataclass
-class TokenLogprobs:
-    """The target's raw log-probabilities at each emitted token (``sampling.token_logprobs``).
-
-    Attributes:
-        logprob: [B, E] float32 of the emitted token (E = K+1, or D+1 for a tree).
-        rank: [B, E] int64, 1-based rank of the emitted token in the target's distribution.
-        top_logprobs: [B, E, M] float32, the M = ``sampling.MAX_LOGPROBS`` largest, descending.
-        top_ids: [B, E, M] int64 their token ids.
-    """
-
-    logprob: torch.Tensor
-    rank: torch.Tensor
-    top_logprobs: torch.Tensor
-    top_ids: torch.Tensor
+    logprobs: Optional[TokenLogprobs] = None
 
 
 @pytree_dataclass
@@ -305,4 +289,4 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
 def emitted_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
     """Logprobs of the emitted ``tokens [B, D+1]`` from the verify logits along the accepted path
     [B, D+1, V]: token j was drawn from the logits of the path's j-th tree index."""
-    return TokenLogprobs(*sampling.token_logprobs(logits[:, : tokens.shape[1]], tokens, sampling.MAX_LOGPROBS))
+    return token_logprobs(logits[:, : tokens.shape[1]], tokens)

@@ -32,7 +32,8 @@ synthetic (which accepts by rate, then emits the target argmax).
 Token trees are verified by the rule ``"tree"`` (``verifiers.tree``; lossless),
 which an engine's plan picks for every bucket that drafts a tree; the step moves
 the KV of the path it returns into place. Every rule sees the rows' sampling
-mode through ``VerifyConfig.greedy`` and ``filters``, which the runner sets per bucket.
+mode through ``VerifyConfig.greedy`` and ``filters``: an engine's plan builds each
+bucket's complete config once (``plan.verify_rule``), per K and sampling mode.
 
 Reproducibility: the step hands the standard rule and the tree rule the keys
 that autoregressive decoding draws each position with (``step.row_keys``). With
@@ -135,30 +136,6 @@ class VerifyConfig:
             object.__setattr__(self, "synthetic_rates", rates)
 
 
-def verify_config(spec, k: int, shape=None) -> VerifyConfig:
-    """The rule that verifies a bucket of K drafts of ``shape`` (``token_tree.Shape``; ``None``: a chain).
-
-    It depends on the speculative config only (not on the proposer), so every
-    method's buckets share it; the runner sets ``filters`` and ``greedy`` per
-    sampling mode. A bucket of no drafts (K = 0, and decoding without a
-    speculative config: ``spec=None``) is verified by the standard rule, whose
-    keyed draw of its one token is decoding's own; a token tree by ``"tree"``.
-    """
-    if k == 0 or spec is None:
-        return VerifyConfig()
-    if shape is not None and not isinstance(shape, Chain):
-        return VerifyConfig(method="tree", depth=shape.depth)
-    rs = spec.rejection_sampler
-    rates = spec.synthetic_acceptance_rates
-    return VerifyConfig(
-        method=spec.verifier_method,
-        posterior_threshold=rs.posterior_threshold,
-        posterior_alpha=rs.posterior_alpha,
-        entropy=spec.verify_entropy,
-        synthetic_rates=None if rates is None else tuple(rates)[:k],
-    )
-
-
 def verify(cfg: VerifyConfig, vin: VerifyInput) -> Verdict:
     """Run the rule of ``cfg``; see the module docstring for shapes.
 
@@ -251,5 +228,5 @@ def rejection_sample(
     return tokens, num_emitted
 
 
-__all__ = ["VERIFIERS", "Verdict", "VerifyConfig", "VerifyInput", "verify", "verify_config", "rejection_sample",
+__all__ = ["VERIFIERS", "Verdict", "VerifyConfig", "VerifyInput", "verify", "rejection_sample",
            "check_method"]

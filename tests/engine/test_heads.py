@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from funcspec import Engine, SamplingParams
+from funcspec import Engine, SamplingParams, sampling
 from funcspec.checkpoints import flatten, layouts, read_weights
 from funcspec.checkpoints import eagle, medusa, mtp
 from funcspec.nn import medusa as medusa_net
@@ -299,7 +299,7 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert eng.plan.bucket_plan.ks == (0, 7) and eng.plan.bucket_plan.capture_sizes()[7] == [32]
-    bucket = eng.bucket(4, 7, mode="greedy")
+    bucket = eng.bucket(4, 7, mode=sampling.GREEDY)
     sig = tree_signature(bucket.args[1])
     out, new = bucket.fn(*bucket.args)
     assert tree_signature(new) == sig and out.tokens.shape == (4, 4) and out.num_emitted.shape == (4,)

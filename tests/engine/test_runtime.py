@@ -53,7 +53,7 @@ def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
         out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
     assert len(eng.runner.compiled) == 3 and len(out[0].outputs[0].logprobs) == 4
     assert LLM(tiny_llama, max_num_seqs=1, max_model_len=32, enforce_eager=True,
-               compilation_config={"capture_logprobs": True}).engine.startup_modes[-1] == "filtered_logprobs"
+               compilation_config={"capture_logprobs": True}).engine.startup_modes[-1].name == "filtered_logprobs"
 
 
 def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):

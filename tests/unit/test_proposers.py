@@ -70,18 +70,6 @@ def test_bound_proposer_is_static_and_calls_the_module():
     assert bound.commit("state", None) == "state" and bound.hidden_layers == ()
 
 
-def test_verify_config_depends_on_the_spec_only():
-    spec = SpecConfig("echo", 3, rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 0.5, 0.2])
-    cfg = verifiers.verify_config(spec, 2)
-    assert cfg.method == "synthetic" and cfg.synthetic_rates == (0.9, 0.5)
-    assert verifiers.verify_config(SpecConfig("ngram", 3), 3) == verifiers.VerifyConfig("standard")
-    # K = 0 (and no speculation) is decoding: the standard rule; a token tree's bucket: the tree rule
-    assert verifiers.verify_config(spec, 0) == verifiers.verify_config(None, 0) == verifiers.VerifyConfig()
-    tree = TokenTree(((0,), (1,), (0, 0)))
-    assert verifiers.verify_config(spec, 3, tree) == verifiers.VerifyConfig("tree", depth=2)
-    assert verifiers.verify_config(spec, 3, Chain(3)) == verifiers.verify_config(spec, 3)
-
-
 def test_window_start_reads_the_last_w_committed_positions():
     """max(lens - W, 0): exact (no block alignment) and without a look-ahead by K (see nn.llama.window_start)."""
     lens = torch.tensor([0, 5, 8, 45])
