@@ -478,7 +478,7 @@ class Engine:
             return self._dyn_k
         return self.spec.k_for_batch_size(active) if self.spec else 0
 
-    def _observe_confidence(self, rows: int, conf: torch.Tensor, drafts: list[int], k: int) -> None:
+    def _observe_confidence(self, rows: int, conf: list, drafts: list[int], k: int) -> None:
         """Confidence-based verify length on the host: update the budget, then the next K bucket.
 
         NOTE: graphs have static K, so the bucket is the width rows may verify: the

@@ -46,9 +46,9 @@ class BucketPlan:
     Attributes:
         batch_buckets: sorted, distinct batch sizes.
         ks: sorted, distinct K values (0 is autoregressive decoding).
-        startup: the graphs were captured at start-up (``capture="startup"``):
-            a mode that was not captured runs in the general mode's graph, never
-            compiling a new one (else each bucket is captured on first use).
+        startup: the graphs are captured at start-up (``capture="startup"``);
+            else each bucket is captured on first use. Which mode's graph runs a
+            bucket then is the engine plan's table (``EnginePlan.graph_modes``).
         context_buckets: sorted, distinct KV lengths T that attention reads; a
             step takes the smallest that holds every row's live tokens, so its
             cost follows the live context, not the cache's capacity. Empty: one
