@@ -12,7 +12,8 @@ request that asked. The host keeps each request's own ``k`` of the top entries.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

@@ -28,8 +28,8 @@ from funcspec.config import SpecConfig
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.kernels import Ops
 from funcspec.nn import ModelConfig
-from funcspec.token_tree import Chain, DynamicTree, Shape, TokenTree, truncate
 from funcspec.sampling import Mode
+from funcspec.token_tree import Chain, DynamicTree, Shape, TokenTree, truncate
 from funcspec.verifiers import VerifyConfig
 
 
@@ -40,7 +40,7 @@ class EnginePlan:
     Attributes:
         spec: the parsed speculative config, or ``None`` (autoregressive decoding;
             ``extract_hidden_states`` decodes autoregressively too).
-        max_k: the largest K of any step (``num_speculative_tokens``; a token tree's node count).
+        max_k: the largest K of any step (``SpecConfig.max_k``; a token tree's node count).
         max_model_len: the prompt + output limit.
         t_max: KV positions per slot, ``max_model_len + max_k + 1``: a full block
             verified past the limit never writes out of bounds.
