@@ -1,12 +1,12 @@
 # Two commands, each doing the whole setup on a fresh machine:
 #   make run   - set up, then generate text with the default model
-#   make test  - set up, then run the test suite (make test-fast: its unit tier)
+#   make test  - set up, lint and type-check, then run the test suite (make test-fast: its unit tier)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-fast setup clean
+.PHONY: run test test-fast lint setup clean
 
 setup: $(STAMP)
 
@@ -23,8 +23,13 @@ run: setup
 
 # NOTE: one pytest worker per core (-n auto): the tests pin torch to one thread each, and most of the
 # suite's time is inductor compiling graphs, one process at a time
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -x -n auto -p no:cacheprovider tests
+
+# ruff, then mypy (both configured in pyproject.toml); make test runs them before the suite
+lint: setup
+	$(BIN)/ruff check funcspec
+	$(BIN)/mypy
 
 # the unit tier: no engine, no compile (under a minute)
 test-fast: setup

@@ -22,9 +22,9 @@ def _generate(args) -> None:
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     t0 = time.perf_counter()
-    engine = Engine(args.model, speculative_config=spec, backend=args.backend,
-                    max_batch_size=max(1, len(args.prompt)), max_model_len=args.max_model_len, capture=args.capture)
-    graphs = engine.stats["graphs"]
+    engine = Engine(args.model, speculative_config=spec, backend=args.backend, max_num_seqs=max(1, len(args.prompt)),
+                    max_model_len=args.max_model_len, compilation_config={"capture": args.capture})
+    graphs = engine.stats()["graphs"]
     loaded = sum(g["loaded"] for g in graphs.values())
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}; captured {len(graphs)} "
           f"graph(s) at start-up in {engine.startup_seconds:.1f}s, {loaded} loaded from the compiled-step store: "
@@ -37,7 +37,7 @@ def _generate(args) -> None:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     for o in outs:
         print(f"Prompt: {o.prompt!r}\nGenerated: {o.outputs[0].text!r}\n")
-    st = engine.stats
+    st = engine.stats()
     print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s  (backend={st['backend']}, steps={st['steps']}, "
           f"mean acceptance length={st['mean_acceptance_length']:.2f})")
     if spec:
@@ -64,16 +64,15 @@ def _precompile(args) -> None:
 
     from funcspec import LLM
     from funcspec.capture import cache
+    from funcspec.serve.args import engine_kwargs
 
     # NOTE: an empty inductor cache, so that every entry is created (and recorded) in this process.
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch = tempfile.mkdtemp(prefix="funcspec-precompile-")
     try:
-        spec = json.loads(args.speculative_config) if args.speculative_config else None
-        llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, dtype=args.dtype, quantization=args.quantization)
-        graphs = llm.engine.stats["graphs"]
-        steps = [g.stats.stored for g in llm.engine.runner.compiled.values() if g.stats.stored]
+        llm = LLM(args.model, **engine_kwargs(args, {}))
+        graphs = llm.engine.stats()["graphs"]
+        steps = [g["stored"] for g in graphs.values() if g["stored"]]
         held = cache.save(args.out, steps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -214,11 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("precompile", help="capture every graph an engine can need and save torch's compile cache "
                                           "to a file that another machine of the same ISA starts warm from")
     p.add_argument("model", help="the target checkpoint (as LLM's model)")
-    p.add_argument("--speculative-config", default=None, help="vLLM speculative_config as JSON")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default=None)
+    from funcspec.serve.args import add_engine_flags
+
+    add_engine_flags(p.add_argument_group("engine (as funcspec serve's: EngineArgs' fields)"))
     p.add_argument("--out", default="funcspec-compile-cache.zip", help="the file to write (default %(default)s)")
     p = sub.add_parser("cache", help="the compiled-step store: where it is, what it holds; prune unused steps")
     p.add_argument("action", choices=("info", "prune"))

@@ -18,9 +18,10 @@ Two ways to start N ranks:
   the OS picks, and every rank builds the group on it under a name of its own
   (``funcspec-tp0``, ``funcspec-tp1``, ...: the lowest this process has free),
   so two engines of one process never share a group or a port. Each follower
-  builds the same engine from rank 0's arguments and rank 0's serialised plan
-  (``EnginePlan.to_dict()``, passed as the engine's ``_plan``: a follower never
-  plans for itself, so no rank can run other buckets than rank 0's), then
+  builds the same engine from rank 0's arguments (``EngineArgs.to_dict()``, plain
+  data) and rank 0's serialised plan (``EnginePlan.to_dict()``, passed as the
+  engine's ``_plan``: a follower never plans for itself, so no rank can run
+  other buckets than rank 0's), then
   replays every public call rank 0 makes (:func:`mirrored`), sent over a pipe,
   and acknowledges it.
 
@@ -51,7 +52,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -174,7 +175,9 @@ def _group(size: int) -> TPGroup:
     world = dist.get_world_size()
     if world != size:
         raise ValueError(f"tensor_parallel_size={size} must equal the torch.distributed world size {world}")
-    return TPGroup(size, dist.get_rank(), dist.group.WORLD.group_name)
+    world_group = dist.group.WORLD
+    assert world_group is not None  # initialized: the caller checked
+    return TPGroup(size, dist.get_rank(), world_group.group_name)
 
 
 def check_devices(size: int, device) -> None:
@@ -186,12 +189,13 @@ def check_devices(size: int, device) -> None:
             raise ValueError(f"tensor_parallel_size={size} exceeds the {count} {kind} device(s) of this machine")
 
 
-def setup(size: int, device, engine_cls, engine_args: dict, plan) -> tuple[TPGroup, Optional["Followers"]]:
+def setup(size: int, device, engine_cls, engine_args, plan) -> tuple[TPGroup, Optional["Followers"]]:
     """Join or start a group of ``size`` ranks; returns this rank's group and, on a spawning rank 0, its followers.
 
-    Spawned followers rebuild their engine as ``engine_cls(**engine_args, _plan=plan.to_dict())``: the
-    class is passed in (this module never imports the engine), and ``plan`` is rank 0's ``EnginePlan``,
-    sent as plain data, which followers run instead of planning from their own arguments.
+    Spawned followers rebuild their engine as ``engine_cls(EngineArgs.from_dict(engine_args.to_dict()),
+    _plan=plan.to_dict())``: the class is passed in (this module never imports the engine), ``engine_args``
+    is rank 0's :class:`~funcspec.args.EngineArgs` and ``plan`` its ``EnginePlan``, both sent as plain data;
+    followers run that plan instead of planning from their own arguments.
     """
     if size == 1:
         return SINGLE, None
@@ -205,21 +209,25 @@ def setup(size: int, device, engine_cls, engine_args: dict, plan) -> tuple[TPGro
     if "WORLD_SIZE" in os.environ:  # torchrun: every rank runs the script
         _init_group(device, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         return _group(size), None
-    followers = Followers.spawn(size, device, engine_cls, engine_args, plan.to_dict())
+    followers = Followers.spawn(size, device, engine_cls, engine_args.to_dict(), plan.to_dict())
+    assert followers.tp is not None  # spawn() sets it once the group is up
     return followers.tp, followers
 
 
 def _follow(rank: int, size: int, port: int, name: str, threads: int, engine_cls, engine_args: dict,
             plan: dict, conn) -> None:
-    """A spawned follower: join group ``name`` as rank ``rank``, build the engine on rank 0's ``plan`` (its
-    ``to_dict()``), then replay rank 0's calls until told to stop."""
+    """A spawned follower: join group ``name`` as rank ``rank``, build the engine from rank 0's arguments
+    (``EngineArgs.to_dict()``) on rank 0's ``plan`` (its ``to_dict()``), then replay rank 0's calls until told
+    to stop."""
+    from funcspec.args import EngineArgs
+
     global _joined
     try:
         conn.send(("up", None))  # started: rank 0 may now wait in the rendezvous
         torch.set_num_threads(threads)
         pg = _new_group(rank_device(engine_args["device"], rank), rank, size, _store(port, size, False), name)
         _joined = TPGroup(size, rank, name)
-        engine = engine_cls(**engine_args, _plan=plan)
+        engine = engine_cls(EngineArgs.from_dict(engine_args), _plan=plan)
         conn.send(("ok", None))
         while True:
             try:
@@ -235,7 +243,7 @@ def _follow(rank: int, size: int, port: int, name: str, threads: int, engine_cls
                 conn.send(("refused", traceback.format_exc()))
                 continue
             conn.send(("ok", None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (a follower reports whatever killed it, then exits)
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
@@ -283,7 +291,7 @@ class _Ranks:
         if self.pg is not None:
             try:
                 dist.destroy_process_group(self.pg)
-            except Exception as e:  # NOTE: keep the name reserved: torch may still hold a group under it
+            except Exception as e:  # noqa: BLE001 (keep the name reserved: torch may still hold a group under it)
                 warnings.warn(f"tensor-parallel group {self.name} was not destroyed: {e!r}", stacklevel=2)
                 return killed
             self.pg = None
@@ -341,7 +349,7 @@ class Followers:
         followers._acks("up")  # NOTE: a follower that dies starting up must not leave rank 0 in the rendezvous
         try:
             followers._ranks.pg = _new_group(device, 0, size, store, name)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (fail() stops every rank and re-raises)
             followers.fail(e)
         followers.tp = TPGroup(size, 0, name)
         return followers
@@ -364,7 +372,7 @@ class Followers:
         except ValueError as e:  # bad input (checked before any collective): every rank refuses it alike
             self._acks("refused", e)
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (fail() stops every rank and re-raises)
             self.fail(e)
         finally:
             self.busy = False
@@ -472,9 +480,3 @@ def mirrored(method):
             return method(self, *args, **kwargs)
         return followers.call(method.__name__, args, kwargs, lambda: method(self, *args, **kwargs))
     return call
-
-
-def engine_args(values: dict[str, Any]) -> dict[str, Any]:
-    """An engine's constructor arguments (from its ``locals()``) as followers receive them (their plan is
-    rank 0's, passed apart: never one a follower was given)."""
-    return {k: v for k, v in values.items() if k not in ("self", "__class__", "_plan")}

@@ -19,8 +19,8 @@ and keeps the counters.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
+import statistics
 import time
 import warnings
 from typing import Optional, Sequence
@@ -28,34 +28,17 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import distributed, kernels, logprobs, rng, sampling
-from funcspec.capture import CAPTURE_MODES, cache
-from funcspec.checkpoints import Model, load_model
-from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
-from funcspec.config import SamplingParams, SpecConfig
-from funcspec.config.checks import check_bool
+from funcspec import build, logprobs, rng, sampling
+from funcspec.args import EngineArgs
+from funcspec.config import SamplingParams
 from funcspec.config.prompts import generate_args, request_args
 from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
-from funcspec.plan import EnginePlan, plan_engine, startup_modes
-from funcspec.quant import prepare_params
-from funcspec.quant.formats import on_load
-from funcspec.runner import Bucket, Runner, graph_name
-from funcspec.scheduler import Request, Scheduler
+from funcspec.plan import EnginePlan
+from funcspec.runner import Bucket, graph_name
+from funcspec.scheduler import Request
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
-
-
-def _shards_draft(spec: Optional[SpecConfig], proposer, size: int) -> bool:
-    """Whether the drafter is sharded with the target (``draft_tensor_parallel_size`` > 1); checks it first."""
-    draft = spec.draft_tensor_parallel_size if spec is not None else None
-    if draft in (None, 1):
-        return False
-    if draft != size:
-        raise ValueError(f"speculative_config.draft_tensor_parallel_size={draft} must be 1 or the engine's "
-                         f"tensor_parallel_size={size}")
-    proposer.module.check_shard(proposer.cfg, proposer.params, size, spec.quantization)
-    return True
 
 
 class Engine:
@@ -66,62 +49,24 @@ class Engine:
     :meth:`bucket` hands out one bucket's pure step function and arguments.
 
     Args:
-        model: a checkpoint path or a loaded :class:`~funcspec.checkpoints.Model`.
+        model: a checkpoint path, a loaded :class:`~funcspec.checkpoints.Model`, or an
+            :class:`~funcspec.args.EngineArgs` (then no other argument).
         speculative_config: a vLLM ``speculative_config`` dict (or a parsed
             :class:`SpecConfig`); ``None`` decodes autoregressively.
-        backend: eager | inductor | cudagraph | aclgraph | auto.
-        max_batch_size: number of KV slots (continuous batching).
-        max_model_len: prompt + output limit; defaults to min(max_position_embeddings, 2048).
-        additional_config: vLLM-Ascend ``additional_config`` (rejection sampler,
-            draft window, dynamic spec).
-        batch_buckets: batch bucket sizes (default: every size up to
-            ``max_batch_size`` where the batch is symbolic (inductor), else powers of two).
-        capture: ``"startup"`` (default) captures every graph a request can
-            need while the engine is built (a progress bar per graph), so no
-            ``generate`` ever compiles; ``"lazy"`` captures each bucket on first
-            use (a notebook that wants to start at once).
-        seed: engine seed for requests without ``SamplingParams.seed``.
-        device, dtype: where and in what precision to run.
-        kv_transfer_config: vLLM's hidden-states connector, for
-            ``method="extract_hidden_states"``.
-        context_buckets: KV lengths that a step's attention reads. A step
-            reads the smallest that holds its longest row, so it costs the live
-            KV. Default: one, the whole cache, where the CPU decode-attention
-            kernel serves the model (it reads only each row's live positions
-            whatever the length); else powers of two from 256, then the whole cache.
-        enable_expert_parallel: under ``tensor_parallel_size > 1``, a mixture-of-experts target's experts are
-            split whole across the ranks (vLLM's flag) instead of slicing each expert.
-        tensor_parallel_size: ranks the target is sharded across
-            (:mod:`funcspec.distributed`). From a plain process, this engine is
-            rank 0 and spawns the others, which replay its public calls; under
-            ``torchrun`` every rank builds its own engine. Call :meth:`close`
-            (or let the interpreter exit) to stop them. Spawned ranks run this
-            engine's plan (they receive ``plan.to_dict()`` as ``_plan``).
-        ops: the kernels (:class:`funcspec.kernels.Ops`); default: what
-            :func:`funcspec.kernels.resolve` picks for ``device``. Pass one to
-            choose a path (tests, benchmarks).
-        cpu_kernels: ``False`` leaves funcspec's own CPU kernels (streaming
-            products, decode attention, quantized products) out of the default
-            ``ops`` and never builds them, as ``FUNCSPEC_CPU_KERNELS=0`` does.
-        quantization: quantize the target's linear layers on load
-            (:data:`funcspec.quant.formats.SCHEMES`: ``"int8"``, ``"int4"``,
-            ...); the drafter takes ``speculative_config["quantization"]``.
-            A checkpoint stored quantized (GPTQ, AWQ, compressed-tensors,
-            vLLM-Ascend, GGUF) is read as it is stored whatever this says;
-            naming its format (vLLM's names: ``"gptq"``, ``"awq"``, ...)
-            checks that it is stored that way.
-        tokenizer: a directory to take the tokenizer from (a GGUF file's
-            vocabulary otherwise, or the checkpoint's own tokenizer files).
-        capture_logprobs: a start-up capture also compiles the graphs that
-            compute logprobs (``filtered_logprobs``), so that a request with
-            ``logprobs`` compiles nothing either (a server's choice); else the
-            first such step compiles its graph.
-        compile_cache: a file written by ``funcspec precompile``
-            (:mod:`funcspec.capture.cache`), loaded into torch's compile caches
-            and the compiled-step store before the graphs are captured, so that
-            they load instead of compiling.
+        **kwargs: the other fields of :class:`~funcspec.args.EngineArgs`, under vLLM's names, with its
+            defaults: compiled graphs (``backend="auto"``) unless ``enforce_eager=True``;
+            ``Engine(model, **kw)`` is ``Engine(EngineArgs(model=model, **kw))``. The old spellings
+            (``max_batch_size``, ``batch_buckets``, ``capture``, ``compile_cache``, ``capture_logprobs``)
+            still work for one release, with a ``DeprecationWarning`` naming the new one.
+
+    The engine is built in the named steps of :mod:`funcspec.build`. With ``tensor_parallel_size > 1``,
+    from a plain process this engine is rank 0 and spawns the others, which replay its public calls
+    (:mod:`funcspec.distributed`); they receive its arguments (``EngineArgs.to_dict()``) and its plan
+    (``EnginePlan.to_dict()``), and run that plan. Under ``torchrun`` every rank builds its own engine.
+    Call :meth:`close` (or let the interpreter exit) to stop them.
 
     Attributes:
+        args: the :class:`~funcspec.args.EngineArgs` it was built from.
         model, spec, proposer: what the engine runs (``model`` is this rank's shard of the target).
         plan: the :class:`~funcspec.plan.EnginePlan` its arguments resolve to (K, cache length,
             slots, backend, buckets, per-K verify rule and tree); ``backend``, ``max_model_len``,
@@ -129,147 +74,48 @@ class Engine:
         tp: this rank's :class:`~funcspec.parallel.TPGroup`.
         followers: the spawned ranks (:class:`~funcspec.distributed.Followers`), or ``None``.
         scheduler: requests and slots (:class:`~funcspec.scheduler.Scheduler`).
-        runner: device state and graphs (:class:`~funcspec.runner.Runner`).
+        runner: device state and graphs (:class:`~funcspec.runner.Runner`). Tools (server, benchmarks,
+            CLI) read :meth:`stats` and the public methods instead of these two, which may change.
     """
 
-    def __init__(self, model, speculative_config=None, backend: str = "eager", max_batch_size: int = 8,
-                 max_model_len: Optional[int] = None, additional_config: Optional[dict] = None,
-                 batch_buckets: Optional[Sequence[int]] = None, capture: str = "startup", seed: int = 0,
-                 device="cpu", dtype=torch.float32, kv_transfer_config: Optional[dict] = None,
-                 context_buckets: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
-                 ops: Optional[kernels.Ops] = None, quantization: Optional[str] = None,
-                 tokenizer: Optional[str] = None, compile_cache: Optional[str] = None,
-                 capture_logprobs: bool = False, cpu_kernels: bool = True, enable_expert_parallel: bool = False,
-                 _plan: Optional[dict] = None):
-        args = distributed.engine_args(locals())  # what spawned followers rebuild this engine from
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
-        if not isinstance(cpu_kernels, bool):
-            raise ValueError(f"cpu_kernels must be True or False, got {cpu_kernels!r}")
-        check_bool("enable_expert_parallel", enable_expert_parallel)
-        if ops is not None and not cpu_kernels:
-            raise ValueError("cpu_kernels=False shapes the default ops: pass ops or cpu_kernels, not both")
-        self.startup_modes = startup_modes(capture_logprobs)
-        self.quantization = on_load(quantization)
+    def __init__(self, model, speculative_config=None, *, _plan: Optional[dict] = None, **kwargs):
+        if isinstance(model, EngineArgs) and (speculative_config is not None or kwargs):
+            raise ValueError("Engine takes an EngineArgs alone, or a model and keywords: not both")
+        self.args = args = model if isinstance(model, EngineArgs) else EngineArgs.from_kwargs(
+            {"model": model, "speculative_config": speculative_config, **kwargs}, "Engine")
         self.followers = None
-        if tensor_parallel_size != 1:
-            device = distributed.rank_device(device, distributed.local_rank())
-        stored = None if self.quantization else quantization  # a stored format's name: the checkpoint must be in it
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device,
-                                                                        tokenizer=tokenizer, quantization=stored)
-        # NOTE: the kernels are chosen once, here, from the device: every ModelConfig (the target's, and the
-        # drafter's, built from it) carries them into each bucket's static key.
-        ops = kernels.resolve(device, cpu_kernels) if ops is None else ops
-        self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, ops=ops))
-        if self.model.cfg.moe.num_experts:  # vLLM's flag
-            moe = dataclasses.replace(self.model.cfg.moe, expert_parallel=enable_expert_parallel)
-            self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg, moe=moe))
-        elif enable_expert_parallel:
-            warnings.warn("enable_expert_parallel=True has no effect: the target is dense (it has no experts to "
-                          "split)", stacklevel=2)
-        cfg = self.model.cfg
-        check_size(cfg, tensor_parallel_size)
-        check_quantized(self.model.params, tensor_parallel_size, self.quantization,
-                        expert_parallel=cfg.moe.expert_parallel)
-        spec = speculative_config
-        if not (isinstance(spec, SpecConfig) or spec is None):
-            spec = SpecConfig.from_vllm(spec, additional_config, target=None if isinstance(model, Model) else model)
-        hooks = []
-        if spec is not None and spec.method == "extract_hidden_states":
-            from funcspec import extract
+        planned = build.plan(args, _plan)  # a spawned follower runs rank 0's plan (``_plan``), never its own
+        prepared = build.prepare(args, planned, build.load(args, planned))
+        group = build.distribute(args, planned, prepared, type(self))
+        self.followers = group.followers
+        self._hold(args, planned.plan, prepared, group, build.capture(args, planned, prepared, group))
 
-            writer = tensor_parallel_size == 1 or distributed.global_rank() == 0
-            hooks.append(extract.build(spec, cfg.num_layers, kv_transfer_config, writer))
-            spec = None  # it does not speculate: decode is plain autoregressive, one token per request
-        elif kv_transfer_config is not None:
-            raise ValueError("kv_transfer_config is only supported with method 'extract_hidden_states'")
-        # NOTE: a spawned follower runs rank 0's plan (``_plan``, its ``to_dict()``), never one of its own: ranks
-        # that planned apart (another device's kernels, another default) would capture different graphs.
-        self.plan = plan = EnginePlan.from_dict(_plan) if _plan is not None else plan_engine(
-            spec, cfg, ops, backend=backend, device=device, dtype=dtype, max_batch_size=max_batch_size,
-            max_model_len=max_model_len, batch_buckets=batch_buckets, context_buckets=context_buckets,
-            capture=capture)
-        self.spec = spec = plan.spec
+    def _hold(self, args: EngineArgs, plan: EnginePlan, prepared: build.Prepared, group: build.Distributed,
+              built: build.Captured) -> None:
+        """Keep what the build steps made, and zero the counters."""
+        self.plan, self.spec, self.model, self.proposer = plan, plan.spec, group.model, group.proposer
         self.backend, self.max_model_len, self.t_max, self.num_slots = (plan.backend, plan.max_model_len,
                                                                          plan.t_max, plan.num_slots)
-        self.device, self.seed = torch.device(device), seed
-        max_model_len, max_k, startup = plan.max_model_len, plan.max_k, plan.startup
-        from funcspec.proposers import BuildContext, build_proposer
-
-        self.proposer = build_proposer(spec, self.model, BuildContext(max_model_len, self.device)) if spec else None
-        self.dyn = None
-        if spec is not None and spec.dynamic_spec is not None:
-            from funcspec.dynamic import ConfidenceScheduler
-
-            self.dyn = ConfidenceScheduler(spec.dynamic_spec, max_k)
+        self.device, self.seed, self.quantization = torch.device(args.device), args.seed, prepared.quantization
+        self.startup_modes = build.startup_modes(args)
+        self.dyn, self.tp = prepared.dyn, group.tp
+        if self.dyn is not None:
             self._dyn_k = self.dyn.budget_k
-        shard_draft = _shards_draft(spec, self.proposer, tensor_parallel_size)
-        # NOTE: the group starts last, once every check that can refuse the arguments has run, so a
-        # refused engine leaves no processes behind; proposers were built from the whole target.
-        self.tp, self.followers = distributed.setup(tensor_parallel_size, device, type(self), args, plan)
+        self.scheduler, self.runner = built.scheduler, built.runner
+        self.startup_seconds = built.startup_seconds  # spent capturing graphs while the engine was built
+        self.compile_cache: Optional[dict] = built.compile_cache  # what a loaded compile cache held, by kind
         self._stats = collections.Counter()
-        self.startup_seconds = 0.0  # spent capturing graphs while the engine was built
-        self.compile_cache: Optional[dict] = None  # what a loaded compile cache held, by kind
         # a tree accepts at most one node per depth: its per-position acceptance is per depth
         # (of the whole tree: a tree cut to N nodes may be shallower, its deeper counts stay 0)
-        self._accepted_per_pos = [0] * (spec.tree.depth if spec and spec.tree else max_k)
+        self._accepted_per_pos = [0] * (plan.tree.depth if plan.tree else plan.max_k)
         self._buckets_used: collections.Counter = collections.Counter()
-        try:
-            # NOTE: shard before the scheduler takes the model, so that nothing keeps the whole target alive.
-            self.model = shard_model(self.model, self.tp, self.quantization)
-            if shard_draft:
-                self.proposer = self.proposer.shard(self.tp, self.spec.quantization)
-            self._prepare(ops)
-            self.scheduler = Scheduler(self.num_slots, max_model_len, self.model, max_new_tokens=1 if hooks else None)
-            self.runner = Runner(plan=plan, model=self.model, proposer=self.proposer, device=device, dtype=dtype,
-                                 dyn=self.dyn, prefill_hooks=hooks)
-            if compile_cache is not None:
-                self.compile_cache = cache.load(compile_cache)  # before any capture
-            if startup:
-                self._capture_all()
-            if self.followers is not None:
-                self.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
-        except BaseException as e:
-            if self.followers is not None:
-                self.followers.fail(e)  # stops every rank; raises, naming a failed follower if there is one
-            raise
 
     def startup_graphs(self) -> list[tuple[int, int, int, str]]:
         """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch
-        size up to ``max_batch_size`` with the K it runs (the K table, or every K under a confidence budget),
-        every context bucket, and the modes of :func:`funcspec.plan.startup_modes` (``startup_modes``: those
-        of :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under
-        ``capture_logprobs``)."""
-        ks = lambda n: self.plan.bucket_plan.ks if self.dyn is not None else (self._choose_k(n),)  # noqa: E731
-        todo = {}
-        for n in range(1, self.num_slots + 1):
-            b = self.plan.bucket_plan.batch_bucket(n)
-            for k in ks(n):
-                for t in self.plan.bucket_plan.context_buckets or (self.t_max,):
-                    for mode in self.startup_modes:
-                        todo.setdefault(self.runner.graph_key(b, k, t, mode), (b, k, t, mode.name))
-        return sorted(todo.values())
-
-    def _capture_all(self) -> None:
-        """Capture every graph of :meth:`startup_graphs` now, with a progress bar naming each."""
-        t0 = time.perf_counter()
-        todo = self.startup_graphs()
-        with tqdm(todo, desc="capturing graphs", unit="graph") as bar:
-            for b, k, t, name in bar:
-                mode = sampling.MODES[name]
-                bar.set_postfix_str(graph_name(self.runner.graph_key(b, k, t, mode)))
-                self.runner.graph(b, k, t, mode)
-        self.startup_seconds = time.perf_counter() - t0
-
-    def _prepare(self, ops) -> None:
-        """Pack, fuse and quantize the target's and the drafter's weights for ``ops``, once; a tensor they share
-        (a head's copy of the target's LM head) is prepared once, as the target's."""
-        memo: dict = {}
-        target = prepare_params(self.model.params, ops, memo, self.quantization)
-        self.model = dataclasses.replace(self.model, params=target)
-        if self.proposer is not None:
-            draft = prepare_params(self.proposer.params, ops, memo, self.spec.quantization)
-            self.proposer = dataclasses.replace(self.proposer, params=draft)
+        size up to ``max_num_seqs`` with the K it runs (the K table, or every K under a confidence budget),
+        every context bucket, and the modes of :func:`funcspec.plan.startup_modes` (those of
+        :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under ``capture_logprobs``)."""
+        return build.startup_graphs(self.plan, self.runner, self.dyn, self.startup_modes)
 
     # ------------------------------------------------------------ the device
     @property
@@ -566,9 +412,17 @@ class Engine:
         self._accepted_per_pos = [0] * len(self._accepted_per_pos)
         self._buckets_used = collections.Counter()
 
-    @property
     def stats(self) -> dict:
-        """Engine counters: steps, tokens, recompiles, per-bucket graph stats, acceptance.
+        """A snapshot of the engine: counters, queues, graphs, step times, acceptance; what tools read instead
+        of the engine's parts (a plain dict, taken now: later steps do not change it).
+
+        ``waiting`` and ``running`` count sequences (a request with ``n`` completions counts ``n``): those that
+        wait for a slot, and those in one. ``graphs`` maps each captured step's :func:`graph_name` to its
+        capture stats (``stored``: its file in the compiled-step store, else ``None``; ``key``: its bucket
+        key, batch 0 where the batch is symbolic). ``bucket_timings`` maps each bucket that ran a step to
+        ``key``, ``calls`` (every step so far) and ``replay_ms``, the wall ms of its recent steps, oldest
+        first (at most :data:`~funcspec.capture.window.WINDOW`), and their median. A read of this rank's
+        engine: tensor-parallel followers do not replay it.
 
         ``mean_acceptance_length`` (τ) is tokens emitted per row-step;
         ``per_position_acceptance[i]`` is the fraction of speculative row-steps
@@ -576,15 +430,18 @@ class Engine:
         with a token tree, whose accepted path reached depth i+1 (per-depth acceptance).
         """
         s = self._stats
-        graphs = {graph_name(key): g.stats.summary() for key, g in sorted(self.runner.compiled.items())}
+        graphs = {graph_name(key): {**g.stats.summary(), "key": key} for key, g in sorted(self.runner.compiled.items())}
         spec_rows = s["spec_row_steps"]
         return {
             "backend": self.backend,
             "steps": s["steps"],
             "tokens_generated": s["tokens_generated"],
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
             "recompiles": sum(g["recompiles"] for g in graphs.values()),
             "graph_breaks": sum(g["graph_breaks"] for g in graphs.values()),
             "graphs": graphs,
+            "bucket_timings": {graph_name(key): _timings(key, w) for key, w in sorted(self.runner.replay_ms.items())},
             "capture_seconds": sum(g["capture_seconds"] for g in graphs.values()),
             "startup_capture_seconds": self.startup_seconds,
             "buckets_used": dict(self._buckets_used),
@@ -592,6 +449,18 @@ class Engine:
             "per_position_acceptance": [a / spec_rows if spec_rows else 0.0 for a in self._accepted_per_pos],
             "capture_sizes": self.plan.bucket_plan.capture_sizes(),
         }
+
+    def waiting_ids(self) -> set[str]:
+        """The ``seq_id`` of every sequence still waiting for a slot (the request id, ``.i`` appended for
+        completion i > 0): the ones no step has touched yet (a server keeps them when a step fails)."""
+        return {r.seq_id for r in self.scheduler.waiting}
+
+
+def _timings(key, window) -> dict:
+    """One bucket's step times for :meth:`Engine.stats`: a copy of its bounded window, its median, every call."""
+    recent = tuple(window)
+    return {"key": key, "calls": window.total, "replay_ms": recent,
+            "replay_ms_median": round(statistics.median(recent), 4) if recent else None}
 
 
 def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
@@ -603,3 +472,4 @@ def _prompt_groups(reqs: list[Request]) -> list[list[Request]]:
         else:
             groups.append([r])
     return groups
+

@@ -244,15 +244,13 @@ def check_model_len(max_model_len: int, derived: int) -> None:
 def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backend: str, device, dtype: torch.dtype,
                 max_batch_size: int, max_model_len: Optional[int], batch_buckets: Optional[Sequence[int]],
                 context_buckets: Optional[Sequence[int]], capture: str) -> EnginePlan:
-    """Resolve an engine's plan from its parsed arguments; a bad value is a ``ValueError`` naming it."""
+    """Resolve an engine's plan from its arguments, each checked already (:class:`~funcspec.args.EngineArgs`,
+    which checks ``speculative_config`` against the backend ``auto`` resolves to); what only the target's
+    config can judge is a ``ValueError`` naming it."""
     max_k = spec.max_k if spec is not None else 0
-    if spec is not None:
-        spec.validate_for_backend(backend)  # before importing torch_npu: report K+1 <= 16 first
     backend = resolve_backend(backend, device)
     if max_model_len is None:
         max_model_len = min(cfg.max_position_embeddings, 2048)
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     check_model_len(max_model_len, model_max_len(cfg))
     t_max = max_model_len + max_k + 1
     tree = spec is not None and spec.tree is not None

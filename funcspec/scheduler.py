@@ -176,7 +176,7 @@ class Scheduler:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; this checkpoint has none")
-            self.check_context(self.token_floor(text), at_least=True)  # NOTE: before tokenizing it
+            self.check_context(self.token_floor(text), at_least=True)  # type: ignore[arg-type]  # no ids: a text. NOTE: before tokenizing it
             ids = self.tokenizer(text)["input_ids"]
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -287,11 +287,12 @@ class Scheduler:
         for t in new:
             req.output_ids.append(t)
             n_out = len(req.output_ids)
-            hit = req.stops.feed(req.detok.step(t)) if req.stops is not None else None  # fed every token
+            stops, detok = req.stops, req.detok  # set together, or neither
+            hit = stops.feed(detok.step(t)) if stops is not None and detok is not None else None  # fed every token
             if n_out > p.min_tokens and (t in eos or t in (p.stop_token_ids or ())):
                 req.finish_reason, req.stop_reason = "stop", (None if t in eos else t)
             elif hit is not None and n_out > p.min_tokens:
-                req.text, req.stop_reason = req.detok.text[:hit[0]], hit[1]
+                req.text, req.stop_reason = req.detok.text[:hit[0]], hit[1]  # type: ignore[union-attr]  # a hit: set
                 req.finish_reason = "stop"
             elif cap is not None and n_out >= cap:
                 req.finish_reason = "length"
@@ -326,8 +327,8 @@ def token_span(tokenizer) -> Optional[int]:
     the token count from below: a BPE model (byte-level or SentencePiece; unknown characters never fused into
     one token) behind a pre-tokenizer that only splits. ``None`` otherwise (a slow tokenizer; WordPiece makes
     a whole long word one unknown token). A byte-level token of n bytes is n characters of its vocabulary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    model = getattr(backend, "model", None)
+    backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+    model: Any = getattr(backend, "model", None)
     if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk and not model.byte_fallback):
         return None
     pre = backend.pre_tokenizer

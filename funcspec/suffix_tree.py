@@ -100,7 +100,7 @@ class _Node:
 
     def index(self) -> int:
         """Position in the parent's order; a binary search narrows it to equal counts."""
-        sib = self.parent.order
+        sib = self.parent.order  # type: ignore[union-attr]  # never the root
         return sib.index(self, bisect.bisect_left(sib, -self.count, key=_neg_count))
 
 
@@ -108,7 +108,7 @@ def _increment(node: _Node) -> None:
     # Arctic moves a node whose count catches up with a previous sibling in front of the
     # previous sibling's count group: it becomes the head of its new count group if it
     # was the head of its old one, and the tail otherwise.
-    sib, i = node.parent.order, node.index()
+    sib, i = node.parent.order, node.index()  # type: ignore[union-attr]  # never the root
     if i > 0 and sib[i - 1].count <= node.count + 1:
         j = bisect.bisect_left(sib, -sib[i - 1].count, key=_neg_count)
         sib.insert(j, sib.pop(i))
@@ -117,7 +117,7 @@ def _increment(node: _Node) -> None:
 
 def _decrement(node: _Node) -> None:
     # Arctic moves a node that falls below equal-count siblings behind all of them.
-    sib, i = node.parent.order, node.index()
+    sib, i = node.parent.order, node.index()  # type: ignore[union-attr]  # never the root
     if i + 1 < len(sib) and sib[i + 1].count == node.count:
         j = bisect.bisect_left(sib, -(node.count - 1), key=_neg_count)
         sib.insert(j - 1, sib.pop(i))
@@ -172,9 +172,10 @@ class _SuffixTree:
     def _match(self, pattern: Sequence[int]) -> _Node | None:
         node = self.root
         for token in pattern:
-            node = node.children.get(token)
-            if node is None:
+            child = node.children.get(token)
+            if child is None:
                 return None
+            node = child
         return node
 
     def speculate(self, context: list[int], max_spec_tokens: int, max_spec_factor: float,
@@ -219,7 +220,8 @@ class _SuffixTree:
         A child is never more probable than its parent, so parents come first.
         NOTE: equal probabilities pop first-pushed first; arctic's C++ heap leaves that order open.
         """
-        draft, heap, seq = SuffixDraft(), [], itertools.count()
+        heap: list[tuple[float, int, _Node, int, int]] = []
+        draft, seq = SuffixDraft(), itertools.count()
 
         def push(parent: _Node, prob: float, index: int, depth: int) -> None:
             if max_depth is not None and depth >= max_depth:
@@ -242,7 +244,8 @@ class _SuffixTree:
         the r2-th, ...; path mode generalised (``(0, .., 0)`` is its chain). A node is absent when
         the trie has no such child, its probability is below ``min_prob``, its parent is absent,
         it is deeper than ``max_depth``, or its index reaches ``max_tokens``."""
-        draft, at = SuffixDraft(), {}
+        at: dict[int, tuple[_Node, float, int]] = {}
+        draft = SuffixDraft()
         for i, (path, parent) in enumerate(zip(tree.paths, tree.parents)):
             if i >= max_tokens:
                 break

@@ -22,7 +22,7 @@ shapes:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar, dataclass_transform
 
 import torch
 import torch.utils._pytree as pytree
@@ -44,10 +44,11 @@ def static_field(**kwargs: Any) -> Any:
     return dataclasses.field(metadata={STATIC: True}, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, slot_field, static_field))
 def pytree_dataclass(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen dataclass and register it as a pytree node (static fields in its spec)."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    fields = dataclasses.fields(cls)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # a dataclass since the line above
     names = [f.name for f in fields if not f.metadata.get(STATIC)]
     statics = [f.name for f in fields if f.metadata.get(STATIC)]
 
@@ -72,7 +73,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 
 def replace(obj: T, **changes: Any) -> T:
     """A copy of the frozen dataclass ``obj`` with some fields changed."""
-    return dataclasses.replace(obj, **changes)
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]  # obj: a dataclass instance
 
 
 def tree_map(fn: Callable, tree: Any) -> Any:

@@ -11,7 +11,7 @@ Glossary: B is a batch bucket (the padded batch a graph runs), n
 an active batch size (1..max_batch), K the drafts per step, a_i the measured
 acceptance at draft position i.
 
-``Engine.stats["per_position_acceptance"][i]`` counts the speculative row-steps
+``Engine.stats()["per_position_acceptance"][i]`` counts the speculative row-steps
 that emitted more than i+1 tokens, over all speculative row-steps. So a_i is
 the unconditional probability that the first i+1 drafts were all accepted (not
 a rate conditional on position i-1), and a step with K drafts emits
@@ -177,7 +177,7 @@ def _check_acceptance(name: str, row: Mapping, per_k: bool = True) -> list[float
     if any(later > earlier for earlier, later in zip(acc, acc[1:])):
         raise ValueError(
             f"{name} must not increase with the position (it is P(the first i+1 drafts are all "
-            f"accepted), as Engine.stats reports it), got {acc}"
+            f"accepted), as Engine.stats() reports it), got {acc}"
         )
     return acc
 
@@ -189,7 +189,7 @@ def parse_tree(method: str, keys: Any, name: str):
     if not isinstance(keys, Mapping) or not keys:
         raise ValueError(f"{name} must be a dict of token-tree keys, got {keys!r}")
     try:
-        tree = SpecConfig.from_vllm({"method": method, "model": "-", **keys}, check_paths=False).tree
+        tree = SpecConfig.from_vllm({"method": method, "model": "-", **keys}, check_paths=False).tree  # type: ignore[union-attr]  # a method given
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from err
     if tree is None:
@@ -223,7 +223,7 @@ def read_tree_acceptance(spec: Mapping, method: str, tree: Optional[Mapping] = N
     found = [dict(keys) for keys, _ in groups.values()]
     want = parse_tree(method, tree, "tree") if tree is not None else None
     if want is not None and want not in groups:
-        raise ValueError(f"spec.rows has no funcspec row of method {method!r} with tree {dict(tree)}; trees: {found}")
+        raise ValueError(f"spec.rows has no funcspec row of method {method!r} with tree {dict(tree)}; trees: {found}")  # type: ignore[arg-type]  # want: a tree
     if want is None and len(groups) != 1:
         raise ValueError(f"spec.rows has {len(groups)} token trees of method {method!r}, not one"
                          + (f": pick one with tree=<its keys> (--tree JSON): {found}" if groups else ""))

@@ -74,7 +74,8 @@ def tree_size(method: str, tree: dict) -> int:
     """N, the node count of the token tree that ``tree`` (speculative_config keys) describes."""
     from funcspec.config import SpecConfig
 
-    return SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False).num_speculative_tokens
+    spec = SpecConfig.from_vllm({"method": method, "model": "-", **tree}, check_paths=False)
+    return spec.num_speculative_tokens  # type: ignore[union-attr]  # a method given: a config
 
 
 def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, head: str | None = None,
@@ -85,7 +86,7 @@ def _engine(model: str, batches, ks, method: str, device: str, prompt_len: int, 
     # NOTE: a tree's num_speculative_tokens is its whole node count; each bucket cuts it to its K = N.
     k = tree_size(method, tree) if tree else max(ks)
     spec = None if max(ks) == 0 else speculative_config(method, k, head, **(tree or {}))
-    eng = Engine(model, speculative_config=spec, backend="eager", max_batch_size=max(batches),
+    eng = Engine(model, speculative_config=spec, backend="eager", max_num_seqs=max(batches),
                  max_model_len=prompt_len + 64, device=device)
     g = torch.Generator().manual_seed(0)
     vocab = eng.model.cfg.vocab_size

@@ -58,7 +58,7 @@ def _rank(rank: int, size: int, port: int, cases: list, rounds: int, out) -> Non
         rows = []
         for t, h, top_k, dtype in cases:
             x = torch.randn(t, h).to(getattr(torch, dtype))
-            times = {name: [] for name in PATTERNS}
+            times: dict[str, list[float]] = {name: [] for name in PATTERNS}
             for i in range(rounds + 3):  # the first 3 rounds warm the connections
                 order = list(PATTERNS) if i % 2 == 0 else list(PATTERNS)[::-1]
                 for name in order:

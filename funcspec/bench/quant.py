@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,9 +36,10 @@ FORMATS = {"int8": ("load", "int8"), "int4": ("load", "int4"), "int4-g128": ("lo
 """Format name -> (where it comes from, its quantization: funcspec's scheme, llama.cpp's file type, or the
 published format a checkpoint is written in)."""
 
-PUBLISHED = {"gptq-int4": ("write_gptq", {}), "gptq-int8": ("write_gptq", {"bits": 8}), "awq-int4": ("write_awq", {}),
-             "ct-w4a16": ("write_compressed_tensors", {}), "ct-w8a8": ("write_compressed_tensors", {"scheme": "w8a8"}),
-             "ascend-w8a8": ("write_ascend", {})}
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    "gptq-int4": ("write_gptq", {}), "gptq-int8": ("write_gptq", {"bits": 8}), "awq-int4": ("write_awq", {}),
+    "ct-w4a16": ("write_compressed_tensors", {}), "ct-w8a8": ("write_compressed_tensors", {"scheme": "w8a8"}),
+    "ascend-w8a8": ("write_ascend", {})}
 """Published formats: the writer (:mod:`funcspec.checkpoints.quantized_write`) and its options (group 128)."""
 
 
@@ -142,8 +144,9 @@ def target_of(ctx: dict, fmt: str):
 def _engine(model, quantization, backend: str, batch: int, max_len: int, spec=None):
     from funcspec import Engine
 
-    return Engine(model, speculative_config=spec, backend=backend, max_batch_size=batch, max_model_len=max_len,
-                  dtype=torch.bfloat16, quantization=quantization, capture="lazy")  # greedy only
+    return Engine(model, speculative_config=spec, backend=backend, max_num_seqs=batch, max_model_len=max_len,
+                  dtype=torch.bfloat16, quantization=quantization,
+                  compilation_config={"capture": "lazy"})  # greedy only
 
 
 def _rates(alpha: float, k: int) -> list[float]:
@@ -159,10 +162,11 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
     ar_eng = _engine(model, q, backend, 1, ctx["max_len"])
     ar = timing.timed_generate(ar_eng, [ctx["prompt"]], n, reps)
     nbytes = streamed_bytes(ar_eng.params["target"], ar_eng.model.cfg.moe.top_k)
-    row = {"format": fmt, "source": FORMATS[fmt][0], "quantization": FORMATS[fmt][1], "streamed_bytes": nbytes,
-           "llamacpp_file": None if gguf_path is None else gguf_path.name,
-           "ms_per_token": ar["ms_per_token"], "step_ms": timing.step_ms(ar, 1, 0), "recompiles": ar["recompiles"],
-           "bound_ms": nbytes / (bound_gbps * 1e9) * 1e3 if bound_gbps else None}
+    row: dict[str, Any] = {
+        "format": fmt, "source": FORMATS[fmt][0], "quantization": FORMATS[fmt][1], "streamed_bytes": nbytes,
+        "llamacpp_file": None if gguf_path is None else gguf_path.name,
+        "ms_per_token": ar["ms_per_token"], "step_ms": timing.step_ms(ar, 1, 0), "recompiles": ar["recompiles"],
+        "bound_ms": nbytes / (bound_gbps * 1e9) * 1e3 if bound_gbps else None}
     row["pct_of_bound"] = 100 * row["bound_ms"] / row["ms_per_token"] if row["bound_ms"] else None
     lc = None
     if gguf_path is not None and _has_llamacpp():
@@ -171,7 +175,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
         row["llamacpp_ms_per_token"] = theirs["ms_per_token"]
         row["paired"] = timing.paired_ratios(timing.decode_ms(ar_eng, [ctx["prompt"]], n), lambda: lc()[2],
                                             max(reps, 3))
-    heads = {"echo": {"method": "echo"}}
+    heads: dict[str, dict[str, Any]] = {"echo": {"method": "echo"}}
     if "heads" in o["quant_parts"]:
         from funcspec.checkpoints import init_draft_head
 
@@ -210,7 +214,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
 
 def _has_llamacpp() -> bool:
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401 (imported only to see it is installed)
     except ImportError:
         return False
     return True
@@ -298,17 +302,17 @@ def quality(model_dir, sequences: list[list[int]], formats: list[str], threads: 
                 out.append(forward(cfg, params, init_kv_cache(cfg, 1, len(seq)), torch.tensor([seq]), z, z)[0][0])
         return out  # [T, V] each
 
-    base = logits_of(Engine(str(model_dir), max_batch_size=1))
+    base = logits_of(Engine(str(model_dir), max_num_seqs=1, enforce_eager=True))
     rows = [_quality_row("unquantized", base, base, sequences)]
     for fmt in formats:
         where, q = FORMATS[fmt]
         cache = cache_dir or Path.home() / ".cache" / "funcspec" / "quality" / Path(model_dir).resolve().name
         if where == "load":
-            eng = Engine(str(model_dir), max_batch_size=1, quantization=q)
+            eng = Engine(str(model_dir), max_num_seqs=1, quantization=q, enforce_eager=True)
         elif where == "published":
-            eng = Engine(str(published_checkpoint(model_dir, fmt, cache)), max_batch_size=1)
+            eng = Engine(str(published_checkpoint(model_dir, fmt, cache)), max_num_seqs=1, enforce_eager=True)
         else:
-            eng = Engine(str(gguf_file(model_dir, fmt, threads, cache)), max_batch_size=1)
+            eng = Engine(str(gguf_file(model_dir, fmt, threads, cache)), max_num_seqs=1, enforce_eager=True)
         row = _quality_row(fmt, logits_of(eng), base, sequences)
         row["cross_entropy_weights_only"] = _quality_row(fmt, logits_of(eng, True), base, sequences)["cross_entropy"]
         rows.append(row)
@@ -368,7 +372,7 @@ def run_quality(args) -> dict:
     if bad:
         raise SystemExit(f"funcspec bench quality: formats {bad} unknown; choose from {list(FORMATS)}")
     tok = load_model(model).tokenizer
-    result = {"model": model, "formats": formats, "sources": {}}
+    result: dict[str, Any] = {"model": model, "formats": formats, "sources": {}}
     lines = [f"# funcspec bench quality: `{model}`\n"]
     for source in args.prompts.split(","):
         seqs = load_prompts(source, tok, args.num, args.tokens)

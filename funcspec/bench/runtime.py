@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from funcspec.bench.capture import write_result
+from funcspec.bench.timing import new_replays
 
 WORKLOAD_PROMPTS = ["def parse(x):\n    ", "import os\nclass A:\n", "for i in range(10):\n", "x = [1, 2, 3]\n"]
 LONG_PROMPT = "def f(a, b):\n    return a + b\n" * 40
@@ -80,14 +81,14 @@ def host_split(engine, prompt_ids: list[int], batch: int, steps: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for _ in range(batch):
         engine.add_request({"prompt_token_ids": prompt_ids}, sp)
-    walls, graphs, replays = [], [], engine.runner.replay_ms
+    walls, graphs = [], []
     while engine.has_unfinished_requests():
-        admitting = bool(engine.scheduler.waiting)
-        before, t0 = {key: v.total for key, v in replays.items()}, time.perf_counter()
+        before = engine.stats()
+        t0 = time.perf_counter()
         engine.step()
         wall = (time.perf_counter() - t0) * 1e3
-        ran = [v[-1] for key, v in replays.items() if v.total > before.get(key, 0)]  # the bucket this step ran
-        if not admitting and len(ran) == 1:  # a pure decode step (no prefill in it)
+        ran = [times[-1] for times in new_replays(before, engine.stats()).values()]  # the bucket this step ran
+        if not before["waiting"] and len(ran) == 1:  # a pure decode step (no prefill in it)
             walls.append(wall)
             graphs.append(ran[0])
     step, graph = statistics.median(walls), statistics.median(graphs)
@@ -105,13 +106,13 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     llm = LLM(model=model, speculative_config=json.loads(spec) if spec else None, dtype=dtype)
-    out = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
-           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats["graphs"].items()}}
+    out: dict = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
+           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()}}
     runs = []
     for _ in range(2):
-        compiled, t0 = llm.engine.stats["graphs"], time.perf_counter()
+        compiled, t0 = llm.engine.stats()["graphs"], time.perf_counter()
         workload(llm, max_tokens)
-        st = llm.engine.stats
+        st = llm.engine.stats()
         runs.append({"seconds": time.perf_counter() - t0, "new_graphs": len(st["graphs"]) - len(compiled),
                      "recompiles": st["recompiles"]})
     out["workload"] = runs
@@ -170,7 +171,7 @@ def decode_rate(max_tokens: int, pairs: int, busy: int) -> dict:
                  backend="auto", max_batch_size=len(zoo.RUN_PROMPTS))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(zoo.RUN_PROMPTS, sp)
-    runs = {"quiet": [], "busy": [], "others": []}
+    runs: dict[str, list] = {"quiet": [], "busy": [], "others": []}
 
     def rate(spinning: int) -> None:
         before = _cpu_seconds()
@@ -296,14 +297,14 @@ def run(args) -> Path:
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
     if args.contention != "none":
         names = list(CONTENTION_SETTINGS) if args.contention == "all" else ["funcspec", "libgomp"]
-        busy = args.busy if args.busy is not None else os.cpu_count()
+        busy = args.busy if args.busy is not None else (os.cpu_count() or 1)
         result["contention"] = {"busy": busy, "rounds": args.rounds, "max_tokens": args.rate_tokens,
                                 "pairs": args.rate_pairs,
                                 "rows": contention({n: CONTENTION_SETTINGS[n] for n in names}, busy, args.rounds,
                                                    args.rate_tokens, args.rate_pairs)}
-    path = write_result(result, args.out, markdown)
-    print(f"wrote {path} and .md")
-    return path
+    written = write_result(result, args.out, markdown)
+    print(f"wrote {written} and .md")
+    return written
 
 
 def markdown(result: dict) -> str:
@@ -349,7 +350,9 @@ def markdown(result: dict) -> str:
                          f"{r['quiet_range'][1]:.0f}) | {r['busy_tokens_per_s']:.0f} ({r['busy_range'][0]:.0f}-"
                          f"{r['busy_range'][1]:.0f}) | {r['slowdown']:.1f}x "
                          f"({r['slowdown_range'][0]:.1f}-{r['slowdown_range'][1]:.1f}) | {r['others_median']:.0%} |")
-    lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items()), f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
+    isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
+    lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + isa,
+              f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
     return "\n".join(lines)
 
 

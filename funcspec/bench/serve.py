@@ -60,14 +60,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from funcspec.bench.capture import write_result
 
 try:  # NOTE: the openai package brings httpx2 (httpx's API); plain httpx serves as well
     import httpx2 as httpx
 except ImportError:  # pragma: no cover
-    import httpx
+    import httpx  # type: ignore[no-redef]  # the same API under its own name
 
 MODEL_NAME = "zoo"
 PROMPTS = [
@@ -118,7 +118,7 @@ def jobs(n: int, bodies: list[dict], seed: int) -> list[tuple[str, int]]:
     long = [i for i, b in enumerate(bodies) if b.get("ignore_eos") and b["max_tokens"] >= 48] or range(len(bodies))
     counts = {k: max(1 if n >= len(KINDS) else 0, round(w * n)) for k, w in KINDS.items()}
     while sum(counts.values()) > n:
-        counts[max(counts, key=counts.get)] -= 1
+        counts[max(counts, key=counts.__getitem__)] -= 1
     counts["stream"] += n - sum(counts.values())
     kinds = [k for k, c in counts.items() for _ in range(c)]
     rng.shuffle(kinds)
@@ -204,7 +204,7 @@ async def _stream(client, body: dict, out: dict, leave_at: Optional[int]) -> Non
     raise RuntimeError("the stream ended without [DONE]")
 
 
-async def run_jobs(url: str, todo: list[tuple[str, object, Optional[int]]], concurrency: int,
+async def run_jobs(url: str, todo: Sequence[tuple[str, object, Optional[int]]], concurrency: int,
                    seconds: float) -> tuple[list[dict], int]:
     """``concurrency`` clients work through ``todo`` (``(kind, body, expected status)``) until it is done or
     ``seconds`` have passed; the outcomes in job order, and how many jobs were not started."""
@@ -286,13 +286,14 @@ def in_process(model: str, spec: Optional[dict], max_num_seqs: int, eager: bool,
         outs = [solo_timed(llm.engine, p, sampling_params(b)) for p, b in zip(prompts, bodies)]
     tpot = [t for _, t in outs if t is not None]
     engine = [closed_loop(llm.engine, prompts, bodies, c, 2 * len(bodies)) for c in concurrencies]
-    stats = llm.engine.stats
+    stats = llm.engine.stats()
     llm.close()
     del llm
     gc.collect()
+    p50 = _pct(tpot, 0.5)
     return {"build_s": build_s, "backend": stats["backend"], "tokens": [tokens for tokens, _ in outs],
             "tpot_mean_ms": statistics.mean(tpot) * 1e3 if tpot else None,
-            "tpot_p50_ms": _pct(tpot, 0.5) and _pct(tpot, 0.5) * 1e3, "requests": len(tpot), "engine_alone": engine,
+            "tpot_p50_ms": p50 and p50 * 1e3, "requests": len(tpot), "engine_alone": engine,
             "recompiles_during": stats["recompiles"]}
 
 
@@ -330,7 +331,8 @@ class Server:
             raise
         self.startup_s = time.perf_counter() - t0
         m = re.search(r"engine ready in ([\d.]+)s \(backend=(\w+)", log.read_text())
-        self.engine_s, self.backend = (float(m.group(1)), m.group(2)) if m else (None, "unknown")
+        self.engine_s: Optional[float] = float(m.group(1)) if m else None
+        self.backend: str = m.group(2) if m else "unknown"
 
     def _healthy(self) -> bool:
         try:
@@ -425,7 +427,7 @@ def memory(samples: list[tuple[float, float]]) -> dict:
             "flat": growth is not None and growth < 0.05}
 
 
-def check_tokens(results: list[dict], index: list[int], refs: list[list[int]]) -> list[dict]:
+def check_tokens(results: list[dict], index: Sequence[int], refs: list[list[int]]) -> list[dict]:
     """The outcomes whose tokens differ from their reference (a dropped stream's must be a prefix of it): the
     pool index, the kind, where they part and the tokens from there."""
     bad = []
@@ -453,7 +455,7 @@ def summarize(results: list[dict], seconds: float, before: dict, after: dict) ->
     ended = _ended(after, before)
     reached = len(by["ok"]) + len(by["disconnected"])  # requests the engine took (an invalid one never is)
     ids = [r["id"] for r in by["ok"] + by["disconnected"]]
-    ms = lambda x: None if x is None else x * 1e3  # noqa: E731
+    ms = lambda x: None if x is None else x * 1e3  # noqa: E731 (a local one-liner)
     return {
         "completed": len(by["ok"]), "disconnected": len(by["disconnected"]), "rejected": len(by["rejected"]),
         "failed": len(by["failed"]), "failures": [r["error"] for r in by["failed"]][:5], "seconds": seconds,

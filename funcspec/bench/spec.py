@@ -100,14 +100,14 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
     outs = eng.generate(prompts, sp)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    st = eng.stats
+    st = eng.stats()
+    step_ms = [m for bucket in st["bucket_timings"].values() for m in bucket["replay_ms"]]
     k = k if nodes is None else nodes
     return {"engine": "funcspec", "method": method, "k": k if spec else 0, "batch": batch, "backend": eng.backend,
             "tree": tree, "quantization": quantization, "draft_quantization": draft_quantization,
             "tokens": n, "seconds": dt, "tokens_per_s": n / dt, "tau": st["mean_acceptance_length"],
             "per_position_acceptance": st["per_position_acceptance"],
-            "step_ms_median": statistics.median(
-                [m for times in eng.runner.replay_ms.values() for m in times]) if eng.runner.replay_ms else None,
+            "step_ms_median": statistics.median(step_ms) if step_ms else None,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -238,7 +238,7 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
     for b in batches:
         ar[b] = _funcspec_run(model, ids, "ar", 0, backend, b, max_tokens, None, quantization=quantization)
         rows.append(ar[b])
-        chains = {}
+        chains: dict = {}
         for m in methods:
             for k in ks:
                 for dq in draft_quantizations if m in heads else (None,):
@@ -266,9 +266,11 @@ def run(model: str | None = None, methods=("ngram", "suffix"), ks=(4,), batches=
             r["speedup_over_tau"] = r["speedup_vs_funcspec_ar"] / r["tau"]
     for r in rows:
         del r["outputs"]
-    result = {"model": model, "heads": heads, "backend": backend, "quantization": quantization, "batches": list(batches), "ks": list(ks),
+    result = {"model": model, "heads": heads, "backend": backend, "quantization": quantization,
+              "batches": list(batches), "ks": list(ks),
               "prompts": prompts, "num_prompts": len(ids), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-              "corpus": _corpus(prompts), "trees": [[m, dict(t)] for m, t in trees], "tree_sizes": sorted(set(tree_sizes)),
+              "corpus": _corpus(prompts), "trees": [[m, dict(t)] for m, t in trees],
+              "tree_sizes": sorted(set(tree_sizes)),
               "device": device_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": rows}
     _write(result, Path(out_dir) if out_dir else RESULTS / device_name("cpu"))
@@ -366,8 +368,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--k", default="4", help="comma-separated K values")
     p.add_argument("--batch", default="4", help="comma-separated batch sizes (engine slots)")
     p.add_argument("--backend", default="eager")
-    p.add_argument("--prompts", default="heldout", help="heldout | package:NAME (an installed package's files, e.g. package:numpy) | "
-                   "repetitive | a .json list or a text file")
+    p.add_argument("--prompts", default="heldout", help="heldout | package:NAME (an installed package's files, "
+                   "e.g. package:numpy) | repetitive | a .json list or a text file")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for --prompts heldout")
     p.add_argument("--max-tokens", type=int, default=128)

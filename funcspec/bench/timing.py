@@ -4,6 +4,7 @@ machine, llama.cpp sessions, and deterministic random prompts."""
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 import statistics
 import time
 
@@ -20,6 +21,17 @@ def bucket_name(key) -> str:
     """``B{b}_K{k}`` of a bucket or graph key: ``(B, K)`` or ``(B, K, T, mode)`` (context / sampling-mode
     buckets); ``Bn``: a graph whose batch is symbolic."""
     return f"B{key[0] or 'n'}_K{key[1]}"
+
+
+def new_replays(before: dict, after: dict) -> dict:
+    """Per bucket, the step wall ms it appended between two ``Engine.stats()`` snapshots, as far as its
+    bounded window still holds them (keyed like ``bucket_timings``; buckets that ran no step are left out)."""
+    out = {}
+    for name, t in after["bucket_timings"].items():
+        new = t["calls"] - before["bucket_timings"].get(name, {"calls": 0})["calls"]
+        if new:
+            out[name] = list(t["replay_ms"][max(len(t["replay_ms"]) - new, 0):])
+    return out
 
 
 def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: bool = True) -> dict:
@@ -40,13 +52,14 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
     if warm:
         eng.generate(prompts, sp)
     eng.reset_stats()
-    replays = eng.runner.replay_ms  # per bucket (buckets of a symbolic batch share one graph)
-    marks = {key: v.total for key, v in replays.items()}  # replays before the timed runs
-    ms, prefill, retries, decode_s, decode_tokens = [], [], 0, 0.0, 0
+    marks = eng.stats()  # per bucket: the replays before the timed runs (buckets of a symbolic batch share a graph)
+    ms: list[float] = []
+    prefill: list[float] = []
+    retries, decode_s, decode_tokens = 0, 0.0, 0
     while len(ms) < reps:
-        before = set(eng.runner.compiled)
+        before = set(eng.stats()["graphs"])
         outs = eng.generate(prompts, sp)
-        if set(eng.runner.compiled) != before and retries < 2:
+        if set(eng.stats()["graphs"]) != before and retries < 2:
             retries += 1
             continue
         tokens = len(outs[0].outputs[0].token_ids)
@@ -55,12 +68,13 @@ def timed_generate(eng, prompts: list[list[int]], n: int, reps: int = 1, warm: b
         ms.append(statistics.median(o.metrics["e2e_s"] - o.metrics["time_to_first_token_s"] for o in outs)
                   / max(tokens - 1, 1) * 1e3)
         prefill.append(statistics.median(o.metrics["time_to_first_token_s"] for o in outs))
-    replay, capture = collections.defaultdict(list), collections.defaultdict(float)
-    for key, times in replays.items():
-        replay[bucket_name(key)] += times.since(marks.get(key, 0))
-    for key, g in eng.runner.compiled.items():
-        capture[bucket_name(key)] += g.stats.capture_seconds
-    st = eng.stats
+    st = eng.stats()
+    replay: dict[str, list] = collections.defaultdict(list)
+    capture: dict[str, float] = collections.defaultdict(float)
+    for name, times in new_replays(marks, st).items():
+        replay[bucket_name(st["bucket_timings"][name]["key"])] += times
+    for g in st["graphs"].values():
+        capture[bucket_name(g["key"])] += g["capture_seconds"]
     return {"ms_per_token": statistics.median(ms), "ms_per_token_reps": ms,
             "ms_per_token_pooled": decode_s / max(decode_tokens, 1) * 1e3, "prefill_s": statistics.median(prefill),
             "tokens_per_request": tokens, "replay_ms": {k: statistics.median(v) for k, v in replay.items() if v},
@@ -87,7 +101,8 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
 
     def gen():
         llm.reset()
-        toks, t0, t_first = [], time.perf_counter(), None
+        toks: list[int] = []
+        t0, t_first = time.perf_counter(), 0.0
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             t_first = t_first or time.perf_counter()
             toks.append(int(tok))

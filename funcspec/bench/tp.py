@@ -21,6 +21,7 @@ Results go to ``graphs/results/<device>/tp-<time>.json`` and ``.md``.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 
 from funcspec.bench.capture import RESULTS, device_name
 from funcspec.bench.scale import machine_info
+from funcspec.bench.timing import new_replays
 
 
 def allreduce_bytes(cfg, rows: int, itemsize: int, size: int) -> dict:
@@ -52,19 +54,19 @@ def run_one(model: str, spec, tp: int, backend: str, prompts, max_tokens: int, b
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts, params)  # warm-up: captures every bucket the timed run uses
         llm.engine.reset_stats()
-        for g in llm.engine.runner.compiled.values():
-            g.stats.replay_ms.clear()
+        before = llm.engine.stats()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t0
-        st = llm.engine.stats
+        st = llm.engine.stats()
+        replays = new_replays(before, st)  # per bucket: the timed run's steps
         cfg = llm.engine.model.cfg  # this rank's shard: hidden size and layers are whole
         k = spec["num_speculative_tokens"] if spec else 0
         itemsize = torch.empty(0, dtype=llm.engine.model.params["model"]["norm"]["weight"].dtype).element_size()
-        graph = st["graphs"][max(st["graphs"], key=lambda n: st["graphs"][n]["calls"])]  # the bucket that ran most
+        ran_most = max(replays.values(), key=len, default=None)  # the bucket that ran most
         return {
             "method": spec["method"] if spec else "ar", "tp": tp, "k": k, "batch": batch,
-            "step_ms_median": graph["replay_ms_median"], "steps": st["steps"],
+            "step_ms_median": statistics.median(ran_most) if ran_most else None, "steps": st["steps"],
             "tokens_per_s": st["tokens_generated"] / wall, "mean_acceptance_length": st["mean_acceptance_length"],
             "recompiles": st["recompiles"], "graph_breaks": st["graph_breaks"],
             "allreduce_bytes_per_step": allreduce_bytes(cfg, batch * (k + 1), itemsize, tp),
@@ -80,7 +82,7 @@ def run(args) -> Path:
 
     torch.set_num_threads(args.threads)  # NOTE: spawned ranks take the same count
     model = args.model or str(zoo.model_path("target"))
-    specs = [None]
+    specs: list[dict | None] = [None]
     if args.method != "none":
         specs.append(zoo.speculative_config(args.method, args.k))
     prompts = [[5 + (7 * i + j) % 200 for j in range(args.prompt_tokens)] for i in range(args.batch)]

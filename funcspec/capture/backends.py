@@ -50,7 +50,7 @@ class CaptureStats:
 
     def summary(self) -> dict:
         """JSON-friendly stats: capture seconds, median replay (of the recent calls), calls (all of them),
-        recompiles, graph breaks, memory."""
+        recompiles, whether it was loaded from (or filed in) the compiled-step store, graph breaks, memory."""
         return {
             "backend": self.backend,
             "capture_seconds": round(self.capture_seconds, 4),
@@ -58,6 +58,7 @@ class CaptureStats:
             "calls": self.replay_ms.total,
             "recompiles": self.recompiles,
             "loaded": self.loaded,
+            "stored": self.stored,
             "graph_breaks": self.graph_breaks,
             "graph_memory_bytes": self.graph_memory_bytes,
         }
@@ -97,9 +98,8 @@ class Donation:
         """Raise a ValueError naming the first donated leaf whose shape or dtype differs from capture.
 
         NOTE: reads host metadata only (no sync). Each leaf is reached by its
-        key path, not by flattening the arguments: on an EAGLE-3 engine's
-        state (13 leaves) that took 9 us against 36 us for ``tree_leaves``,
-        and the whole check about 30 us a call (2 shared CPU cores).
+        key path, not by flattening the arguments, which is several times
+        cheaper (graphs/results/notes/code-notes.md).
         """
         for leaf in self.leaves:
             try:
@@ -196,14 +196,14 @@ class Captured:
 class TrustedAfterChecks(Captured):
     """An inductor bucket whose guards stop being evaluated once it is known to be static.
 
-    NOTE: the guards of a compiled function are checked at every call: on a
-    step whose params are ~100 tensors that took 0.6-1.5 ms of a 6 ms
-    llama-600m decode step (2-core Zen 4), 13% of the step in paired runs.
-    The host loop calls a bucket with the same shapes, dtypes and strides every
-    step, so after :data:`CHECKED_CALLS` calls its guards can only pass; the
-    later calls skip them. A bucket that ever recompiled keeps its guards (an
-    ahead-of-time function never recompiles: a call that fails its guards
-    raises). The stance in force (e.g. a test's ``fail_on_recompile``) is kept.
+    NOTE: the guards of a compiled function are checked at every call, and on a
+    step whose params are ~100 tensors they are a visible share of a small
+    model's decode step (graphs/results/notes/code-notes.md). The host loop calls a
+    bucket with the same shapes, dtypes and strides every step, so after
+    :data:`CHECKED_CALLS` calls its guards can only pass; the later calls skip
+    them. A bucket that ever recompiled keeps its guards (an ahead-of-time
+    function never recompiles: a call that fails its guards raises). The stance
+    in force (e.g. a test's ``fail_on_recompile``) is kept.
     """
 
     CHECKED_CALLS = 2
@@ -220,7 +220,7 @@ class TrustedAfterChecks(Captured):
     def __call__(self, *args):
         if not self.trusted:
             # NOTE: the donated leaves are checked with the guards, on the calls that prove the bucket
-            # static; afterwards neither runs (~30 us a step on a 13-leaf state).
+            # static; afterwards neither runs.
             if self._check is not None:
                 self._check(args)
             self.checked += 1
@@ -259,7 +259,7 @@ INDUCTOR_OPTIONS = {"realize_opcount_threshold": 8}
 """Inductor config for bucket graphs. NOTE: inductor inlines funcspec.rng's hash
 chains (tens of int64 ops) into every consumer and re-traces them at codegen;
 materialising intermediates of more than 8 ops (default 30) cuts a bucket's
-cold compile about 3x on 2 CPU cores; replay time is in graphs/results/cpu/."""
+cold compile several fold (graphs/results/notes/code-notes.md)."""
 
 
 def _counting_inductor(stats: CaptureStats):
@@ -298,7 +298,7 @@ def wrap_int64_overflow() -> None:
         cflags, ldflags = orig(*args, **kwargs)
         return cflags + ["fwrapv"], ldflags
 
-    with_fwrapv.funcspec_fwrapv = True
+    with_fwrapv.funcspec_fwrapv = True  # type: ignore[attr-defined]  # a marker on the function
     cpp_builder._get_optimization_cflags = with_fwrapv
 
 
@@ -343,25 +343,25 @@ def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at
     args, symbolic = _with_symbolic(args, at) if at else (args, [])
     where = store.open_store() if store.enabled() else None
     key = store.key(fn, args, tuple(symbolic), INDUCTOR_OPTIONS, where) if where is not None else None
-    path = store.path_for(where, name, key) if key else None
+    path = store.path_for(where, name, key) if where is not None and key else None  # (a key: a store)
     loaded = store.load(path) if path else None
     if loaded is not None:
         reason = guard_failure(loaded, args)
         if reason is None:
             stats.loaded, stats.stored = True, str(path)
             return loaded
-        store.discard(path, f"its guards fail in this process: {reason}")
+        store.discard(path, f"its guards fail in this process: {reason}")  # type: ignore[arg-type]  # loaded: a path
     if where is not None and key is None:
         store.warn(f"{name}'s static config holds an object no key can name; it compiles without the store")
     # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
     # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
     for tensor, dim in symbolic:
         torch._dynamo.mark_dynamic(tensor, dim)
-    compiled = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False,
-                             options={**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+    options: dict[str, Any] = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+    compiled: Any = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False, options=options)
     try:
         aot = compiled.aot_compile((args, {}))
-    except Exception as e:  # NOTE: a real error in the function raises again from the plain compile
+    except Exception as e:  # noqa: BLE001 (a real error in the function raises again from the plain compile)
         store.warn(f"{name} cannot be compiled ahead of time, so it is compiled at its first call and not "
                    f"filed ({type(e).__name__}: {str(e)[:200]})")
         return None
@@ -378,7 +378,7 @@ def guard_failure(compiled, args: tuple) -> Optional[str]:
     try:
         f_locals = compiled.prepare_f_locals(*args)
         return " ".join(str(compiled._artifacts.guard_manager.check_verbose(f_locals)).split())[:300]
-    except Exception:  # NOTE: the reason is for a warning; its absence must not stop the fallback
+    except Exception:  # noqa: BLE001 (the reason is for a warning; its absence must not stop the fallback)
         return "its guards fail"
 
 
@@ -416,7 +416,7 @@ class AheadOfTime:
         if compiled is None:  # a plain compile, which checks its own guards (and recompiles) at every call
             self.checking = False
             return _compile_plain(self._fn, self._name, self._stats, args, self._at)
-        compiled.disable_guard_check()
+        compiled.disable_guard_check()  # type: ignore[attr-defined]  # an ahead-of-time function
         self.variants.insert(0, compiled)
         return compiled
 
@@ -506,7 +506,7 @@ def _npu_module():
             "backend='aclgraph' needs an Ascend NPU host with CANN and `pip install 'funcspec[npu]'` "
             f"(torch-npu==2.13.0, which brings torchair); torch_npu could not be imported here: {e}"
         ) from e
-    return torch.npu
+    return torch.npu  # type: ignore[attr-defined]  # torch_npu adds it
 
 
 def _graph_module(backend: str):
@@ -523,9 +523,8 @@ AUTO_BACKENDS = {"cuda": "cudagraph", "npu": "aclgraph"}
 
 NOTE: a fixed rule, not a lookup of benchmark files, so an installed package
 behaves as a checkout does. Device graphs replay a whole step in one launch.
-On CPU every committed ``funcspec bench capture`` run (graphs/results/cpu/,
-torch 2.13, ngram and mtp steps, B 1-8, K 0-5) measured inductor faster than
-eager in every bucket (median 1.8-2.8x); ``bench capture`` still reports the
+On CPU every committed ``funcspec bench capture`` run measured inductor
+faster than eager in every bucket (graphs/results/notes/code-notes.md); ``bench capture`` still reports the
 measured winner (:func:`funcspec.bench.capture.best_cpu_backend`)."""
 
 

@@ -8,8 +8,7 @@ start-up) and saves, in one zip file,
 - the compiled step functions of :mod:`funcspec.capture.store` the engine
   compiled or loaded.
 
-An engine given that file (``Engine(compile_cache=...)``,
-``compilation_config={"compile_cache": ...}``) loads both before it captures
+An engine given that file (``compilation_config={"compile_cache": ...}``) loads both before it captures
 (``torch.compiler.load_cache_artifacts``; the steps are filed in its own
 store, signed with its user's key), so a second machine of the same ISA, torch
 version and funcspec code starts warm: nothing is traced or compiled.
@@ -77,7 +76,7 @@ def load(path) -> dict:
         data = z.read(_TORCH)
         info = torch.compiler.load_cache_artifacts(data) if data else None
         for name in steps:
-            store.import_payload(target, name[len(_STEPS):], z.read(name))
+            store.import_payload(target, name[len(_STEPS):], z.read(name))  # type: ignore[arg-type]  # steps: a target
     return {"bytes": path.stat().st_size, "steps": len(steps), **_counts(info)}
 
 

@@ -249,7 +249,7 @@ def _package_digest(memo_dir: Optional[Path]) -> str:
         h.update(f"{path.relative_to(_PACKAGE)}:{digest}\n".encode())
     if memo_path is not None and fresh != memo:
         try:
-            _publish(memo_dir, memo_path, json.dumps(fresh).encode())
+            _publish(memo_dir, memo_path, json.dumps(fresh).encode())  # type: ignore[arg-type]  # a memo_path: a dir
         except OSError:
             pass
     return h.hexdigest()
@@ -293,7 +293,7 @@ def global_state() -> str:
 
     configs = [repr(_canonical(m.save_config_portable())) for m in (inductor_config, dynamo_config,
                                                                    functorch_config)]
-    return "|".join([torch._C._dynamo.guards.GlobalStateGuard().__getstate__(), *configs])
+    return "|".join([torch._C._dynamo.guards.GlobalStateGuard().__getstate__(), *configs])  # type: ignore[list-item]  # a str
 
 
 def fingerprint(obj: Any, h: "hashlib._Hash", values: bool = True) -> None:
@@ -364,7 +364,7 @@ def aliasing(leaves: list) -> list[tuple[int, int, int]]:
             shared.append((i, first[where], x.storage_offset()))
         else:
             first[where] = i
-    return shared
+    return shared  # type: ignore[return-value]  # offsets of real tensors: ints
 
 
 def key(fn: Callable, example_args: tuple, symbolic: tuple, options: dict,
@@ -413,7 +413,7 @@ def load(path: Path) -> Optional[Callable]:
         import io
 
         fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
-    except Exception as e:  # NOTE: an untrusted, stale or corrupt file is a cache miss, never an error
+    except Exception as e:  # noqa: BLE001 (an untrusted, stale or corrupt file is a cache miss, never an error)
         discard(path, f"{type(e).__name__}: {e}")
         return None
     try:
@@ -442,7 +442,7 @@ def save(compiled, path: Path) -> bool:
     warning, if it cannot be serialized or written (the graph still runs; the next start compiles it again)."""
     try:
         payload = serialized(compiled)
-    except Exception as e:  # e.g. a graph over oneDNN-packed weights, which torch cannot serialize
+    except Exception as e:  # noqa: BLE001 (e.g. a graph over oneDNN-packed weights, which torch cannot serialize)
         warn(f"a graph could not be filed, so the next start compiles it again ({type(e).__name__}: "
              f"{str(e)[:200]})")
         return False

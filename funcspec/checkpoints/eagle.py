@@ -155,7 +155,7 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
         ids = aux_layers or spread_aux_layers(target_cfg.num_layers)  # written down: usable on any depth
         hf = hf_config_dict(base, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd,
                             eagle_aux_hidden_state_layer_ids=list(ids))
-    layout = next(l for l in layouts.LAYOUTS if l.name == WRITTEN[version])
+    layout = next(lay for lay in layouts.LAYOUTS if lay.name == WRITTEN[version])
     cfg = config_from_hf(hf, layout.name, target_cfg)
     shapes = head_shapes(cfg, target_cfg.hidden_size)
     names = layouts.publish(layout, shapes, {})
@@ -164,9 +164,9 @@ def init_params(target_cfg: ModelConfig, seed: int = 0, version: int = 1, num_la
     if version == 3:
         # NOTE: stream -1 of the seed: random_tensors uses 0, 1, ... for the weights.
         order = torch.argsort(rng.uniform(rng.fold_in(rng.key(seed), -1), target_cfg.vocab_size))
-        ids = torch.sort(order[:cfg.draft_vocab_size]).values  # [V_d] target ids of the draft vocabulary
-        tensors["d2t"] = ids - torch.arange(cfg.draft_vocab_size)
-        tensors["t2d"] = torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        draft_ids = torch.sort(order[:cfg.draft_vocab_size]).values  # [V_d] target ids of the draft vocabulary
+        tensors["d2t"] = draft_ids - torch.arange(cfg.draft_vocab_size)
+        tensors["t2d"] = torch.zeros(target_cfg.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True)
     return hf, nest(tensors)
 
 

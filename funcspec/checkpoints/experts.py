@@ -48,8 +48,7 @@ def moe_config(hf: dict[str, Any], arch: str, where: str) -> MoEConfig:
     elif arch == "glm4_moe" or arch in DEEPSEEK:
         m = _deepseek_moe(hf, arch, layers, where)
     else:  # Qwen2-MoE, Qwen3-MoE: sparse every decoder_sparse_step-th layer, except mlp_only_layers
-        n = hf.get("num_experts", hf.get("num_local_experts"))
-        n = _int({"num_experts": n}, "num_experts", where)
+        n = _int({"num_experts": hf.get("num_experts", hf.get("num_local_experts"))}, "num_experts", where)
         step = _int(hf, "decoder_sparse_step", where, 1)
         if step < 1:
             raise ValueError(f"{where}: decoder_sparse_step must be positive, got {step}")
@@ -148,11 +147,12 @@ def published_keys(keys) -> bool:
 def stack(tensors: dict[str, torch.Tensor], m: MoEConfig, where: str) -> dict[str, torch.Tensor]:
     """``tensors`` with each layer's per-expert linears stacked into funcspec's layout and Mixtral's
     ``block_sparse_moe`` named ``mlp``; the per-expert tensors are dropped as they are stacked."""
-    out, found = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    found: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for key in list(tensors):
         hit = _PER_EXPERT.fullmatch(key)
         role = _ROLES.get(hit.group(3)) if hit else None
-        if role is not None:
+        if role is not None and hit is not None:  # (a role: a hit)
             found.setdefault(hit.group(1), {}).setdefault(role, {})[int(hit.group(2))] = tensors.pop(key)
         else:
             out[key.replace(".block_sparse_moe.", ".mlp.")] = tensors.pop(key)
@@ -164,7 +164,7 @@ def stack(tensors: dict[str, torch.Tensor], m: MoEConfig, where: str) -> dict[st
         extra = sorted(e for r in roles.values() for e in r if e >= m.num_experts)
         if extra:
             raise ValueError(f"{where}: {layer}mlp has experts {extra[:8]} beyond num_experts={m.num_experts}")
-        one = lambda r: torch.stack([roles[r].pop(e) for e in range(m.num_experts)])  # noqa: E731
+        one = lambda r: torch.stack([roles[r].pop(e) for e in range(m.num_experts)])  # noqa: E731, B023 (local, used at once)
         gate, up = one("gate"), one("up")  # [E, I, H] each
         out[layer + "mlp.experts.gate_up_proj.weight"] = torch.cat([gate, up], dim=1)  # [E, 2I, H]
         del gate, up
@@ -176,7 +176,7 @@ def per_expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int
     """``shapes`` with each layer's stacked experts (``<prefix>mlp.experts.gate_up_proj.weight`` [E, 2I, H] and
     ``down_proj`` [E, H, I]) as the experts one by one, as published checkpoints store them (:func:`stack`
     reads them back)."""
-    out = {}
+    out: dict[str, tuple[int, ...]] = {}
     for key, shape in shapes.items():
         if key.endswith("mlp.experts.gate_up_proj.weight"):
             e, two_i, h = shape
@@ -215,7 +215,8 @@ def stack_quantized(linears: dict[str, dict], m: MoEConfig, dtype, where: str) -
     by_layer: dict[str, dict] = {}
     for module, p in linears.items():
         hit = _PER_EXPERT.fullmatch(module + ".weight")
-        by_layer.setdefault(hit.group(1), {}).setdefault(_ROLES[hit.group(3)], {})[int(hit.group(2))] = p
+        prefix, kind, expert = hit.group(1, 3, 2)  # type: ignore[union-attr]  # expert_linears' names: all match
+        by_layer.setdefault(prefix, {}).setdefault(_ROLES[kind], {})[int(expert)] = p
     stacked, floats = {}, {}
     for layer, roles in by_layer.items():
         missing = [f"{r}[{e}]" for r in ("gate", "up", "down") for e in range(m.num_experts)
@@ -237,7 +238,7 @@ def stack_quantized(linears: dict[str, dict], m: MoEConfig, dtype, where: str) -
             continue
         warnings.warn(f"{where}: {layer}mlp.experts are dequantized to float ({why}); the routed-expert kernel "
                       f"runs them at float's memory", RuntimeWarning, stacklevel=3)
-        one = (lambda ps: torch.stack([formats.dequantize(p, dtype) for p in ps]))  # noqa: E731
+        one = (lambda ps: torch.stack([formats.dequantize(p, dtype) for p in ps]))  # noqa: E731 (a local one-liner)
         floats[layer + "mlp.experts.gate_up_proj.weight"] = torch.cat([one(gates), one(ups)], dim=1)
         floats[layer + "mlp.experts.down_proj.weight"] = one(downs)
     return stacked, floats

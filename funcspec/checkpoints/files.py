@@ -242,7 +242,7 @@ def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
     return path, read_json_object(cfg_file)
 
 
-def read_json_object(file: Path) -> dict:
+def read_json_object(file: str | os.PathLike) -> dict:
     """A JSON file that must hold an object; ``ValueError`` naming the file otherwise."""
     try:
         value = json.loads(Path(file).read_text())
@@ -274,7 +274,7 @@ def load_tokenizer(path: Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # noqa: BLE001 - transformers' errors name no file (a corrupt one: a bare JSONDecodeError)
+    except Exception:  # transformers' errors name no file (a corrupt one: a bare JSONDecodeError)
         for name in (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json"):
             if (path / name).is_file():
                 read_json_object(path / name)  # a corrupt one: ValueError naming it

@@ -127,7 +127,7 @@ def config(reader, where: str) -> dict:
           "rope_theta": float(get("rope.freq_base", 10000.0)),
           "max_position_embeddings": int(get("context_length", 2048)),
           "tie_word_embeddings": "output.weight" not in names,
-          "attention_bias": f"blk.0.attn_q.bias" in names}
+          "attention_bias": "blk.0.attn_q.bias" in names}
     for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                         ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         value = _field(reader, key)
@@ -202,7 +202,7 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple:
+def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """A quantized tensor's rows [N, row bytes] as ``(q [N, K] uint8, scales [N, K/32], offsets or None)``."""
     data = np.ascontiguousarray(data).reshape(n, -1)
     if kind == "Q8_0":
@@ -253,21 +253,36 @@ def quantized_linear(q: np.ndarray, scales: np.ndarray, offsets, bits: int, name
                           offsets=None if offsets is None else torch.from_numpy(offsets))
 
 
+def _reader(path):
+    """A ``gguf.GGUFReader`` of ``path`` (it maps the file: nothing is read until asked), or a ``ValueError``."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf's reader fails on a bad file with whatever it meets first
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def read_config(path) -> dict:
+    """A GGUF file's HF ``config.json`` dict, from its metadata alone (no tensor data is read)."""
+    return config(_reader(path), str(path))
+
+
 def read(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict, dict]:
     """A GGUF file's ``(hf_config, flat float tensors under HF names, quantized linears by HF module path)``:
     ``model.layers.0.self_attn.q_proj`` (its ``.weight``), and ``lm_head`` for a tied model's quantized head."""
     import gguf
 
     where = str(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf's reader fails on a bad file with whatever it meets first
-        raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    reader = _reader(path)
     hf = config(reader, where)
     arch = _field(reader, "general.architecture")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     permute = hf["model_type"] in ("llama", "mixtral")
-    floats, quantized, experts, kv_b = {}, {}, {}, {}
+    floats: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    experts: dict[int, dict] = {}
+    kv_b: dict[int, dict] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk" and int(parts[1]) >= hf["num_hidden_layers"]:

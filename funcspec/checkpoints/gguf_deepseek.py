@@ -63,7 +63,7 @@ def split_kv_b(w: torch.Tensor, heads: int, nope: int, v: int) -> tuple[torch.Te
 
 def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`split_kv_b`: HF's ``kv_b_proj`` [H (nope + v), R]."""
-    heads, rank = k_b.shape[0], k_b.shape[1]
+    rank = k_b.shape[1]
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, rank)
 
 
@@ -165,7 +165,8 @@ def config(get: Callable[[str, Any], Any], names: dict, base: dict) -> dict:
           "q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
           "kv_lora_rank": int(get("attention.kv_lora_rank", None)), "qk_nope_head_dim": k_len - rope_dim,
           "qk_rope_head_dim": rope_dim, "v_head_dim": v_len, "qk_head_dim": k_len,
-          "n_routed_experts": int(get("expert_count", None)), "num_experts_per_tok": int(get("expert_used_count", None)),
+          "n_routed_experts": int(get("expert_count", None)),
+          "num_experts_per_tok": int(get("expert_used_count", None)),
           "moe_intermediate_size": int(get("expert_feed_forward_length", None)),
           "n_shared_experts": int(get("expert_shared_count", 0)),
           "first_k_dense_replace": int(get("leading_dense_block_count", 0)),

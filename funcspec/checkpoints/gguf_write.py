@@ -158,7 +158,8 @@ def _write_deepseek(ckpt: Path, path: Path, kind: str, hf: dict) -> Path:
     eos = hf.get("eos_token_id")
     _add_vocab(w, gguf, hf["vocab_size"], hf.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
     weights = experts.stack(read_weights(ckpt), experts.MoEConfig(hf["n_routed_experts"]), str(ckpt))
-    out = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
+    out = {"token_embd.weight": weights["model.embed_tokens.weight"],
+           "output_norm.weight": weights["model.norm.weight"]}
     if not hf.get("tie_word_embeddings", False):
         out["output.weight"] = weights["lm_head.weight"]
     return _finish(w, gguf, {**out, **gguf_deepseek.tensors(hf, weights)}, kind, path)

@@ -121,7 +121,8 @@ LAYOUTS: tuple[Layout, ...] = (
            _DFLASH + (("d2t", "d2t"), ("t2d", "t2d"))),
     Layout("dspark-deepspec", "dspark", "dflash", "deepseek-ai/DeepSpec Qwen3DSparkModel",
            lambda hf, keys: any("DSpark" in a for a in _archs(hf)) and "speculators_config" not in hf,
-           _DFLASH + (("markov_head.{rest}", "markov_head.{rest}"), ("confidence_head.{rest}", "confidence_head.{rest}"))),
+           _DFLASH + (("markov_head.{rest}", "markov_head.{rest}"),
+                      ("confidence_head.{rest}", "confidence_head.{rest}"))),
     Layout("dflash-zlab", "dflash", "dflash", "z-lab/dflash DFlashDraftModel",
            lambda hf, keys: ("dflash_config" in hf or any("DFlash" in a for a in _archs(hf)))
            and "speculators_config" not in hf, _DFLASH),
@@ -143,7 +144,8 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("medusa-fasterdecoding", "medusa", "medusa",
            "FasterDecoding/Medusa medusa_lm_head.{safetensors,pt} (medusa_model.py, train_legacy.py)",
            lambda hf, keys: True,  # recognised by its file name
-           (("{k}.{j}.linear.{rest}", "medusa_head.{k}.{j}.linear.{rest}"), ("{k}.{j}.weight", "medusa_head.{k}.{j}.weight")),
+           (("{k}.{j}.linear.{rest}", "medusa_head.{k}.{j}.linear.{rest}"),
+            ("{k}.{j}.weight", "medusa_head.{k}.{j}.weight")),
            files=MEDUSA_FILES),
     Layout("medusa-vllm", "medusa", "medusa", "vLLM medusa.py (blocks.{k}.layers.{j}, lm_heads.{k}, token_map)",
            lambda hf, keys: hf.get("model_type") == "medusa" or _has(keys, "blocks.") or _has(keys, "medusa_heads."),
@@ -284,7 +286,8 @@ def detect(path, family: Optional[str] = None) -> tuple[Layout, Weights, dict, f
     """
     path, hf = read_config(path)
     _refuse_known(path, hf)
-    tried, seen = [l for l in LAYOUTS if family in (None, l.family)], {}
+    tried = [lay for lay in LAYOUTS if family in (None, lay.family)]
+    seen: dict[tuple[str, ...], Optional[tuple]] = {}
     for layout in tried:
         probe = seen.get(layout.files) if layout.files in seen else _probe(path, layout, hf)
         seen[layout.files] = probe
@@ -292,10 +295,10 @@ def detect(path, family: Optional[str] = None) -> tuple[Layout, Weights, dict, f
             return layout, probe[0], hf, probe[1]
     found = next((p for p in seen.values() if p is not None), None)
     if found is None:
-        files = dict.fromkeys(f for l in tried for f in l.files)
+        files = dict.fromkeys(f for lay in tried for f in lay.files)
         raise FileNotFoundError(f"{path}: no weight file; looked for {looked_for(files)}")
-    what = FAMILIES.get(family, "draft head")
-    raise ValueError(f"{path}: no {what} in a layout funcspec reads ({', '.join(l.name for l in tried)}); "
+    what = FAMILIES.get(family, "draft head")  # type: ignore[arg-type]  # None: the default
+    raise ValueError(f"{path}: no {what} in a layout funcspec reads ({', '.join(lay.name for lay in tried)}); "
                      f"config architectures={_archs(hf)}, {len(found[1])} keys in {found[0]}, e.g. "
                      f"{sorted(found[1])[:6]}")
 

@@ -254,6 +254,16 @@ def _embedded_head(key: str, num_layers: int) -> bool:
     return False
 
 
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of checkpoint ``path`` (a directory or a GGUF file), read without its weights:
+    what an engine plans from before it loads them. Errors as :func:`load_model`'s."""
+    gguf_file = gguf.path_of(path)
+    if gguf_file is not None:
+        return model_config(gguf.read_config(gguf_file), str(gguf_file))
+    path, hf = read_config(path)
+    return model_config(hf, str(path / "config.json"))
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
                tokenizer: Optional[str | os.PathLike] = None, quantization: Optional[str] = None) -> Model:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory (safetensors or ``pytorch_model.bin``, sharded or not),
@@ -289,7 +299,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if cfg.tie_word_embeddings and "lm_head.weight" in keys:
         keys.remove("lm_head.weight")  # some exporters save the tied copy
     tensors = weights.read(keys)
-    linears, stacked = {}, {}
+    linears: dict[str, dict] = {}
+    stacked: dict[str, dict] = {}
     if scheme is not None:
         quantized.check_description(scheme, every)
     if cfg.moe.num_experts:
@@ -356,12 +367,12 @@ def _load_gguf(path: Path, dtype, device, tokenizer) -> Model:
     names = set()
     for module, p in linears.items():
         if module.endswith(".experts"):  # stacked quantized experts: gate_up [I, H] and down [H, I] per expert
-            want = [shapes.pop(f"{module}.{n}.weight", None) for n in ("gate_up_proj", "down_proj")]
+            want_experts = [shapes.pop(f"{module}.{n}.weight", None) for n in ("gate_up_proj", "down_proj")]
             gf, df = p["gate_up_proj"]["format"], p["down_proj"]["format"]
             got = [(p["gate_up_proj"]["qweight"].shape[0], 2 * gf.out_features, gf.in_features),
                    (p["down_proj"]["qweight"].shape[0], df.out_features, df.in_features)]
-            if want != got:
-                raise ValueError(f"{path}: {module}: expected {want}, got quantized experts {got}")
+            if want_experts != got:
+                raise ValueError(f"{path}: {module}: expected {want_experts}, got quantized experts {got}")
             linears[module] = {n: _to(q, device) for n, q in p.items()}
             names |= {gf.name, df.name}
             continue

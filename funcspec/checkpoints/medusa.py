@@ -25,7 +25,8 @@ heads, without the target)."""
 
 def head_shapes(cfg: MedusaConfig, bias: bool = True) -> dict:
     """Every tensor of the heads under funcspec's names and its shape (``bias``: the ResBlocks have biases)."""
-    h, shapes = cfg.hidden_size, {}
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
     for k in range(cfg.num_heads):
         for j in range(cfg.num_layers):
             shapes[f"medusa_head.{k}.{j}.linear.weight"] = (h, h)
@@ -70,7 +71,8 @@ def load_params(path, target):
     bias = bool(hf.get("medusa_fc_bias", False)) if vllm else any(k.endswith(".linear.bias") for k in tensors)
     dropped = [k for k in tensors if k.endswith(".linear.bias") and not bias]
     if dropped:  # vLLM builds bias-free ResBlocks unless medusa_fc_bias: it drops these, and so does funcspec
-        warnings.warn(f"{where}: {len(dropped)} ResBlock biases ignored: config.json has no medusa_fc_bias: true")
+        warnings.warn(f"{where}: {len(dropped)} ResBlock biases ignored: config.json has no medusa_fc_bias: true",
+                      stacklevel=2)
         tensors = {k: v for k, v in tensors.items() if k not in dropped}
     if vllm and hf.get("original_lm_head") and "lm_head.weight" not in tensors:  # vLLM reads lm_heads.0 then
         tensors["lm_head.weight"] = tensors[f"medusa_head.0.{blocks}.weight"]

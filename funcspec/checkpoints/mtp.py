@@ -79,7 +79,7 @@ def init_params(target_cfg: ModelConfig, seed: int = 0):
     """
     hf = hf_config_dict(target_cfg, num_nextn_predict_layers=1)
     cfg = MTPConfig(block_config(hf, target_cfg, target_cfg.ops, "target config"), hidden_layer=target_cfg.num_layers)
-    layout = next(l for l in layouts.LAYOUTS if l.name == WRITTEN)
+    layout = next(lay for lay in layouts.LAYOUTS if lay.name == WRITTEN)
     shapes = experts.per_expert_shapes(head_shapes(cfg, own_head=True))
     names = layouts.publish(layout, shapes, {"L": target_cfg.num_layers})
     return hf, nest(random_tensors({names[k]: s for k, s in shapes.items()}, seed))

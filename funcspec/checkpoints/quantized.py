@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
@@ -69,7 +69,8 @@ DESCRIPTION = "quant_model_description.json"
 DESCRIPTIONS = "quant_model_description*.json"
 """The description files read (older msmodelslim writes ``quant_model_description_w8a8.json``)."""
 
-ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "gptq_bitblas": "gptq", "compressed_tensors": "compressed-tensors"}
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "gptq_bitblas": "gptq",
+           "compressed_tensors": "compressed-tensors"}
 """vLLM ``quantization`` names that read the same stored format (a kernel choice, not a layout)."""
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -114,7 +115,7 @@ def detect(path: Path, hf: dict) -> Optional[Scheme]:
     where = f"{Path(path) / 'config.json'}: quantization_config"
     if not isinstance(qc, dict):
         raise ValueError(f"{where} must be an object, got {type(qc).__name__}")
-    method = ALIASES.get(qc.get("quant_method"), qc.get("quant_method"))
+    method = ALIASES.get(qc.get("quant_method"), qc.get("quant_method"))  # type: ignore[arg-type]  # None: no alias
     if method not in _SCHEMES:
         raise ValueError(f"{where}.quant_method {qc.get('quant_method')!r} is not a format funcspec reads "
                          f"(it reads {sorted(_SCHEMES)} and vLLM-Ascend's {DESCRIPTIONS})")
@@ -156,7 +157,8 @@ def _gptq_scheme(qc: dict, where: str) -> Scheme:
     if qc.get("dynamic"):
         raise ValueError(f"{where}.dynamic (per-module overrides) is not read: every quantized module must have "
                          f"the declared bits and group size")
-    summary = (f"GPTQ {bits}-bit, group {group or 'per channel'}, {'symmetric' if qc.get('sym', True) else 'asymmetric'}"
+    symmetry = "symmetric" if qc.get("sym", True) else "asymmetric"
+    summary = (f"GPTQ {bits}-bit, group {group or 'per channel'}, {symmetry}"
                f"{', act-order (desc_act)' if qc.get('desc_act') else ''}, checkpoint_format {fmt}")
     return Scheme("gptq", summary, qc, where)
 
@@ -250,7 +252,8 @@ class _Module:
     """One module's tensors (``<module>.<name>``), recording which were read."""
 
     def __init__(self, tensors: dict, module: str, where: str):
-        self.tensors, self.module, self.where, self.used = tensors, module, where, set()
+        self.tensors, self.module, self.where = tensors, module, where
+        self.used: set[str] = set()
 
     def get(self, name: str) -> Optional[torch.Tensor]:
         key = f"{self.module}.{name}"
@@ -271,7 +274,7 @@ class _Module:
                              f"got {t.dtype}")
         return t
 
-    def fail(self, msg: str):
+    def fail(self, msg: str) -> NoReturn:
         raise ValueError(f"{self.where}: {self.module}: {msg}")
 
 

@@ -263,8 +263,9 @@ def write_ascend(src, out, kind: str = "W8A8", input_offset: int = 3, attention:
             deq = in_scale.float() * s.float().flatten()  # [N]
             b = tensors.get(m + ".bias", torch.zeros(q.shape[0])).double()
             rowsum = (q - 128).double().sum(1)
+            bias = (torch.round(b / deq.double()) - input_offset * rowsum).to(torch.int32)
             part.update(input_scale=in_scale, input_offset=torch.tensor([input_offset], dtype=torch.int8),
-                        deq_scale=deq, quant_bias=(torch.round(b / deq.double()) - input_offset * rowsum).to(torch.int32))
+                        deq_scale=deq, quant_bias=bias)
         for name, t in part.items():
             new[f"{m}.{name}"] = t
             desc[f"{m}.{name}"] = kind_m

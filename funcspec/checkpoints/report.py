@@ -95,7 +95,8 @@ class Report:
             lines.append(f"  target:  {self.target}")
             if self.problem is None:
                 lines += ["  fits:    yes", f"  loaded as {type(self.parsed).__name__}:"]
-                lines += [f"    {f.name}: {_show(getattr(self.parsed, f.name))}" for f in dataclasses.fields(self.parsed)]
+                lines += [f"    {f.name}: {_show(getattr(self.parsed, f.name))}"
+                          for f in dataclasses.fields(self.parsed)]
         if self.problem is not None:
             lines.append(f"  fits:    no: {self.problem}")
         return "\n".join(lines)

@@ -208,4 +208,4 @@ def _signature(cls: type) -> inspect.Signature:
 
 
 _SIGNATURE = _signature(SpecConfig)
-SpecConfig.__signature__ = _SIGNATURE  # help() and inspect show the fields, not (*args, **kwargs)
+SpecConfig.__signature__ = _SIGNATURE  # type: ignore[attr-defined]  # help() and inspect show the fields, not (*args, **kwargs)

@@ -228,7 +228,7 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
         max_k = check_int(SPEC + "suffix_decoding_max_tree_depth", depth, lo=1)
         origin = " (its default: suffix_decoding_max_tree_depth)"
     read = max_k is None and check_paths and model
-    if read:
+    if read and model:  # (read: a model)
         max_k, origin = _n_predict(model, method), f" (from {os.path.join(model, 'config.json')})"
     if max_k is None:
         where = " (its checkpoint's config.json gives no num_nextn_predict_layers)" if read and method == "mtp" else ""
@@ -238,7 +238,7 @@ def _resolve_max_k(spec: Mapping, method: str, model: Optional[str], check_paths
     return max_k
 
 
-def _draft_config(model: str) -> Optional[dict]:
+def _draft_config(model: str | os.PathLike) -> Optional[dict]:
     """The draft directory's ``config.json``, ``None`` without one; ``ValueError`` naming the file when it is
     not a JSON object."""
     path = os.path.join(model, "config.json")

@@ -1,30 +1,36 @@
-// Attention of a few query tokens over a KV cache, for decode on x86 CPUs with AVX-512 and AVX512-BF16.
+// Attention of a few query tokens over a KV cache, for decode, on every build of the kernels (build.py).
 //
 // out[b, t, h] = softmax_j(q[b, t, h] . k[b, h / G, j] * scale over visible j) @ v[b, h / G, :]
 // where visible[b, t, j] (causal, tree, window: the caller's mask) and G = H / H_kv.
 //
 // A decode or verify step has 1-65 query tokens and reads 128-4096+ cached
 // positions, so it should cost what streaming K and V once costs; SDPA's CPU
-// flash kernel spends 3-8x that at these shapes. This reads K and V in place
+// flash kernel spends several times that at these shapes. This reads K and V in place
 // (any slot / head / token strides, each row of D contiguous), skips positions
 // a query cannot see, and runs the query heads of one KV head together (RG at
 // a time), so each K and V row is loaded once for them. Scores, softmax and the
-// sums are fp32; bf16 multiplies raw pairs with vdpbf16ps (q . k exactly per
-// pair; p rounded to bf16 for p . v, as SDPA's bf16 kernels do).
+// sums are fp32; on the avx512bf16 build, bf16 multiplies raw pairs with vdpbf16ps (q . k exactly per
+// pair; p rounded to bf16 for p . v, as SDPA's bf16 kernels do); the other builds (simd.h's vectors) take
+// K and V to fp32 and keep p in fp32.
 //
 // Every query row is computed by the same instructions in the same order
 // whatever the other rows are: AR (1 token) and verification (K+1) agree bit
-// for bit. Plain C ABI, called through ctypes (funcspec/nn/decode_attention.py).
-#include <immintrin.h>
+// for bit. Plain C ABI, called through ctypes (funcspec/kernels/attention.py).
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "bf16.h"
+#include "simd.h"
+
+#if defined(FUNCSPEC_ISA_AVX512BF16)
+#include <immintrin.h>
+
 
 namespace {
 
@@ -282,6 +288,104 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
 }
 
 }  // namespace
+
+#else  // the portable builds: simd.h's vectors
+
+namespace {
+
+using namespace funcspec::simd;
+
+constexpr int RG = 4;  // query rows (heads of one KV head) per pass: each K and V row is converted once for them
+
+// R (<= RG) query rows q[r] (the heads of one KV head, at one token) over keys/vals [TR, D] (token strides ks,
+// vs) where vis [TR]. Scratch: qf [RG][DP], row [DP] (DP = D rounded up to W, the tail zero), s [RG][TR + W],
+// acc [RG][DP]. Each row's scores, softmax and weighted sum are its own operations in a fixed order.
+template <class T>
+void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t* vis, T* const* out, int64_t D,
+                 int64_t TR, int64_t ks, int64_t vs, float scale, float* qf, float* row, float* s, float* acc) {
+  const int64_t CH = (D + W - 1) / W, DP = CH * W, SP = TR + W;
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < D; ++c) qf[r * DP + c] = funcspec::to_float<T>(q[r][c]);
+  int64_t seen = 0;
+  for (int64_t j = 0; j < TR; ++j) {
+    if (!vis[j]) continue;
+    ++seen;
+    for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(k[j * ks + c]);
+    for (int r = 0; r < R; ++r) {
+      vf dot{};
+      for (int64_t c = 0; c < CH; ++c) dot = dot + load(qf + r * DP + c * W) * load(row + c * W);
+      s[r * SP + j] = hsum(dot) * scale;
+    }
+  }
+  if (seen == 0) {  // sees nothing (never a real row): zeros
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < D; ++c) out[r][c] = funcspec::from_float<T>(0.0f);
+    return;
+  }
+  float inv[RG];
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * SP;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < TR; ++j)
+      if (vis[j]) mx = std::max(mx, sr[j]);
+    vf sum{};
+    for (int64_t j = 0; j < TR; j += W) {
+      vf p = exp_neg(load(sr + j) - mx);  // past TR: scratch, dropped below
+      for (int i = 0; i < W; ++i)
+        if (j + i >= TR || !vis[j + i]) p[i] = 0.0f;
+      store(sr + j, p);
+      sum = sum + p;
+    }
+    inv[r] = 1.0f / hsum(sum);
+  }
+  for (int i = 0; i < R * DP; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < TR; ++j) {
+    if (!vis[j]) continue;
+    for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(v[j * vs + c]);
+    for (int r = 0; r < R; ++r) {
+      const float p = s[r * SP + j];
+      for (int64_t c = 0; c < CH; ++c) store(acc + r * DP + c * W, load(acc + r * DP + c * W) + p * load(row + c * W));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < D; ++c) out[r][c] = funcspec::from_float<T>(acc[r * DP + c] * inv[r]);
+}
+
+// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
+// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time.
+template <class T>
+void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
+            int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
+            int threads) {
+  const int64_t G = H / HKV, DP = (D + W - 1) / W * W;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qf(RG * DP, 0.0f), row(DP, 0.0f), s(RG * (TR + W)), acc(RG * DP);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * HKV; ++bh) {
+      const int64_t b = bh / HKV, hk = bh % HKV;
+      const T* kb = k + b * kst[0] + hk * kst[1];
+      const T* vb = v + b * vst[0] + hk * vst[1];
+      for (int64_t t = 0; t < Tq; ++t)
+        for (int64_t g0 = 0; g0 < G; g0 += RG) {
+          const int R = (int)(G - g0 < RG ? G - g0 : RG);
+          const T* qs[RG];
+          T* os[RG];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = (b * Tq + t) * H + hk * G + g0 + r;
+            qs[r] = q + i * D;
+            os[r] = out + i * D;
+          }
+          attend_rows<T>(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, D, TR, kst[2], vst[2], scale, qf.data(),
+                         row.data(), s.data(), acc.data());
+        }
+    }
+  }
+}
+
+}  // namespace
+
+#endif
 
 extern "C" {
 

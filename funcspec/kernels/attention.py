@@ -2,19 +2,15 @@
 :func:`~funcspec.nn.llama.attend` (where the step's ``Ops`` has ``decode_attention``).
 
 A decode or verify step has 1-65 query tokens and reads the live cache once per
-layer, so it should cost about what streaming K and V costs. On a 2-core Zen 4
-EPYC (bf16, 32 query heads over 8 KV heads of 64), SDPA's CPU flash kernel took
-110-120 us a layer at 256 cached positions and 1.0-2.0 ms at 4352 (the GEMM
-formulation was no faster): at a 4096-token context that was 16 ms or more of a
-16-layer step, the part of the step that grows with the context.
+layer, so it should cost about what streaming K and V costs; SDPA's CPU flash
+kernel spends several times that at these shapes (graphs/results/notes/kernels.md).
 
-:file:`decode_attention.cpp` reads K and V in place (the cache views' strides),
+:file:`attention.cpp` reads K and V in place (the cache views' strides),
 skips the positions a query cannot see, and runs the G query heads of a KV head
 together, so each K and V row is loaded once for all of them. Scores, softmax
-and sums are fp32; bf16 multiplies raw bf16 pairs (``vdpbf16ps``), with the
-probabilities rounded to bf16 for the weighted sum of V as SDPA's bf16 kernels
-do. Measured as above: 35 us a layer at 256 positions, 0.21 ms at 4352 in
-cache, and 7.9 ms for 16 layers at 4096 positions read from memory (17 GB/s).
+and sums are fp32; on the avx512bf16 build bf16 multiplies raw bf16 pairs
+(``vdpbf16ps``), with the probabilities rounded to bf16 for the weighted sum of
+V as SDPA's bf16 kernels do (the other builds convert K and V to fp32).
 Every query row is computed by the same instructions whatever rows come with it,
 so AR (1 token) and verification (K+1) agree bit for bit. It is built into the
 library of :mod:`funcspec.kernels.build` and needs what that needs (:func:`supports`).
@@ -28,7 +24,7 @@ from funcspec.kernels import build
 from funcspec.kernels.stream import DTYPES
 
 MAX_HEAD_DIM = 256
-"""The kernel keeps a query row in registers: 16 zmm of fp32."""
+"""The avx512bf16 kernel keeps a query row in registers: 16 zmm of fp32."""
 
 SERIAL_MACS = 1 << 22
 """Attentions of fewer multiply-adds run on one thread: waking the pool costs more."""
@@ -82,7 +78,7 @@ def _decode_attention_meta(q, keys, vals, visible) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))
 
 
-# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, ~10 us a call.
+# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, cheap to call.
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("decode_attention(Tensor q, Tensor keys, Tensor vals, Tensor visible) -> Tensor")
 _LIB.impl("decode_attention", _decode_attention, "CPU")

@@ -1,20 +1,30 @@
-"""The CPU kernels' library: compiled from :data:`SOURCES` on first use, loaded through ``ctypes``.
+"""The CPU kernels' library: one build per ISA, compiled from :data:`SOURCES` on first use, loaded through ``ctypes``.
+
+Every build (:data:`BUILDS`) compiles the same sources with its own flags and
+``-DFUNCSPEC_ISA_<NAME>``: ``avx512bf16`` (AVX-512 intrinsics, ``vdpbf16ps``
+and VNNI), ``avx512``, ``avx2`` and ``portable`` (the same kernels written with
+GCC/Clang vector extensions, which the compiler lowers to the ISA of its flags;
+``portable`` has none, so it is SSE2 on x86-64 and NEON on AArch64). Each has
+the C ABI of :data:`_SIGNATURES`, and in each a row's result does not depend on
+the rows beside it. The build is picked at first use (:func:`selected`): the
+best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names.
 
 The kernels are compiled with ``$CXX`` (default ``g++``, which inductor needs
-on the CPU anyway; about 2 s, 20 s on a busy 2-core machine; ``CXX`` may carry
+on the CPU anyway; seconds, longer on a busy machine; ``CXX`` may carry
 arguments, as in ``CXX="ccache g++"``), cached under
 ``$XDG_CACHE_HOME/funcspec/kernels`` (else ``~/.cache/funcspec/kernels``) keyed
 by the sources, compiler command and flags, and called through ``ctypes``;
 OpenMP links to torch's own ``libgomp``, so they run on torch's threads
-(``torch.set_num_threads``). Where they cannot be built (no compiler, another
-ISA, a compile that outlasts :data:`BUILD_TIMEOUT_S`), :func:`available` is
-false (warned once) and :func:`funcspec.kernels.resolve` picks other paths; so
-it is, with no build and no warning, where ``FUNCSPEC_CPU_KERNELS=0``.
+(``torch.set_num_threads``). Where they cannot be built (no compiler, a
+compile that outlasts :data:`BUILD_TIMEOUT_S`), :func:`available` is false
+(warned once) and :func:`funcspec.kernels.resolve` picks other paths; so it is,
+with no build and no warning, where ``FUNCSPEC_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import math
@@ -34,11 +44,35 @@ from funcspec.kernels import cpu
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp", "moe.cpp"))
 """The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products,
 the routed experts."""
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "stream.h", "quant.h"))
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "simd.h", "stream.h", "quant.h"))
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-Wno-psabi")
+"""The flags of every build; each adds its own (:data:`BUILDS`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One build of the kernels: its compiler flags and the x86 feature flags (``/proc/cpuinfo``'s names) a CPU
+    needs to run it."""
+
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]
+    x86: bool = True
+
+
+BUILDS = {
+    "avx512bf16": Build(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
+                        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")),
+    "avx512": Build(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
+                    ("avx512f", "avx512bw", "avx512vl", "fma", "f16c")),
+    "avx2": Build(("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "portable": Build((), (), x86=False),
+}
+"""The builds, by name; ``avx512bf16`` is the only one written with intrinsics (simd.h says how the others are)."""
+ORDER = ("avx512bf16", "avx512", "avx2", "portable")
+"""The builds from best to last: the first one a CPU runs is its default."""
 SWITCH = "FUNCSPEC_CPU_KERNELS"
-"""The environment variable that turns the kernels off: ``0`` (unset, empty or ``1``: on)."""
+"""The environment variable that picks the kernels: ``0`` off; unset, empty or ``1``: the best build this CPU
+runs; or a build's name (:data:`BUILDS`) to force it."""
 TIMEOUT = "FUNCSPEC_CPU_KERNELS_BUILD_TIMEOUT"
 """The environment variable that sets the compile's time limit in seconds (default :data:`BUILD_TIMEOUT_S`)."""
 BUILD_TIMEOUT_S = 300.0
@@ -60,18 +94,58 @@ _SIGNATURES = {
 }
 
 
-def supported() -> bool:
-    """Whether this CPU runs the kernels: x86 with AVX-512 (F, BW, VL), AVX512-BF16 and VNNI (every AVX512-BF16
-    CPU so far: Cooper Lake, Sapphire Rapids, Zen 4)."""
-    return cpu.avx512_bf16() and cpu.vnni()
+def missing(name: str) -> list[str]:
+    """The CPU features this CPU lacks to run build ``name`` (empty: it runs it)."""
+    b = BUILDS[name]
+    if b.x86 and not cpu.is_x86():
+        return ["x86-64"]
+    have = cpu.x86_flags()
+    return [f for f in b.needs if f not in have]
+
+
+def supported(name: str | None = None) -> bool:
+    """Whether this CPU runs build ``name`` (default: any; ``portable`` runs on every CPU)."""
+    return not missing(name) if name is not None else any(not missing(n) for n in ORDER)
+
+
+def builds() -> list[str]:
+    """The builds this CPU runs, best first."""
+    return [n for n in ORDER if not missing(n)]
+
+
+def choice() -> str | None:
+    """The build :data:`SWITCH` asks for as the environment has it now: ``None`` (``0``: off), this CPU's best
+    (unset, empty or ``1``), or the build it names; ``ValueError`` for any other value, and for a build this
+    CPU cannot run (naming the features it lacks)."""
+    value = os.environ.get(SWITCH, "").strip()
+    if value == "0":
+        return None
+    if value in ("", "1"):
+        return builds()[0]
+    if value not in BUILDS:
+        raise ValueError(f"{SWITCH} must be 0 (the CPU kernels off), 1 (on: the best build for this CPU) or a "
+                         f"build's name, one of {', '.join(ORDER)}; got {value!r}")
+    lacks = missing(value)
+    if lacks:
+        raise ValueError(f"{SWITCH}={value}: this CPU cannot run the {value} kernels, it lacks "
+                         f"{', '.join(lacks)} (it runs {', '.join(builds())})")
+    return value
 
 
 def enabled() -> bool:
-    """Whether the kernels may be used: :data:`SWITCH` (``FUNCSPEC_CPU_KERNELS``) is unset, empty or ``1``."""
-    value = os.environ.get(SWITCH, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{SWITCH} must be 0 (the CPU kernels off) or 1 (on), got {value!r}")
-    return value != "0"
+    """Whether the kernels may be used: :data:`SWITCH` (``FUNCSPEC_CPU_KERNELS``) is not ``0`` (checked now)."""
+    return choice() is not None
+
+
+@functools.cache
+def selected() -> str | None:
+    """The build the kernels take, fixed at first use: :func:`choice` then (``None``: off). :func:`reset` forgets it."""
+    return choice()
+
+
+def reset() -> None:
+    """Forget the build :func:`selected` fixed, so the next use reads :data:`SWITCH` again (tests)."""
+    selected.cache_clear()
 
 
 def cache_dir() -> Path:
@@ -142,19 +216,27 @@ def _compile(cmd: list[str], timeout: float) -> None:
         raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} failed:\n{err}")
 
 
-def build(cache: Path | None = None, timeout: float | None = None) -> Path:
-    """Compile :data:`SOURCES` into one library in ``cache`` (default :func:`cache_dir`), once per sources, flags
-    and compiler command, within ``timeout`` seconds (default :func:`build_timeout`); return it."""
+def flags(name: str) -> list[str]:
+    """The compiler flags of build ``name``: :data:`FLAGS`, its own, and its ``-DFUNCSPEC_ISA_<NAME>``."""
+    if name not in BUILDS:
+        raise ValueError(f"no kernel build {name!r}: the builds are {', '.join(ORDER)}")
+    return [*FLAGS, *BUILDS[name].flags, f"-DFUNCSPEC_ISA_{name.upper()}"]
+
+
+def build(cache: Path | None = None, timeout: float | None = None, name: str = "avx512bf16") -> Path:
+    """Compile :data:`SOURCES` with build ``name``'s flags into one library in ``cache`` (default
+    :func:`cache_dir`), once per sources, flags and compiler command, within ``timeout`` seconds (default
+    :func:`build_timeout`); return it."""
     cache = cache_dir() if cache is None else Path(cache)
     cmd = compiler()
     timeout = build_timeout() if timeout is None else timeout
     if not 0 < timeout < math.inf:
         raise ValueError(f"build: timeout must be a positive number of seconds, got {timeout!r}")
     torch_lib = Path(torch.__file__).parent / "lib"
-    flags = [*FLAGS, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+    args = [*flags(name), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *cmd, *flags]).encode()).hexdigest()[:16]
-    lib = cache / f"stream-{key}.so"
+    key = hashlib.sha256("\0".join([*texts, *cmd, *args]).encode()).hexdigest()[:16]
+    lib = cache / f"funcspec-{name}-{key}.so"
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
@@ -163,7 +245,7 @@ def build(cache: Path | None = None, timeout: float | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        _compile([*cmd, *flags, *map(str, SOURCES), "-o", tmp], timeout)
+        _compile([*cmd, *args, *map(str, SOURCES), "-o", tmp], timeout)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -171,19 +253,27 @@ def build(cache: Path | None = None, timeout: float | None = None) -> Path:
     return lib
 
 
+def lib(name: str | None = None) -> ctypes.CDLL | None:
+    """Build ``name``'s library (default :func:`selected`), built on first call, or ``None`` where the kernels
+    are off or it cannot be built (warned once)."""
+    name = selected() if name is None else name
+    return None if name is None else load(name)
+
+
 @functools.cache
-def lib() -> ctypes.CDLL | None:
-    """The kernels' library (built on first call), or ``None`` where it cannot run or be built (warned once)."""
-    if not supported():
+def load(name: str) -> ctypes.CDLL | None:
+    """Build ``name``'s library, built on first call, or ``None`` where this CPU cannot run it or it cannot be
+    built (warned once)."""
+    if not supported(name):
         return None
     try:
-        handle = ctypes.CDLL(str(build()))
+        handle = ctypes.CDLL(str(build(name=name)))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"funcspec: the CPU kernels are unavailable, products and attention fall back to "
+        warnings.warn(f"funcspec: the CPU kernels ({name}) are unavailable, products and attention fall back to "
                       f"oneDNN/MKL/SDPA: {e}", RuntimeWarning, stacklevel=3)
         return None
-    for name, args in _SIGNATURES.items():
-        fn = getattr(handle, name)
+    for fn_name, args in _SIGNATURES.items():
+        fn = getattr(handle, fn_name)
         fn.argtypes, fn.restype = args, None
     return handle
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import platform
 import sys
 
 import torch
@@ -16,6 +17,38 @@ HUGE_PAGE = 2 << 20
 """x86-64's transparent huge page: 2 MiB."""
 MADV_HUGEPAGE = 14
 """Linux's ``madvise`` advice that asks for transparent huge pages."""
+
+
+@functools.cache
+def is_x86() -> bool:
+    """An x86-64 CPU (the one kind the ISA-specific kernel builds serve)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def x86_flags() -> frozenset[str]:
+    """The x86 features this CPU and OS offer, by ``/proc/cpuinfo``'s names (Linux lists only what the kernel
+    enabled, so AVX-512 state the OS does not save is absent); elsewhere what torch reports (``fma`` and ``f16c``
+    with AVX2: every AVX2 CPU has them); empty off x86."""
+    if not is_x86():
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = set()
+    if torch.cpu._is_avx2_supported():
+        have |= {"avx2", "fma", "f16c"}
+    if torch.cpu._is_avx512_supported():
+        have |= {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}
+    if avx512_bf16():
+        have.add("avx512_bf16")
+    if vnni():
+        have.add("avx512_vnni")
+    return frozenset(have)
 
 
 @functools.cache
@@ -62,8 +95,7 @@ def huge_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     grant huge pages to memory that asks (``madvise``), as this VM's does, so
     the tensor is a 2 MiB-aligned view into a buffer one page larger, advised
     before anything touches it. The unaligned ends are never touched, so they
-    take no memory. Interleaved over the same bf16 weights, huge pages streamed
-    5.5% faster (30.9 against 29.0 GB/s, 2-core Zen 4 EPYC).
+    take no memory (huge pages stream faster: graphs/results/notes/kernels.md).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()

@@ -1,4 +1,4 @@
-// Routed experts of a mixture-of-experts layer for decode on x86 CPUs with AVX-512 and AVX512-BF16.
+// Routed experts of a mixture-of-experts layer for decode, on every build of the kernels (build.py).
 //
 // out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], for a few tokens x [T, H]
 // and experts far beyond the caches: each selected expert's weights are read from memory once per call,
@@ -99,7 +99,7 @@ void activate(const T* h, T* act, int64_t rows, int64_t hw, int64_t iw, int64_t 
 // the thread it waits for may be waiting for a core.
 inline void wait(const std::atomic<int64_t>& count, int64_t target) {
   for (int spins = 0; count.load(std::memory_order_acquire) < target; ++spins) {
-    if (spins < 4096) _mm_pause();
+    if (spins < 4096) funcspec::simd::pause();
     else std::this_thread::yield();
   }
 }

@@ -1,14 +1,11 @@
-"""bf16 linear layers on oneDNN's pre-packed weights (AMX CPUs, and AVX512-BF16 ones where
-the streaming kernel of :mod:`funcspec.kernels.stream` could not be built).
+"""bf16 linear layers on oneDNN's pre-packed weights, on CPUs with bf16 instructions (AVX512-BF16, AMX) where
+funcspec's kernels are turned off or could not be built (:mod:`funcspec.kernels.build`).
 
 ``F.linear`` on bf16 CPU weights re-lays W out into oneDNN's blocked format on
 every call, so a decode step streams each weight about twice. Packing once (at
 load: ``funcspec.quant.prepare_params``) makes the product stream W once, and
 its cost barely grows with the row count: verifying K+1 tokens costs about
-what decoding one does. Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no
-AMX), the 169 linears of a Qwen2.5-0.5B shape (1 GB of bf16 weights): 40-60 ms
-for any row count from 1 to 9, against 62-111 ms for ``F.linear`` and 34-168
-ms for inductor's fused row reductions (which grow with the rows).
+what decoding one does (graphs/results/notes/kernels.md).
 
 oneDNN's result for a row does not depend on how many rows come with it once
 there are at least two (a single row takes another kernel, so fewer than
@@ -21,7 +18,7 @@ from __future__ import annotations
 import torch
 
 PACK_ROWS = 4
-"""The row-count hint oneDNN packs for; 1, 4, 5, 16 and 64 timed the same within noise."""
+"""The row-count hint oneDNN packs for (other hints timed the same)."""
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -38,9 +35,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch
     # result can differ in the last bit from the same row among others: at
     # real sizes (a [8192, 2048] weight) AR's 1-row product would then differ
     # from verification's K+1 rows. Padded to MIN_ROWS, every row count takes
-    # the GEMM kernel, and 4-6 rows also streamed the weights 15-20% faster
-    # than 1-3 rows (the 113 linears of a Llama-3.2-1B shape, 2.4 GB bf16, on
-    # a 2-core Zen 4 EPYC: about 90-100 ms against 110-128 ms for one row).
+    # the GEMM kernel, which also streams the weights faster than the GEMV.
     rows = x.numel() // x.shape[-1]
     if rows >= MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -54,7 +49,7 @@ def _packed_linear_meta(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> 
 
 
 # NOTE: a raw Library op, not torch.library.custom_op: the decorator's Python
-# wrapper cost 44 us a call against 19 us, 3.7 ms on a 169-linear decode step.
+# wrapper costs more per call than the op itself (graphs/results/notes/kernels.md).
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
 _LIB.impl("packed_linear", _packed_linear, "CPU")

@@ -11,62 +11,31 @@ The packed copies the kernels stream are made once, at load, by
 gate/up gain a fused ``qkv_proj`` / ``gate_up_proj``); a linear without them
 takes the plain torch paths.
 
-NOTE on the choice of product per CPU (measured on three 2-core machines,
-Qwen2.5-0.5B and Llama-3.2-1B-shaped weights beyond the caches):
-
-- bf16 and fp32, at any row count, outside autograd, on x86 with AVX512-BF16
-  and no AMX (``stream``, AMD EPYC Zen 4): the weight-streaming kernel
-  (:mod:`funcspec.kernels.stream`). On the 113 linears of a Llama-3.2-1B shape
-  (2.47 GB in bf16) it streamed 33-40 GB/s at 1 row and 31-33 at 5, where
-  oneDNN's packed GEMM streamed 27 and 30; in fp32 25-28 GB/s at 1 row and
-  25-27 at 5, where MKL streamed 14-16 and 6. A row's result does not depend on
-  the rows beside it, so no row count may leave it: fp32 products of more than
-  72 rows once took MKL, and at batch 16 with K = 4 (80 rows) verification and
-  AR then rounded differently (greedy speculation could differ from greedy AR;
-  MKL's sums over k of 256 or more are split in another order). Prefill-sized
-  fp32 products lose nothing by streaming: on 2048x2048, 8192x2048 and
-  2048x8192 weights at 80, 512 and 2048 rows (2 threads, a busy 2-core EPYC)
-  the kernel took 0.20-0.83x MKL's time, 50-180 against 13-86 GFLOPS. bf16
-  at 128 and 512 rows ran as fast as oneDNN (89-102 against 95-105 GMAC/s).
-  Nor does the choice compare the row count, which is symbolic in a graph with
-  a symbolic batch (a comparison would be a guard on it).
-- otherwise bf16 on a CPU with bf16 instructions (AMX, or AVX512-BF16 without
-  the kernel), outside autograd: oneDNN on pre-packed weights (``onednn_bf16``,
-  :mod:`funcspec.kernels.onednn`). Its cost is flat in the row count, so
-  verifying K+1 tokens costs about one; on an AMD EPYC (Zen 4) 40-60 ms for 1 GB
-  of weights at 1-9 rows, where ``F.linear`` took 62-111 ms and the fused
-  reductions below 34 ms at 1 row but 152 ms at 8.
-- fp32 on a CPU with AMX (``blas_skinny``, the Xeon measured): ``F.linear``
-  (MKL). At 1 row it streamed 21 GB/s against 12 GB/s for the fused
-  reductions. MKL on the AMD EPYC (Zen 4, AVX-512) streamed 13 GB/s, the fused
-  reductions 31 GB/s.
-- otherwise (AVX2 or AVX-512 without AVX512-BF16; fp16 anywhere; the reference):
-  - up to :data:`STACKED_ROWS` rows, compiled: one row-wise reduction
-    ``(W·x_r).sum(-1)`` per row r, accumulated in fp32. Inductor fuses them into
-    one vectorised, threaded pass over W that keeps r accumulators, so W is read
-    once whatever r is. llama-600m AR on inductor went from 33.5 to 18.1
-    ms/token in fp32 and from 18.9 to 14.6 in bf16 (AVX2). At 8 rows, the 56
-    linears of an 8-layer 1024-wide model took 30 ms against 42 ms for the best
-    BLAS call in fp32, and 48 ms against 74 ms in bf16; at 9 rows, 40 against 54
-    ms in fp32. One broadcast product ``(W[None]·x[:, None]).sum(-1)`` was 2x
-    slower: inductor loops over the rows outside W. Eager would materialise
-    W·x, so eager keeps the BLAS paths;
-  - otherwise up to 64 rows in fp32: ``(W @ x.T).T``. MKL's ``x @ W.T`` was
-    1.3-2.3x slower there (a 32000x1024 head at 5 rows: 31.6 ms against 13.7
-    ms). Else ``F.linear``;
-  - bf16/fp16 products of more rows (prefill, wide verify blocks) run in fp32
-    when the CPU has no bf16 instructions: the oneDNN fallback there reaches
-    ~1 GFLOPS, and upcasting W costs one pass over it. A 2816x1024 weight at
-    128 rows: 5.9 ms against 37.4 ms.
+NOTE on the choice of product per CPU. Wherever funcspec's kernels are built
+(:mod:`funcspec.kernels.build`: one build per ISA, avx512bf16, avx512, avx2 or
+portable, so every CPU with a C++ compiler), every packed bf16 and fp32 product
+takes the weight-streaming kernel (:mod:`funcspec.kernels.stream`) at any row
+count: a row's result does not depend on the rows beside it, so AR and
+verification agree bit for bit, and no choice compares the row count (symbolic
+in a graph with a symbolic batch: a comparison would be a guard on it).
+Without them (``cpu_kernels=False``, ``FUNCSPEC_CPU_KERNELS=0``, no compiler):
+bf16 takes oneDNN on pre-packed weights where the CPU multiplies bf16
+(``onednn_bf16``, :mod:`funcspec.kernels.onednn`), fp32 on AMX CPUs ``F.linear``
+(``blas_skinny``), and otherwise the plain paths (:func:`_plain`: row-wise
+reductions fused by inductor up to :data:`STACKED_ROWS` rows, ``(W @ x.T).T``
+up to :data:`SKINNY_ROWS` fp32 rows, else ``F.linear``; half-precision products
+of more rows in fp32 on CPUs without bf16 instructions). Those pick by row
+count, and their sums depend on it. The measurements behind each choice:
+graphs/results/notes/kernels.md.
 
 The row count is static, so every choice is made at trace time.
 
 A MoE layer's routed experts (``Ops.routed_experts``) take, wherever funcspec's
 CPU kernels are built, the kernel of :mod:`funcspec.kernels.moe`: it streams the
-experts a step selects, once, with the streaming products' tiles (AMX CPUs
-included, unmeasured there), or the quantized products' tiles for quantized
-experts; on CUDA, ``torch._grouped_mm`` in bf16; on an Ascend NPU, torch_npu's
-MoE ops; else the reference, every expert on every token.
+experts a step selects, once, with the streaming products' tiles, or the
+quantized products' tiles for quantized experts; on CUDA, ``torch._grouped_mm``
+in bf16; on an Ascend NPU, torch_npu's MoE ops; else the reference, every
+expert on every token.
 """
 
 from __future__ import annotations
@@ -85,7 +54,7 @@ SKINNY_ROWS = 64
 
 STACKED_ROWS = 9
 """Compiled CPU products of at most this many rows (B·(K+1): batch 8 AR, K = 8 at batch 1)
-are row-wise reductions on the plain paths. Inductor stopped fusing them into one pass at 12 fp32 rows."""
+are row-wise reductions on the plain paths (beyond, inductor stops fusing them into one pass)."""
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -303,12 +272,13 @@ REFERENCE = Ops()
 
 
 def resolve(device=None, cpu_kernels: bool = True) -> Ops:
-    """The kernels for ``device``: on a CPU, those its ISA runs best (see the module's note); elsewhere torch's,
-    with the device's grouped expert products (``torch._grouped_mm`` on CUDA where torch has it, torch_npu's MoE
-    ops on an Ascend NPU).
+    """The kernels for ``device``: on a CPU, funcspec's own (streaming products, decode attention, quantized
+    products, routed experts) in the best build its ISA runs, or the one ``FUNCSPEC_CPU_KERNELS`` names
+    (:mod:`funcspec.kernels.build`; see the module's note); elsewhere torch's, with the device's grouped expert
+    products (``torch._grouped_mm`` on CUDA where torch has it, torch_npu's MoE ops on an Ascend NPU).
 
     ``cpu_kernels=False`` (or ``FUNCSPEC_CPU_KERNELS=0`` in the environment) leaves out funcspec's own CPU
-    kernels (streaming products, decode attention, quantized products, routed experts) and never builds them:
+    kernels and never builds them:
     what is picked is what a CPU where they cannot be built gets (oneDNN, MKL, SDPA, the quantized math and the
     routed experts in torch). ``REFERENCE`` is plain torch everywhere.
     """
@@ -320,8 +290,7 @@ def resolve(device=None, cpu_kernels: bool = True) -> Ops:
     if kind != "cpu":
         return REFERENCE
     kernels = cpu_kernels and build.available()
-    streams = cpu.avx512_bf16() and not cpu.amx() and kernels
-    return Ops(stream=streams, onednn_bf16=cpu.onednn_bf16() and not streams,
+    return Ops(stream=kernels, onednn_bf16=cpu.onednn_bf16() and not kernels,
                half_gemm=cpu.avx512_bf16() or cpu.amx(), blas_skinny=cpu.amx(),
                decode_attention=kernels, quantized=kernels, routed_experts="cpu_kernel" if kernels else "reference")
 

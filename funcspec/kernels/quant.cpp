@@ -1,4 +1,4 @@
-// Quantized linear layers for decode on x86 CPUs with AVX-512 and AVX512-VNNI.
+// Quantized linear layers for decode, on every build of the kernels (build.py): VNNI on avx512bf16.
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x [M, K] (bf16 or fp32) and a
 // quantized weight w [N, K]: 8- or 4-bit unsigned values q, with one scale s (and, asymmetric, one
@@ -10,7 +10,8 @@
 //
 // The activations are quantized per row and block of 32 k, as llama.cpp's Q8 activations are:
 // xq = round(x / d) in [-127, 127] with d = max|x| / 127, and the block sum of xq. A block's dot
-// is then one integer sum (vpdpbusd: 4 u8 x s8 products into each int32 lane), exact, and
+// is then one integer sum (vpdpbusd: 4 u8 x s8 products into each int32 lane; the other builds sum the
+// same integer products in fp32 lanes, exactly), and
 //
 //   out[m, n] += d[m, b] * s[n, g] * (sum_k xq q - zero * sum_k xq)        symmetric
 //   out[m, n] += d[m, b] * (s[n, g] * sum_k xq q - o[n, g] * sum_k xq)     asymmetric
@@ -25,7 +26,6 @@
 //   s, o  [N/32][K/G][32] fp16
 //
 // Plain C ABI, called through ctypes; OpenMP binds to torch's own libgomp.
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -2,10 +2,11 @@
 //
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
-// one fp32 accumulator over the blocks in order: quant.cpp's header says why.
+// one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
+// are VNNI intrinsics; the other builds' are simd.h's vectors: each block's integer sum in fp32 lanes (exact:
+// every partial sum is an integer below 2^24), then the same scaling.
 #pragma once
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,6 +14,10 @@
 #include <algorithm>
 
 #include "bf16.h"
+#include "simd.h"
+#if defined(FUNCSPEC_ISA_AVX512BF16)
+#include <immintrin.h>
+#endif
 
 namespace funcspec::quantized {
 
@@ -45,6 +50,8 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
     sums[2 * b + 1] = sum[1];
   }
 }
+
+#if defined(FUNCSPEC_ISA_AVX512BF16)
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
@@ -134,13 +141,100 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 }
 
 // Rows per pass: 6 x (2 int32 + 2 fp32) accumulators + weights and scales; 4-bit asymmetric weights also hold
-// their unpacked nibbles and offsets, so 4 rows. 5 rows (a K = 4 verify) then take one pass (3 + 2 took 1.5x the
-// time at 4 bits).
+// their unpacked nibbles and offsets, so 4 rows. 5 rows (a K = 4 verify) then take one pass, faster than 3 + 2.
 template <int BITS, bool ASYM>
 constexpr int max_rows() {
   return BITS == 4 && ASYM ? 4 : 6;
 }
 constexpr int MAX_MB = 6;
+
+#else  // the portable builds: simd.h's vectors
+
+// acc [MB][32] (fp32) = the rows' products with one column block, as the avx512bf16 tile computes them: per
+// unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (in fp32
+// lanes: every partial sum is an integer of magnitude below 32 * 255 * 127 < 2^24), then scaled, unit after unit.
+template <int BITS, bool ASYM, int U, int MB>
+void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
+          const uint16_t* sb, const uint16_t* ob, float* acc) {
+  using namespace funcspec::simd;
+  constexpr int NV = 16 / W;  // registers per 16 outputs
+  const int64_t units = K / U, per_group = G / U, blocks = K / AB;
+  constexpr float zero = BITS == 8 ? 128.0f : 8.0f;
+  alignas(64) float sf[QB], of[QB];
+  for (int i = 0; i < MB * QB; ++i) acc[i] = 0.0f;
+  for (int64_t u = 0; u < units; ++u) {
+    if (u % per_group == 0) {
+      const int64_t g = u / per_group;
+      for (int c = 0; c < QB; ++c) sf[c] = half_to_float(sb[g * QB + c]);
+      if (ASYM)
+        for (int c = 0; c < QB; ++c) of[c] = half_to_float(ob[g * QB + c]);
+    }
+    for (int h = 0; h < 2; ++h) {  // outputs 16h .. 16h + 15
+      vf ai[MB][NV];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) ai[m][j] = vf{};
+      if (BITS == 8) {
+        const uint8_t* w = wb + u * (U / 4) * STEP + 64 * h;
+        for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) {
+            const vu v = load_u32(w + q * STEP + 4 * W * j);
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; ++b) {
+              const vf wk = cvt((v >> (8 * b)) & 0xffu);
+#pragma GCC unroll 8
+              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 4 * q + b] * wk;
+            }
+          }
+        }
+      } else {
+        const uint8_t* w = wb + u * 4 * STEP + 64 * h;
+        for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) {
+            const vu v = load_u32(w + o * STEP + 4 * W * j);
+#pragma GCC unroll 8
+            for (int b = 0; b < 8; ++b) {
+              const vf wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
+#pragma GCC unroll 8
+              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+            }
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const float dm = d[m * blocks + u * U / AB];
+        const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+        const float sum = (float)(U == 16 ? half[0] : half[0] + half[1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+          const int c = 16 * h + W * j;
+          const vf s = load(sf + c);
+          float* am = acc + m * QB + c;
+          if (ASYM) {
+            const vf t = ai[m][j] * s - load(of + c) * sum;
+            store(am, load(am) + t * dm);
+          } else {
+            store(am, load(am) + (ai[m][j] - zero * sum) * (s * dm));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows per pass: the MB rows' sums of 16 outputs fit 3/4 of the registers, the unpacked weights the rest.
+template <int BITS, bool ASYM>
+constexpr int max_rows() {
+  constexpr int rows = funcspec::simd::REGS * 3 / 4 / (16 / funcspec::simd::W);
+  return rows < 6 ? rows : 6;
+}
+constexpr int MAX_MB = 6;
+
+#endif
 
 // tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB].
 template <int BITS, bool ASYM, int U, int MB = max_rows<BITS, ASYM>()>

@@ -1,4 +1,5 @@
-"""Quantized linear layers: 8- and 4-bit weights in groups, the CPU kernel (AVX512-VNNI) and its reference.
+"""Quantized linear layers: 8- and 4-bit weights in groups, the CPU kernel (every build; VNNI on avx512bf16) and its
+reference.
 
 A quantized weight W [N, K] is stored as unsigned values q (8 or 4 bits) with
 one fp16 scale s per output and group of G consecutive k (G a multiple of 32,
@@ -15,7 +16,7 @@ channel) and int4 (G = 32 or 128); GPTQ / AWQ zero points are its offsets.
 
 The product quantizes each row's activations per block of 32 k to int8 (as
 llama.cpp's Q8 activations: d = max|x| / 127, round half to even), sums each
-block as integers (``vpdpbusd``), and scales in fp32, block after block
+block as integers (``vpdpbusd`` on the avx512bf16 build), and scales in fp32, block after block
 (:file:`quant.cpp`): a row's result does not depend on the rows beside it, so
 AR and verification agree bit for bit. :func:`reference` is the same math in
 torch, for CPUs without the kernel (slowly) and for tests.
@@ -172,7 +173,7 @@ def _qlinear_meta(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, 
     return x.new_empty((*x.shape[:-1], n))
 
 
-# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, ~10 us a call.
+# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, cheap to call.
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int bits, "
             "int group) -> Tensor")
@@ -207,7 +208,9 @@ def quantize_activations(x: torch.Tensor) -> tuple:
     """x [R, K] as int8 per row and block of 32 k: ``(xq [R, K/32, 32] int32, d [R, K/32], sums [R, K/32])``."""
     xb = x.float().view(x.shape[0], -1, AB)  # [R, K/32, 32]
     amax = xb.abs().amax(-1)  # [R, K/32]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # NOTE: a tensor divided, as the kernel divides: ``127.0 / amax`` is torch's reciprocal() * 127, another
+    # rounding, which at a tie (bf16 inputs make many) rounds x to the other integer.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int32)
     return xq, amax / 127.0, xq.sum(-1)
 

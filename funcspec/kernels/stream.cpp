@@ -1,4 +1,4 @@
-// Weight-streaming linear layers for decode on x86 CPUs with AVX-512 and AVX512-BF16.
+// Weight-streaming linear layers for decode, on every build of the kernels (funcspec/kernels/build.py).
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x [M, K]
 // and a big weight w [N, K] that is read from memory once per call.
@@ -14,25 +14,20 @@
 // column blocks (runs of them, handed out as the threads free up) and walks
 // them front to back, in chunks of KC steps (64 KB).
 //
-// Rows per pass. Up to 6 rows take all 64 columns in one pass (6 x 4
+// Rows per pass (avx512bf16). Up to 6 rows take all 64 columns in one pass (6 x 4
 // accumulators + 4 weights = 28 zmm). 7 to 12 rows take the chunk's columns in
 // two halves of 32 (12 x 2 + 2 = 26 zmm): the second half reads the chunk from
 // L2. 13 to 24 rows take two such passes. More rows (prefill) are compute-bound
 // and take passes of up to 6 rows over all 64 columns, which issue fewer loads
-// per multiply-add (at 128 rows, 0.73x the time of 12-row half passes; at 32
-// rows 0.89x).
+// per multiply-add. The other builds split the 64 columns to fit their registers.
 //
-// Prefetch. At 1-4 rows the hardware prefetcher alone streams the blocks best
-// (40 GB/s on a 2-core Zen 4 EPYC, against 30-33 GB/s with software prefetches
-// 1-4 KB ahead: the loads compete for the same ports). With more rows, the
-// multiply-adds hold the loads back and the memory sits idle while the chunk
-// is computed (and wholly idle during the L2 passes), so the first pass over a
-// chunk of 6 rows or more also prefetches the next chunk into L2, at the pace
-// it consumes this one. Over the 65 fused products of a Llama-3.2-1B shape,
-// interleaved with the kernel before it (6-row passes, no prefetch), 8 rows
-// took 0.52-0.72x the time, 6 rows 0.73-0.94x and 16 rows 0.80x. At 5 rows it
-// swung between 0.81x and 1.09x with the VM's memory speed, so 5 rows (a K = 4
-// verify) keep the hardware prefetcher alone.
+// Prefetch. At 1-5 rows the hardware prefetcher alone streams the blocks best
+// (software prefetches compete with the loads for the same ports). With more
+// rows, the multiply-adds hold the loads back and the memory sits idle while
+// the chunk is computed, so the first pass over a chunk of 6 rows or more also
+// prefetches the next chunk into L2, at the pace it consumes this one.
+//
+// The measurements behind these choices: graphs/results/notes/kernels.md.
 //
 // out[m, n] is one fp32 accumulator over k in order (its partial sums parked
 // exactly in fp32 between chunks and halves), whatever M is and however the

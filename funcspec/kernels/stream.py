@@ -1,27 +1,21 @@
-"""Weight-streaming linear layers for CPU decode (x86 with AVX-512 and AVX512-BF16).
+"""Weight-streaming linear layers for CPU decode, on every kernel build (:mod:`funcspec.kernels.build`).
 
 Decode multiplies a few rows (B·(K+1)) by weights far beyond the caches, so a
-step costs what reading the weights once costs. oneDNN's bf16 GEMM and MKL's
-fp32 products do not reach that here: on a 2-core Zen 4 EPYC, the 113 linears
-of a Llama-3.2-1B shape (2.47 GB in bf16) streamed 27-30 GB/s through oneDNN's
-pre-packed GEMM (:mod:`funcspec.kernels.onednn`) and 6-16 GB/s through MKL in
-fp32, where llama.cpp streams about 35 GB/s over the same cores.
+step costs what reading the weights once costs; oneDNN's bf16 GEMM and MKL's
+fp32 products do not reach that on the CPUs measured (graphs/results/notes/kernels.md).
 
 :file:`stream.cpp` multiplies W packed once (:func:`pack_weight`, at load:
 ``funcspec.quant.prepare_params``) into column blocks of 64 outputs, each one
-contiguous stream, by broadcast rows of x (``vdpbf16ps`` for bf16, ``vfmadd``
-for fp32, fp32 accumulators that are outputs: no horizontal sums): up to 6
-rows per pass over all 64 columns, 7-12 in two halves of 32. Interleaved with
-oneDNN on the same weights it streamed 33.5 GB/s at 1 and 5 rows against
-oneDNN's 27 and 30; dropping its software prefetch later took it to 40 and 31
-GB/s. From 6 rows on the compute holds the loads back, so those passes
-prefetch the next chunk (8 rows then cost 0.52-0.72x what two passes of 4
-did). The threads take runs of blocks as they free up (guided), not equal
-shares: this VM's cores differ in speed from moment to moment.
+contiguous stream, by broadcast rows of x (``vdpbf16ps`` for bf16 and FMA for
+fp32 on the avx512bf16 build; the other builds' vectors, simd.h): fp32
+accumulators that are outputs, no horizontal sums, a few rows per pass. From 6
+rows on the compute holds the loads back, so those passes prefetch the next
+chunk. The threads take runs of blocks as they free up (guided), not equal
+shares: a VM's cores differ in speed from moment to moment.
 
 Linears that read the same input (q/k/v, gate/up) are packed side by side into
 one stream (:func:`pack_weights`): a Llama decode step then makes 65 calls
-instead of 113, and each call's Python costs ~10 us.
+instead of 113, each with its Python cost.
 
 Every output element sums over k in one fixed order whatever the row count, so
 a row's result does not depend on the rows beside it: AR (1 row) and
@@ -100,8 +94,8 @@ def _check(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> None:
 
 def _stream_linear(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch.Tensor:
     # NOTE: a decode step makes 65 of these calls, so the body keeps to the few
-    # torch calls it needs (each costs 1-3 us from Python): x is passed as it
-    # lies when contiguous, and the output is allocated in its final shape.
+    # torch calls it needs (each costs microseconds from Python): x is passed as
+    # it lies when contiguous, and the output is allocated in its final shape.
     _check(x, packed, bias, n)
     if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
         x = F.pad(x, (0, 1))  # [..., K + 1]: the kernel reads bf16 in k pairs
@@ -123,8 +117,8 @@ def _stream_linear_meta(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> 
     return x.new_empty((*x.shape[:-1], n))
 
 
-# NOTE: a raw Library op, as funcspec::packed_linear (torch.library.custom_op's
-# Python wrapper costs ~25 us a call, ~3 ms on a 113-linear decode step).
+# NOTE: a raw Library op, as funcspec::packed_linear: torch.library.custom_op's
+# Python wrapper costs more per call than the kernel's own Python.
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("stream_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
 _LIB.impl("stream_linear", _stream_linear, "CPU")

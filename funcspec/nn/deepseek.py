@@ -168,10 +168,10 @@ def attention(cfg: ModelConfig, p: dict, kv: LatentCache, layer: int, x, slots, 
     select = None
     if cfg.mla.index_topk:  # V3.2: the indexer writes its key, then picks the positions attention reads
         ix = p["indexer"]
-        write_kv(kv.index, layer, slots, pos, dsa.index_key(cfg.ops, ix, x, cos, sin).to(kv.index.dtype))
+        write_kv(kv.index, layer, slots, pos, dsa.index_key(cfg.ops, ix, x, cos, sin).to(kv.index.dtype))  # type: ignore[arg-type, union-attr]  # V3.2: an index cache
 
         def select(visible):
-            return dsa.sparse_positions(cfg.ops, cfg.mla, ix, kv.index[layer], x, q_low, slots, cos, sin, visible,
+            return dsa.sparse_positions(cfg.ops, cfg.mla, ix, kv.index[layer], x, q_low, slots, cos, sin, visible,  # type: ignore[index]  # as above
                                         read)
     return mla_out(cfg, p, q, kv.latent[layer], slots, pos, read, tree, select)
 
@@ -192,5 +192,5 @@ def forward(cfg: ModelConfig, params: dict, kv: LatentCache, tokens, slots, star
 
     Donates: kv's latent (and indexer) leaves.
     """
-    return llama_forward(cfg, params, kv, tokens, slots, starts, hidden_layers, read, window, tree,
+    return llama_forward(cfg, params, kv, tokens, slots, starts, hidden_layers, read, window, tree,  # type: ignore[arg-type]  # a LatentCache
                          layer=decoder_layer)

@@ -42,7 +42,7 @@ import torch
 
 # NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, mlp, read_cache, rms_norm,
-                               rope_tables, window_start, write_kv)  # noqa: F401
+                               rope_tables, window_start, write_kv)  # noqa: F401 (window_start: re-exported)
 from funcspec.tree import pytree_dataclass, slot_field
 
 
@@ -201,5 +201,5 @@ def markov_decode(cfg: DFlashConfig, params: dict, base: torch.Tensor, anchor: t
 
 def confidence(cfg: DFlashConfig, params: dict, h: torch.Tensor, prev_emb: Optional[torch.Tensor]) -> torch.Tensor:
     """DSpark's per-token confidence [B, K] = ``sigmoid(w·[h_k; W1[x_{k-1}]] + b)``."""
-    feats = torch.cat([h, prev_emb.to(h.dtype)], dim=-1) if cfg.confidence == "hidden_markov" else h
+    feats = torch.cat([h, prev_emb.to(h.dtype)], dim=-1) if cfg.confidence == "hidden_markov" else h  # type: ignore[union-attr]  # a markov head: prev_emb given
     return torch.sigmoid(cfg.model.ops.linear(feats, params["confidence_head"]["proj"]).squeeze(-1).float())

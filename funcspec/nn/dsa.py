@@ -66,7 +66,8 @@ def check_config(q_lora_rank: int, index_n_heads: int, index_head_dim: int, inde
 # ----------------------------------------------------------------------------- the indexer
 
 
-def index_query(ops: Ops, mla: MLAConfig, p: dict, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def index_query(ops: Ops, mla: MLAConfig, p: dict, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
     """Index queries [B, T, Hi, Di] from the query latent q_resid [B, T, q_lora_rank], RoPE'd by cos/sin
     [B, T, 1, R] (rotate-half layout, R = qk_rope_head_dim)."""
     q = ops.linear(q_resid, p["wq_b"]).unflatten(-1, (mla.index_n_heads, mla.index_head_dim))  # [B, T, Hi, Di]

@@ -313,10 +313,9 @@ def read_cache(cache: torch.Tensor, layer: int, slots: torch.Tensor, read: KVRea
 MATH_READ_MIN = 2048
 """CPU reads of at least this many positions use :func:`_gemm_attention` instead of SDPA's CPU flash kernel.
 
-Measured on a 2-core Zen 4 EPYC, bf16, 8 KV heads of 64, 4352 positions read:
-0.70 ms per layer against 1.0 ms for one token, 2.2 against 2.5 ms for five; at
-256 positions SDPA takes 115 us and the GEMMs 270 us. Both give each query row
-the same bits whatever the number of rows, so AR and verification still agree."""
+Long reads are faster as GEMMs, short ones in SDPA (figures: graphs/results/notes/code-notes.md). Both give
+each query row the same bits whatever the number of rows, so AR and verification
+still agree."""
 
 
 MATH_TOKENS_MAX = 128
@@ -345,9 +344,8 @@ def attend(ops: Ops, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, vi
     are a prefix of its keys).
     NOTE: decode and verify blocks (up to :data:`MATH_TOKENS_MAX` tokens) take
     the CPU decode kernel where ``ops`` has it (:mod:`funcspec.kernels.attention`):
-    it reads the cache in place and skips what a query cannot see: 35 us a
-    layer against SDPA's 110-120 at 256 positions, 0.21 against 1.0-2.0 ms at
-    4352 (bf16, 32 heads over 8). Otherwise GQA is folded into the query
+    it reads the cache in place and skips what a query cannot see, several
+    times faster than SDPA (graphs/results/notes/code-notes.md). Otherwise GQA is folded into the query
     length: the G = H / H_kv query heads that share a KV head become G·T
     queries of that head. SDPA then runs one plain
     multi-head attention over the cache as it lies, with no repeated or copied
@@ -439,7 +437,7 @@ def attention_qkv(cfg: ModelConfig, p: dict, x, cos, sin):
 def attention_out(cfg: ModelConfig, p: dict, k_cache, v_cache, q, slots, pos, window=None,
                   read: KVRead = FULL_READ, tree: Optional[TreeMask] = None):
     """o_proj(attention of q [B, T, H, D] over one layer's caches [S+1, H_kv, T_max, D], already written); [B, T, H]."""
-    kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # the layer's [1, S+1, H_kv, T_max, D]
+    kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # type: ignore[arg-type]  # lens unread; the layer's [1, S+1, H_kv, T_max, D]
     keys, vals = read_cache(kv.k, 0, slots, read), read_cache(kv.v, 0, slots, read)  # [B, H_kv, T_read, D]
     visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
     return row_parallel(cfg, attend(cfg.ops, q, keys, vals, visible), p["o_proj"])
@@ -481,13 +479,11 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     functions, :func:`_qkv_region` (norm, q/k/v, RoPE) and :func:`_out_region`
     (attention, o_proj, MLP), with the cache writes between them in the step's
     own graph: inductor lowers and compiles one layer and calls it L times,
-    instead of compiling L copies. Cold compile of one step (inductor caches
-    off, 2-core CPU under load): a 16-layer toy 32 s against 126 s, llama-600m
-    (8 layers) 25 s against 53 s. The writes stay outside the regions because a
-    region that mutates its cache views is functionalised: from a few hundred
-    cache positions on, inductor cloned the layer's whole K and V caches into
-    the region and copied them back, every layer of every step (the zoo target
-    at 8 slots x 2048 positions: 9-27 ms a step against 1.7 at 256 positions).
+    instead of compiling L copies, which cuts a cold compile by half or more.
+    The writes stay outside the regions because a region that mutates its cache
+    views is functionalised: from a few hundred cache positions on, inductor
+    cloned the layer's whole K and V caches into the region and copied them
+    back, every layer of every step (figures: graphs/results/notes/code-notes.md).
     The out region only reads the views ``kv.k[layer]``, ``kv.v[layer]``.
     Eager (and device graphs captured from eager) calls the layer directly.
     """
@@ -551,12 +547,13 @@ def _qkv_region(statics: tuple, p, x, cos, sin):
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
     dataclass argument made it trace a fresh copy per call site (then inline it,
-    its cache writes becoming copies of the whole stack's cache: 0.8 ms a step
-    at llama-600m); so the tree's mask comes in as its tensors (``masks``), and
+    its cache writes becoming copies of the whole stack's cache); so the tree's mask comes in as its tensors
+    (``masks``), and
     quantized linears' formats as tuples, too.
     """
     cfg, p = _from_constants(ModelConfig, statics[0]), _formats_back(p)
-    q, k, v = attention_qkv(cfg, p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps), cos, sin)
+    h = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
+    q, k, v = attention_qkv(cfg, p["self_attn"], h, cos, sin)
     # NOTE: one output tensor: with q, k, v as three outputs (v a view of the fused product) the compiled
     # step read wrong values (torch 2.13 CPU: greedy tokens went to 0 after the first)
     return torch.cat([q, k, v], dim=2)  # [B, T, H + 2 H_kv, D]

@@ -115,7 +115,7 @@ def contract_errors(module) -> list[str]:
         drafter = getattr(module, "HostDrafter", None)
         if not isinstance(drafter, type):
             return errors + ["runs_on_host proposers need a HostDrafter class"]
-        errors += _arity_errors("HostDrafter.__init__", drafter.__init__, lambda self, cfg, ctx: None)
+        errors += _arity_errors("HostDrafter.__init__", drafter.__init__, lambda self, cfg, ctx: None)  # type: ignore[misc]  # the class's own
         for name in ("drafts", "finish"):
             errors += _arity_errors(f"HostDrafter.{name}", getattr(drafter, name, None), getattr(HostDrafter, name))
     return errors

@@ -232,12 +232,12 @@ def _most_supported(tree, cont, node, canon, rank, support):
     than its parent, so the order puts parents first; where every match agrees the tree is the chain."""
     B, m, d = cont.shape
     dev = cont.device
-    keep = [node[:, :, 0] & (rank[:, :, 0] < tree.topk)]  # [B, M] per depth
+    levels = [node[:, :, 0] & (rank[:, :, 0] < tree.topk)]  # [B, M] per depth
     for e in range(1, d):
         # NOTE: a node whose parent was cut goes too, so the kept set stays a tree.
-        up = keep[-1].gather(1, canon[:, :, e - 1])  # [B, M]
-        keep.append(node[:, :, e] & (rank[:, :, e] < tree.topk) & up)
-    keep = torch.stack(keep, 1).view(B, d * m)  # [B, D·M] flat index e·M + j
+        up = levels[-1].gather(1, canon[:, :, e - 1])  # [B, M]
+        levels.append(node[:, :, e] & (rank[:, :, e] < tree.topk) & up)
+    keep = torch.stack(levels, 1).view(B, d * m)  # [B, D·M] flat index e·M + j
     flat = torch.arange(d * m, device=dev)
     # NOTE: one integer key, distinct per node (the flat index breaks ties), so topk's order is exact.
     sup = support.transpose(1, 2).reshape(B, d * m)  # [B, D·M]

@@ -71,7 +71,7 @@ def draft_static(cfg, tree, params, kv, g, slots, lens, window, read):
         local = [tree.parents[i] - prev.start for i in level]  # each node's parent within the previous level
         ranks = [tree.ranks[i] for i in level]
         top, _ = cfg.draft_top(cfg.head, params, feats, max(ranks) + 1)  # [B, n_{d-1}, r]
-        local, ranks = constant(local, device=g.device), constant(ranks, device=g.device)  # [n_d] each
+        local, ranks = constant(local, device=g.device), constant(ranks, device=g.device)  # type: ignore[assignment]  # [n_d] each, as tensors
         drafts.append(top[:, local, ranks])  # [B, n_d]
         if d < tree.depth:
             feats, kv = _run_level(cfg, params, kv, drafts[-1], feats[:, local], slots, lens, level.start, d,

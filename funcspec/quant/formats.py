@@ -20,6 +20,8 @@ name                    bits    group     values
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from funcspec.kernels import quant as qk
@@ -158,7 +160,7 @@ def same_format(ps: list[dict]) -> bool:
     f = [p["format"] for p in ps]
     perms = [p.get("perm") for p in ps]
     return len({(x.bits, x.group, x.in_features, x.asym) for x in f}) == 1 and (
-        all(x is None for x in perms) or all(x is not None and torch.equal(x, perms[0]) for x in perms))
+        all(x is None for x in perms) or all(x is not None and torch.equal(x, perms[0]) for x in perms))  # type: ignore[arg-type]  # all set
 
 
 def fuse(ps: list[dict]) -> dict:
@@ -167,7 +169,7 @@ def fuse(ps: list[dict]) -> dict:
     f = [p["format"] for p in ps]
     if not same_format(ps):
         raise ValueError(f"fused quantized layers must share one format and input order, got {f}")
-    out = {key: torch.cat([p[key] for p in ps]) for key in ("scales", "offsets") if key in ps[0]}
+    out: dict[str, Any] = {key: torch.cat([p[key] for p in ps]) for key in ("scales", "offsets") if key in ps[0]}
     q = [p["qweight"] for p in ps]  # the stream: in huge pages, as each member's was
     out["qweight"] = torch.cat(q, out=huge_empty((sum(t.shape[0] for t in q), *q[0].shape[1:]), torch.uint8,
                                                  q[0].device))

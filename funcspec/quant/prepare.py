@@ -141,7 +141,8 @@ def _experts(node: dict, ops: Ops, memo: dict, scheme) -> dict:
     for name, pack in EXPERTS.items():
         w = node[name]["weight"]
         if ops.packs_experts(w):
-            out[name] = {**node[name], "packed": _memo(memo, (w, "pack_experts", id(w)), lambda: pack(w))}
+            packed = _memo(memo, (w, "pack_experts", id(w)), lambda: pack(w))  # noqa: B023 (called at once)
+            out[name] = {**node[name], "packed": packed}
     return out
 
 
@@ -156,7 +157,7 @@ def quantized_experts(gate_up: torch.Tensor, down: torch.Tensor, scheme: str) ->
     """Stacked float experts quantized to ``scheme``, expert by expert, and stacked for the kernel:
     ``{"gate_up_proj": ..., "down_proj": ...}`` (:func:`funcspec.kernels.moe.stack_quantized`)."""
     i = down.shape[2]
-    one = (lambda w: formats.quantize({"weight": w}, scheme))
+    one = (lambda w: formats.quantize({"weight": w}, scheme))  # noqa: E731 (a local one-liner)
     return moe.stack_quantized([one(w[:i]) for w in gate_up], [one(w[i:]) for w in gate_up], [one(w) for w in down])
 
 

@@ -121,7 +121,7 @@ def _split_scattered(p: dict, start: int, n: int) -> dict:
     idx = torch.cat(cols)  # [K'] stored columns, -1 for a pad
     k, pad = len(idx), idx < 0
     local = torch.where(pad, k, perm[idx.clamp(min=0)] - start)  # [K'] the rank's inputs; k: the zero input
-    groups = torch.tensor(groups, dtype=torch.long)  # [K'/32]
+    groups = torch.tensor(groups, dtype=torch.long)  # type: ignore[assignment]  # [K'/32], as a tensor
     qs = q[:, idx.clamp(min=0)].masked_fill(pad, 0)  # [N, K'] (a pad's value meets a zero input)
     fmt = dataclasses.replace(f, in_features=k, group=qk.AB)
     return _packed(p, qs, s[:, groups], None if o is None else o[:, groups], fmt, perm=local, bias=p.get("bias"))

@@ -105,7 +105,7 @@ class GuardedRoute(APIRoute):
                 return await handler(request)
             except (P.APIError, StarletteHTTPException, RequestValidationError):
                 raise
-            except Exception:  # noqa: BLE001 (a server fault: logged, answered without its text)
+            except Exception:  # a server fault: logged, answered without its text
                 log.exception("%s %s failed", request.method, request.url.path)
                 return JSONResponse(P.APIError(500, P.INTERNAL_ERROR).body(), 500)
         return guarded
@@ -113,7 +113,7 @@ class GuardedRoute(APIRoute):
 
 def build_app(engine, settings: Settings, on_shutdown: Optional[Callable[[], None]] = None) -> FastAPI:
     """The app over ``engine``; its engine loop runs while the app does (``app.state.loop``)."""
-    metrics = Metrics(settings.served_names[0], len(engine.stats["per_position_acceptance"]))
+    metrics = Metrics(settings.served_names[0], len(engine.stats()["per_position_acceptance"]))
     loop = EngineLoop(engine, metrics)
     tokenizer = engine.model.tokenizer
 
@@ -238,7 +238,7 @@ async def _generate(request: Request, loop: EngineLoop, req: P.GenRequest, promp
         return Response(status_code=499)  # the client is gone: nobody reads this
     ids, k = req.return_token_ids, req.params.logprobs
     lps = [None if e.logprobs is None else (P.chat_logprobs if chat else P.completion_logprobs)(
-        e.logprobs, e.token_ids, k) for e in ends]
+        e.logprobs, e.token_ids, k) for e in ends]  # type: ignore[arg-type]  # logprobs asked for
     if chat:
         choices = [P.chat_choice(i, e.text, e.reason, e.stop_reason, e.token_ids if ids else None, lps[i],
                                  e.kv_transfer_params)
@@ -318,7 +318,7 @@ async def _completion_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, 
             prompt_ids = batch.prompt_token_ids[i] if req.return_token_ids and fresh[i] else None
             lps = None
             if update.logprobs:  # NOTE: a chunk's logprobs are its tokens', whatever text a stop string holds back
-                lps = P.completion_logprobs(update.logprobs, update.token_ids, req.params.logprobs, offsets[i])
+                lps = P.completion_logprobs(update.logprobs, update.token_ids, req.params.logprobs, offsets[i])  # type: ignore[arg-type]  # logprobs asked for
                 offsets[i] += sum(len(x) for x in lps["tokens"])
             if text or end or ids or lps:
                 fresh[i] = False
@@ -350,7 +350,7 @@ async def _chat_events(loop: EngineLoop, batch: Batch, req: P.GenRequest, rid: s
             text = texts[i].finish(end.text) if end else texts[i].feed(update.token_ids)
             count += len(update.token_ids)
             ids = update.token_ids if req.return_token_ids else None
-            lps = P.chat_logprobs(update.logprobs, update.token_ids, req.params.logprobs) if update.logprobs else None
+            lps = P.chat_logprobs(update.logprobs, update.token_ids, req.params.logprobs) if update.logprobs else None  # type: ignore[arg-type]  # logprobs asked for
             if text or end or ids or lps:
                 delta = P.chat_delta(i, {"content": text} if text else {}, end and end.reason,
                                      end and end.stop_reason, ids, lps)
@@ -375,7 +375,7 @@ async def _guarded(events):
     try:
         async for event in events:
             yield event
-    except Exception:  # noqa: BLE001 (a server fault: logged, answered without its text)
+    except Exception:  # a server fault: logged, answered without its text
         log.exception("a stream failed")
         yield P.sse(P.APIError(500, P.INTERNAL_ERROR).body()) + P.DONE
     finally:

@@ -1,6 +1,8 @@
 """``funcspec serve``'s command line: vLLM's flag names, mapped onto ``LLM(...)``'s arguments.
 
-The flags funcspec maps are parsed here. Every other ``--flag [VALUE]`` is
+The engine flags are generated from :class:`~funcspec.args.EngineArgs`' fields
+(:func:`add_engine_flags`: ``max_num_seqs`` is ``--max-num-seqs``), so every
+engine argument has its flag and none is spelled twice. Every other ``--flag [VALUE]`` is
 handed to :class:`~funcspec.LLM` as a keyword, so the vLLM flags that have no
 effect here (``--gpu-memory-utilization 0.9``, ``--no-enable-prefix-caching``,
 ``--trust-remote-code``, ...) are accepted with ``LLM``'s one warning, and a
@@ -15,6 +17,7 @@ else vLLM's ``VLLM_API_KEY`` (an environment variable keeps it out of ``ps``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -22,6 +25,7 @@ import socket
 import time
 from typing import Any, Optional
 
+from funcspec.args import EngineArgs
 from funcspec.serve.protocol import MAX_BODY_BYTES
 
 DEFAULT_HOST = "127.0.0.1"
@@ -31,10 +35,12 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 once); funcspec drains, as it always did, but no longer without limit."""
 API_KEY_SOURCES = ("--api-key", "FUNCSPEC_API_KEY", "VLLM_API_KEY")
 
-# Flags that become LLM(...) keywords when given (absent ones keep LLM's defaults).
-ENGINE_FLAGS = ("speculative_config", "max_num_seqs", "max_model_len", "dtype", "enforce_eager",
-                "tensor_parallel_size", "seed", "quantization", "compilation_config", "additional_config",
-                "kv_transfer_config", "tokenizer", "backend", "device")
+ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.metadata["cli"] != "positional")
+"""The fields of :class:`~funcspec.args.EngineArgs` that are flags (every one but the model): given ones become
+``LLM(...)`` keywords, absent ones keep its defaults."""
+
+ALIASES = {"speculative_config": ("-sc",), "tensor_parallel_size": ("-tp",), "quantization": ("-q",)}
+"""vLLM's short flags."""
 
 
 def json_flag(name: str):
@@ -58,23 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/models, /health, /version, /metrics. Other vLLM engine flags are accepted; those with "
                     "no effect in funcspec are named in one warning.")
     p.add_argument("model", help="the target checkpoint (as LLM's model)")
-    engine = p.add_argument_group("engine (vLLM's names)")
-    engine.add_argument("--speculative-config", "-sc", type=json_flag("--speculative-config"), default=None,
-                        help="vLLM speculative_config as JSON")
-    engine.add_argument("--max-num-seqs", type=int, default=None, help="KV slots (LLM's default: 8)")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (auto: float32)")
-    engine.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="the eager backend: no graph is compiled")
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    engine.add_argument("--seed", type=int, default=None)
-    engine.add_argument("--quantization", "-q", default=None)
-    engine.add_argument("--compilation-config", type=json_flag("--compilation-config"), default=None)
-    engine.add_argument("--additional-config", type=json_flag("--additional-config"), default=None)
-    engine.add_argument("--kv-transfer-config", type=json_flag("--kv-transfer-config"), default=None)
-    engine.add_argument("--tokenizer", default=None, help="a directory to take the tokenizer from")
-    engine.add_argument("--backend", default=None, help="funcspec's backend name (overrides --enforce-eager)")
-    engine.add_argument("--device", default=None, help="funcspec's device (default cpu)")
+    add_engine_flags(p.add_argument_group("engine (vLLM's names; EngineArgs' fields)"))
     server = p.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="default %(default)s (loopback only)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -93,6 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     return p
+
+
+def add_engine_flags(group) -> None:
+    """One flag per :data:`ENGINE_FLAGS` field, read as its metadata says (an integer, a string, a JSON object,
+    integers, or ``--x`` / ``--no-x``); every default is ``None``, so an absent flag keeps ``EngineArgs``'
+    default (named in the help)."""
+    for f in dataclasses.fields(EngineArgs):
+        kind, text = f.metadata["cli"], f.metadata["help"]
+        if kind == "positional":
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if f.default is not None:
+            text += f" (default: {f.default})"
+        kw: dict[str, Any] = {"default": None, "help": text}
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "json":
+            kw["type"], kw["help"] = json_flag(name), text + ", as a JSON object"
+        elif kind == "ints":
+            kw["type"], kw["nargs"] = int, "+"
+        elif kind == "int":
+            kw["type"] = int
+        group.add_argument(name, *ALIASES.get(f.name, ()), **kw)
 
 
 def _seconds(text: str) -> float:

@@ -12,9 +12,9 @@ steps as long as requests run, without waiting for the event loop::
     on the event loop:    push each request's new tokens (and its finish) to its batch's queue
 
 NOTE: the event loop is not on the path from one step to the next: a step
-starts as soon as the last one's tokens are read (a round trip through the
-event loop and back cost ~0.1 ms a step, and the loop's own work, streaming
-the last step's chunks, overlaps the next step instead of delaying it).
+starts as soon as the last one's tokens are read (no round trip through the
+event loop, and the loop's own work, streaming the last step's chunks, overlaps
+the next step instead of delaying it; graphs/results/notes/code-notes.md).
 
 A step that raises fails the requests it was running (each gets an error
 update: a 500 whose message is generic; the traceback goes to the log) and the
@@ -195,7 +195,7 @@ class EngineLoop:
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
-        self._positions = len(engine.stats["per_position_acceptance"])
+        self._positions = len(engine.stats()["per_position_acceptance"])
         # Handed from the event loop to the engine thread, under _lock; _wake tells the thread.
         self._lock, self._wake = threading.Lock(), threading.Event()
         self._jobs: list[_Job] = []
@@ -252,13 +252,13 @@ class EngineLoop:
         """The engine's compiled graphs (an eager "graph" compiles nothing and is not counted) and their
         recompiles, read in the engine thread between two steps (never while a step runs or compiles).
 
-        NOTE: from each graph's capture stats, not ``Engine.stats``, whose summary takes a median over every
-        replay so far: a scrape's cost would grow with the server's uptime, and the engine waits for it.
+        NOTE: ``Engine.stats`` takes a median per graph and per bucket, each over a bounded window of recent
+        steps, so a scrape's cost stays flat however long the server has run (the engine waits for it).
         Raises ``RuntimeError`` when the engine thread is not running (stopped, or the engine died).
         """
         def count() -> tuple[int, int]:
-            stats = [g.stats for g in self.engine.runner.compiled.values()]
-            return sum(s.backend != "eager" for s in stats), sum(s.recompiles for s in stats)
+            graphs = self.engine.stats()["graphs"].values()
+            return sum(g["backend"] != "eager" for g in graphs), sum(g["recompiles"] for g in graphs)
 
         future = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -354,8 +354,8 @@ class EngineLoop:
         if self.metrics is None:
             return
         now = now or time.perf_counter()
-        self.metrics.finished(reason, now - track.arrival,
-                              (now - track.t_first) / (track.n_out - 1) if track.n_out > 1 else None)
+        per_token = (now - track.t_first) / (track.n_out - 1) if track.n_out > 1 and track.t_first else None
+        self.metrics.finished(reason, now - track.arrival, per_token)
 
     def _die(self, err: BaseException, jobs: list[_Job]) -> None:
         """The engine is unusable: fail every live request and every queued job."""
@@ -370,7 +370,7 @@ class EngineLoop:
         for _, future in calls:
             if not future.done():
                 future.set_exception(RuntimeError(message))
-        for rid, track in list(self._tracks.items()):
+        for track in list(self._tracks.values()):
             track.batch.queue.put_nowait((track.index, Update(error=message)))
             self._count_finish(track, "error")
         self._tracks.clear()
@@ -403,6 +403,7 @@ class EngineLoop:
 
     def _post(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the event loop (in order with everything posted before)."""
+        assert self._aloop is not None, "posted before start()"
         try:
             self._aloop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: the server is gone, nobody waits
@@ -431,7 +432,7 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 finished = engine.step()
-            except Exception:  # noqa: BLE001 (a failed step fails its requests, not the server)
+            except Exception:  # a failed step fails its requests, not the server (logged)
                 log.exception("an engine step failed: its requests get a 500")
                 result.updates = self._fail_step()
             else:
@@ -467,7 +468,7 @@ class EngineLoop:
         NOTE: the step may have finished some requests before it raised; their
         outputs are lost with the exception, so they fail too rather than hang.
         """
-        waiting = {r.seq_id for r in self.engine.scheduler.waiting}
+        waiting = self.engine.waiting_ids()
         failed = [rid for rid in self._seen if rid not in waiting]
         self._drop(failed)  # if this raises too, the engine is dead (_run)
         return {rid: Update(error=STEP_FAILED) for rid in failed}

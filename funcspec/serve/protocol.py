@@ -317,7 +317,7 @@ def render_chat(tokenizer, messages, template: Optional[str] = None) -> dict:
     try:
         text = tokenizer.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
                                              tokenize=False)
-    except Exception as err:  # noqa: BLE001 (a template raises what it likes, e.g. jinja's "roles must alternate")
+    except Exception as err:  # a template raises what it likes, e.g. jinja's "roles must alternate"
         raise APIError(400, f"the chat template refused these messages: {err}", "messages") from err
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 

@@ -17,9 +17,9 @@ a folder that ``funcspec train prepare --out DIR`` wrote where the stdlib is
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,8 +45,8 @@ def run_role(role: str, models: Path, work: Path, seed: int = 0, steps: int | No
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    common = dict(out=models / role, work=work, seed=seed, steps=steps, stop_after=stop_after, device=device,
-                  time_budget=time_budget)
+    common: dict[str, Any] = dict(out=models / role, work=work, seed=seed, steps=steps, stop_after=stop_after,
+                                  device=device, time_budget=time_budget)
     if role == "target":
         from funcspec.train.target import run as recipe
 

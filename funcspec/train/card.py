@@ -48,8 +48,8 @@ ROLE_TEXT = {
                   "the embedding zeroed at position 0 as vLLM does), an MLA + MoE block, then `shared_head.norm` and "
                   "the main model's head, on x_t+2; its final loss is next-token cross-entropy plus `mtp_lambda` "
                   "(0.3) × the module's. Expert balance by DeepSeek-V3's auxiliary-loss-free bias update "
-                  "(`e_score_correction_bias`, speed `bias_speed`), no balance loss (the expert load below: the trunk's "
-                  "three MoE layers, then the MTP block). Saved in bfloat16 (routers in "
+                  "(`e_score_correction_bias`, speed `bias_speed`), no balance loss (the expert load below: the "
+                  "trunk's three MoE layers, then the MTP block). Saved in bfloat16 (routers in "
                   "float32), the module as `model.layers.4.*` under DeepSeek-V3's names (`enorm`, `hnorm`, `eh_proj`, "
                   "`shared_head.{norm,head}`, `embed_tokens`, the block), `num_nextn_predict_layers: 1`; "
                   "transformers loads the trunk and leaves those keys unused.",
@@ -66,7 +66,7 @@ def _size(path: Path) -> int:
 
 def _tau_rows(bench: dict | None) -> dict[str, dict]:
     """The funcspec rows of a bench spec result by method (the first K and batch measured)."""
-    out = {}
+    out: dict[str, dict] = {}
     for r in (bench or {}).get("rows", []):
         if r["engine"] == "funcspec" and r["method"] != "ar" and not r.get("tree"):
             out.setdefault(r["method"], r)
@@ -77,7 +77,7 @@ def corpus_name(corpus: dict) -> str:
     """The training corpus by its Python version and the command that finds it, never the training machine's
     absolute path (``train.json`` records it; older ones hold only the path, whose first version number is
     the interpreter's)."""
-    version = corpus.get("python") or re.search(r"\d+\.\d+(?:\.\d+)?", corpus["stdlib"]).group(0)
+    version = corpus.get("python") or re.search(r"\d+\.\d+(?:\.\d+)?", corpus["stdlib"]).group(0)  # type: ignore[union-attr]  # a versioned path
     return (f"The standard library of CPython {version}, the directory that `python -c \"import sysconfig; "
             "print(sysconfig.get_paths()['stdlib'])\"` prints (`funcspec.train.data.stdlib_root()`)")
 

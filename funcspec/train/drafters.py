@@ -30,6 +30,7 @@ import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def shipped(out: Path, role: str) -> dict[str, str]:
     """The tensors the head at ``out`` ships: funcspec name -> its key in the file (its published layout)."""
-    return layouts.read_head(out, methods.METHODS[role].head, role).names
+    return layouts.read_head(out, methods.METHODS[role].head, role).names  # type: ignore[arg-type]  # a head role
 
 
 def head_params(params: dict, names) -> dict[str, torch.Tensor]:
@@ -180,7 +181,8 @@ def medusa_setup(target, out: Path, seed: int, stream):
     layer = target.cfg.num_layers
 
     def loss_fn(x, p, hid, _seed, _step):
-        h, t, loss, metrics = hid[0], x.shape[1], 0.0, {}
+        h, t, metrics = hid[0], x.shape[1], {}
+        loss: torch.Tensor | float = 0.0
         s = data.GREEDY_PROMPT - 1  # the last prompt position and on: every later token is the target's
         for k in range(cfg.num_heads):  # head k at t predicts x_{t+k+2}: the target's p at t+k+1
             logits = medusa.head_logits(cfg, params, h[:, s:t - k - 1], k)
@@ -194,6 +196,7 @@ def medusa_setup(target, out: Path, seed: int, stream):
 
 def chain_setup(role: str, target, out: Path, seed: int, stream):
     """mtp / eagle3: step 0 over the sequence, then TTT_STEPS-1 unrolled steps from sampled origins."""
+    net: Any  # the head's module: eagle or mtp
     if role == "eagle3":
         init_draft_head("eagle3", target, out, seed, draft_vocab_size=EAGLE3_VOCAB, aux_layers=EAGLE3_AUX)
         cfg, params = eagle_ckpt.load_params(out, target, version=3)
@@ -221,7 +224,8 @@ def chain_setup(role: str, target, out: Path, seed: int, stream):
     def loss_fn(x, p, hid, seed, step):
         a = origins(seed, step, x.shape[0], 0, x.shape[1] - TTT_STEPS - 1, ORIGINS).to(x.device)  # [B, N]
         outs = chain_unroll(net, cfg, params, x, torch.cat(hid, -1), a, TTT_STEPS)
-        loss, metrics = 0.0, {}
+        loss: torch.Tensor | float = 0.0
+        metrics = {}
         for j, (logits, pos) in enumerate(outs):  # step j at origin t guesses x_{t+j+2}: the target's p at t+j+1
             target_p = labels(p[torch.arange(x.shape[0], device=x.device).unsqueeze(1), pos + 1] if j else p[:, 1:-1])
             loss = loss + 0.8 ** j * soft_ce(logits, target_p)
@@ -255,7 +259,7 @@ def chain_unroll(net, cfg, params, x: torch.Tensor, raw: torch.Tensor, a: torch.
     feats = net.target_features(cfg, params, raw)  # [B, T, H]
     g, kv = net.forward(cfg, params, fresh_kv(cfg.model, b, t, dev), x[:, 1:], feats[:, :-1], slots,
                         starts)  # [B, T-1, H]
-    outs = [(net.draft_logits(cfg, params, g[:, :-1]), None)]
+    outs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(net.draft_logits(cfg, params, g[:, :-1]), None)]
     src = torch.cat([torch.arange(b, device=dev).repeat_interleave(n), torch.tensor([b], device=dev)])  # + scratch
     kv = llama.KVCache(kv.k[:, src], kv.v[:, src], kv.lens[src])
     rows, pos = torch.arange(b * n, device=dev), a.flatten()
@@ -325,7 +329,7 @@ def block_rows(cfg, params, x: torch.Tensor, raw: torch.Tensor, a: torch.Tensor,
     return h.view(b, n, rows, -1)
 
 
-SETUPS = {"draft_model": draft_model_setup, "medusa": medusa_setup,
+SETUPS: dict[str, Callable[..., Any]] = {"draft_model": draft_model_setup, "medusa": medusa_setup,
           "mtp": functools.partial(chain_setup, "mtp"), "eagle3": functools.partial(chain_setup, "eagle3"),
           "dflash": functools.partial(block_setup, "dflash"), "dspark": functools.partial(block_setup, "dspark")}
 

@@ -100,7 +100,7 @@ def train(params: dict[str, torch.Tensor], loss_fn: Callable, schedule: Schedule
             probe_t = time.perf_counter()
         if probe_t is not None and step == start + PROBE[1] and step < schedule.warmup:
             pace = (time.perf_counter() - probe_t) / (PROBE[1] - PROBE[0])
-            fits = step + int((time_budget - (time.perf_counter() - t0)) / pace)
+            fits = step + int((time_budget - (time.perf_counter() - t0)) / pace)  # type: ignore[operator]  # a probe: a budget
             if fits < schedule.steps:
                 schedule = dataclasses.replace(schedule, steps=max(fits, step + 1))
                 end, bar.total = min(end, schedule.steps), schedule.steps

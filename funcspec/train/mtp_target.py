@@ -33,6 +33,7 @@ the trunk and leaves the module's keys unused.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def build(sizes: dict, vocab: int, bos: int, eos: int, pad: int):
 
     layers = sizes["num_hidden_layers"]
     cfg = DeepseekV3Config(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-                           tie_word_embeddings=False, num_nextn_predict_layers=1,
+                           tie_word_embeddings=False, num_nextn_predict_layers=1,  # type: ignore[call-arg]  # kept as an attribute
                            **{**sizes, "num_hidden_layers": layers + 1})
     model = DeepseekV3ForCausalLM(cfg)
     model.config.num_hidden_layers = layers
@@ -212,7 +213,8 @@ def check(out: Path) -> dict:
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # NOTE: the load report lists every module key as unexpected, as it should
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+        model, info = loaded  # (model, loading info): output_loading_info=True
     finally:
         logging.set_verbosity(verbosity)
     unused = sorted(info["unexpected_keys"])
@@ -249,8 +251,9 @@ def load(path: Path, dtype: torch.dtype = torch.float32):
                             for _ in range(2))
     mtp.shared_head = nn.Module()
     mtp.shared_head.norm = DeepseekV3RMSNorm(t["enorm.weight"].shape[0], model.config.rms_norm_eps)
-    mtp.eh_proj = nn.Linear(*reversed(t["eh_proj.weight"].shape), bias=False)
-    mtp.shared_head.head = nn.Linear(*reversed(t["shared_head.head.weight"].shape), bias=False)
+    (eh_out, eh_in), (head_out, head_in) = t["eh_proj.weight"].shape, t["shared_head.head.weight"].shape
+    mtp.eh_proj = nn.Linear(eh_in, eh_out, bias=False)
+    mtp.shared_head.head = nn.Linear(head_in, head_out, bias=False)
     mtp.embed_tokens = nn.Embedding(*t["embed_tokens.weight"].shape)
     with torch.no_grad():
         for name in MTP_NAMES:

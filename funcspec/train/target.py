@@ -9,6 +9,7 @@ transformers and funcspec load. ``moe_target`` reuses ``target``'s tokenizer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from funcspec.train.loop import Schedule, train
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"]
 VOCAB_SIZE = 4096
-SIZES = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+SIZES: dict[str, Any] = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)
 SCHEDULE = Schedule(steps=1200, lr=2e-3, warmup=50, weight_decay=0.1)
 BATCH, SEQ = 16, 256
@@ -59,7 +60,7 @@ def run(out: Path, work: Path, seed: int = 0, steps: int | None = None,
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **SIZES)
-    model = LlamaForCausalLM(cfg).to(device)
+    model = LlamaForCausalLM(cfg).to(device)  # type: ignore[arg-type]  # transformers types .to as unbound
     schedule = Schedule(**{**SCHEDULE.__dict__, "steps": steps or SCHEDULE.steps})
 
     def loss_fn(step):
@@ -87,7 +88,7 @@ def run_moe(out: Path, work: Path, tokenizer: Path, seed: int = 0, steps: int | 
     cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, tie_word_embeddings=True, router_aux_loss_coef=MOE_AUX,
                          output_router_logits=True, **sizes)
-    model = Qwen3MoeForCausalLM(cfg).to(device)
+    model = Qwen3MoeForCausalLM(cfg).to(device)  # type: ignore[arg-type]  # transformers types .to as unbound
     schedule = Schedule(**{**MOE_SCHEDULE.__dict__, "steps": steps or MOE_SCHEDULE.steps})
     k = cfg.num_experts_per_tok
 

@@ -37,7 +37,7 @@ def autoregressive_draws(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Deterministic drafts against the target's own draws y [B, K+1], each made as autoregressive
     decoding makes it (``sampling.sample`` with that position's key; greedy rows take argmax)."""
     s, keys = vin.sampling, vin.keys
-    common.check_inputs(keys[:, 0], vin.logits, vin.proposal.tokens, vin.proposal.probs)
+    common.check_inputs(keys[:, 0], vin.logits, vin.proposal.tokens, vin.proposal.probs)  # type: ignore[index]  # sampled: keys
     mode = sampling_lib.Mode(greedy=False, filters=cfg.filters)
-    y = sampling_lib.sample(keys, vin.logits, s.temperature, s.top_k, s.top_p, mode)  # [B, K+1]
+    y = sampling_lib.sample(keys, vin.logits, s.temperature, s.top_k, s.top_p, mode)  # type: ignore[arg-type]  # [B, K+1]
     return common.match(vin.proposal.tokens, y)

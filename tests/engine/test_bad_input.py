@@ -172,7 +172,8 @@ def test_bad_llm_arguments(kwargs, exc, match, reads, tmp_path, monkeypatch):
     if not reads:  # judged on the arguments alone: refused before the checkpoint is read
         def tripwire(*args, **kw):
             raise AssertionError("LLM(...) read the checkpoint before refusing its arguments")
-        monkeypatch.setattr("funcspec.engine.load_model", tripwire)
+        monkeypatch.setattr("funcspec.build.load_model", tripwire)
+        monkeypatch.setattr("funcspec.build.load_config", tripwire)
     args = {"model": str(TARGET), "enforce_eager": True, "max_num_seqs": 2, "max_model_len": 64, **kwargs}
     with pytest.raises(exc) as err:
         funcspec.LLM(**args)

@@ -37,7 +37,7 @@ def test_inductor_equals_eager_on_padded_buckets(inductor_engine, eager_engine, 
     assert _ids(inductor_engine.generate(PROMPTS[:n], params)) == _ids(eager_engine.generate(PROMPTS[:n], params))
     plan = inductor_engine.plan.bucket_plan
     b = n if plan.symbolic_batch else plan.batch_bucket(n)  # a symbolic batch: every size is a bucket
-    assert f"B{b}_K0" in inductor_engine.stats["buckets_used"]
+    assert f"B{b}_K0" in inductor_engine.stats()["buckets_used"]
 
 
 def test_second_generate_never_recompiles(inductor_engine):
@@ -49,7 +49,7 @@ def test_second_generate_never_recompiles(inductor_engine):
     workloads()
     with torch.compiler.set_stance("fail_on_recompile"):
         workloads()
-    st = inductor_engine.stats
+    st = inductor_engine.stats()
     assert st["recompiles"] == 0 and st["graph_breaks"] == 0
     for g in st["graphs"].values():
         assert g["capture_seconds"] > 0 and g["replay_ms_median"] > 0 and g["recompiles"] == 0
@@ -63,7 +63,7 @@ def test_padding_rows_never_change_real_rows(eager_engine):
 
 
 def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=32)
+    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=32, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     k_real = eng.state.kv.k[:, :4].clone()
     lens, hist = eng.state.kv.lens.clone(), eng.state.history[:4].clone()
@@ -90,7 +90,7 @@ def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in range(1, 11):
             eng.generate([[1, 2, 3]] * n, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    assert eng.stats["recompiles"] == 0 and set(eng.stats["buckets_used"]) == {f"B{b}_K0" for b in range(1, 11)}
+    assert eng.stats()["recompiles"] == 0 and set(eng.stats()["buckets_used"]) == {f"B{b}_K0" for b in range(1, 11)}
     assert len(eng.runner.compiled) == 4 and eng.graphs[(7, 0, 25, "greedy")] is eng.graphs[(2, 0, 25, "greedy")]
 
 
@@ -104,7 +104,7 @@ def test_where_products_count_rows_each_batch_bucket_has_its_graph(tiny_llama, t
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in range(1, 11):
             eng.generate([[1, 2, 3]] * n, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    assert eng.stats["recompiles"] == 0 and set(eng.stats["buckets_used"]) == {f"B{b}_K0" for b in (1, 2, 4, 8, 10)}
+    assert eng.stats()["recompiles"] == 0 and set(eng.stats()["buckets_used"]) == {f"B{b}_K0" for b in (1, 2, 4, 8, 10)}
     assert len(eng.runner.compiled) == 10
 
 
@@ -180,7 +180,7 @@ def test_cudagraph_equals_eager(tiny_llama):
     cuda = Engine(tiny_llama, backend="cudagraph", max_batch_size=8, max_model_len=64, device="cuda")
     eager = Engine(tiny_llama, backend="eager", max_batch_size=8, max_model_len=64, device="cuda")
     assert _ids(cuda.generate(PROMPTS, GREEDY)) == _ids(eager.generate(PROMPTS, GREEDY))
-    assert cuda.stats["recompiles"] == 0
+    assert cuda.stats()["recompiles"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal applies only where CUDA is missing")

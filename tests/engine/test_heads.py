@@ -50,7 +50,7 @@ def test_greedy_equals_autoregressive(zoo, method, k):
     eng = spec_engine(zoo, method, k)
     out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))]
     assert out == zoo.ar
-    st = eng.stats
+    st = eng.stats()
     assert len(st["per_position_acceptance"]) == k and st["mean_acceptance_length"] >= 1.0
     assert eng.generate(PROMPTS[3:], greedy(12))[0].outputs[0].token_ids == zoo.ar[3][:12]  # batch of 1
 
@@ -98,7 +98,7 @@ def test_drafts_match_full_recompute(zoo, method):
                 assert d == reference_drafts(eng, seqs[slot][:n + 1], K_MAX), (slot, n)
                 checked += 1
     assert checked >= 8
-    assert set(eng.stats["per_position_acceptance"]) != {0.0}  # some drafts were accepted
+    assert set(eng.stats()["per_position_acceptance"]) != {0.0}  # some drafts were accepted
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -135,11 +135,12 @@ def test_checkpoint_round_trip_and_bad_keys(zoo, method, tmp_path):
 
 def test_bad_head_configs(zoo):
     with pytest.raises(ValueError, match="medusa_num_heads"):  # K larger than the number of heads
-        Engine(zoo.target, {"method": "medusa", "model": zoo.paths["medusa"], "num_speculative_tokens": 5})
+        Engine(zoo.target, {"method": "medusa", "model": zoo.paths["medusa"], "num_speculative_tokens": 5},
+               enforce_eager=True)
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         eagle.load_params(zoo.paths["eagle3"], zoo.target, version=3, aux_layers=(0, 1, 4))
     with pytest.raises(ValueError, match="no MTP module"):
-        Engine(zoo.target, {"method": "mtp", "num_speculative_tokens": 1})
+        Engine(zoo.target, {"method": "mtp", "num_speculative_tokens": 1}, enforce_eager=True)
 
 
 # ----------------------------------------------------------------------------- state, padding
@@ -254,7 +255,7 @@ def test_whole_step_captures_as_one_graph(zoo, method, traced_codegen, tmp_path)
     (key, graph), = eng.graphs.items()  # one bucket: (4, 2) at one context length, greedy
     assert key[:2] == (4, 2) and key[3] == "greedy"
     g = graph.stats
-    assert g.compiles == 1 and g.graph_breaks == 0 and eng.stats["recompiles"] == 0
+    assert g.compiles == 1 and g.graph_breaks == 0 and eng.stats()["recompiles"] == 0
 
 
 # ----------------------------------------------------------------------------- token trees
@@ -266,7 +267,7 @@ def test_tree_greedy_equals_autoregressive(zoo, method):
     """A static vLLM tree (7 nodes, depth 3): greedy output equals AR token for token, batch 4 and 1."""
     eng = spec_engine(zoo, method, k=len(TREE), spec={"speculative_token_tree": str(TREE)})
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
-    st = eng.stats
+    st = eng.stats()
     assert len(st["per_position_acceptance"]) == 3 and st["mean_acceptance_length"] >= 1.0
     assert st["buckets_used"].keys() == {"B4_K7"}
     assert eng.generate(PROMPTS[3:], greedy(12))[0].outputs[0].token_ids == zoo.ar[3][:12]
@@ -278,8 +279,8 @@ def test_chain_shaped_tree_drafts_what_the_chain_drafts(zoo):
     tree = spec_engine(zoo, "eagle3", k=3, spec={"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"})
     outs = [[o.outputs[0].token_ids for o in e.generate(PROMPTS, greedy(24))] for e in (chain, tree)]
     assert outs[0] == outs[1] == zoo.ar
-    assert chain.stats["per_position_acceptance"] == tree.stats["per_position_acceptance"]
-    assert chain.stats["steps"] == tree.stats["steps"]
+    assert chain.stats()["per_position_acceptance"] == tree.stats()["per_position_acceptance"]
+    assert chain.stats()["steps"] == tree.stats()["steps"]
 
 
 DYNAMIC = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
@@ -315,7 +316,7 @@ def assert_one_lossless_graph(eng, zoo) -> None:
     (key, graph), = eng.graphs.items()
     assert key[:2] == (4, 7) and graph.stats.graph_breaks == 0
     assert graph.stats.compiles == (0 if graph.stats.loaded else 1)
-    assert eng.stats["recompiles"] == 0
+    assert eng.stats()["recompiles"] == 0
 
 
 @pytest.mark.parametrize("method, tree", [("eagle", TREE), ("mtp", DYNAMIC), ("draft_model", TREE),
@@ -334,7 +335,7 @@ def test_dynamic_tree_greedy_equals_autoregressive(zoo, method):
     dyn = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 9}
     eng = spec_engine(zoo, method, k=8, spec=dyn)
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
-    assert len(eng.stats["per_position_acceptance"]) == 3 and eng.stats["buckets_used"].keys() == {"B4_K8"}
+    assert len(eng.stats()["per_position_acceptance"]) == 3 and eng.stats()["buckets_used"].keys() == {"B4_K8"}
     assert eng.generate(PROMPTS[3:], greedy(12))[0].outputs[0].token_ids == zoo.ar[3][:12]
 
 
@@ -344,7 +345,7 @@ def test_dynamic_tree_of_topk_one_drafts_what_the_chain_drafts(zoo):
                                                 "speculative_num_draft_tokens": 4})
     outs = [[o.outputs[0].token_ids for o in e.generate(PROMPTS, greedy(24))] for e in (chain, dyn)]
     assert outs[0] == outs[1] == zoo.ar
-    assert chain.stats["per_position_acceptance"] == dyn.stats["per_position_acceptance"]
+    assert chain.stats()["per_position_acceptance"] == dyn.stats()["per_position_acceptance"]
 
 
 def test_sampled_tree_decoding_is_deterministic_per_seed(zoo):

@@ -103,7 +103,8 @@ TREES = {"static": {"speculative_token_tree": str(list(STATIC.paths)), "num_spec
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     prompts = _prompts(12)
-    return prompts, _ids(Engine(tiny_llama, max_batch_size=4, max_model_len=96).generate(prompts, GREEDY))
+    return prompts, _ids(Engine(tiny_llama, max_batch_size=4, max_model_len=96,
+                                enforce_eager=True).generate(prompts, GREEDY))
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -111,9 +112,9 @@ def reference(tiny_llama):
 def test_history_tree_greedy_equals_autoregressive(tiny_llama, reference, method, shape):
     prompts, want = reference
     spec = {**_spec(method, None), **TREES[shape]}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
-    st = eng.stats
+    st = eng.stats()
     assert st["mean_acceptance_length"] > 1.0 and st["per_position_acceptance"][0] > 0
 
 
@@ -133,7 +134,7 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
     assert _ids(eng.generate(prompts[:4], GREEDY)) == want[:4]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[4:], GREEDY)) == want[4:]
-    assert [key[:2] for key in eng.graphs] == [(4, n)] and eng.stats["recompiles"] == 0
+    assert [key[:2] for key in eng.graphs] == [(4, n)] and eng.stats()["recompiles"] == 0
     (graph,) = eng.graphs.values()
     assert graph.stats.graph_breaks == 0 and graph.stats.compiles == (0 if graph.stats.loaded else 1)  # or loaded
 
@@ -145,10 +146,10 @@ def test_ngram_tree_size_per_batch_size(tiny_llama, reference):
     prompts, want = reference
     spec = {**_spec("ngram", None), "speculative_eagle_topk": 2, "speculative_num_steps": 8,
             "speculative_num_draft_tokens": 9, "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 4, 3]]}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96)
+    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts[:1], GREEDY)) == want[:1]
     assert _ids(eng.generate(prompts[1:], GREEDY)) == want[1:]
-    assert {"B1_K8", "B4_K3"} <= set(eng.stats["buckets_used"])
+    assert {"B1_K8", "B4_K3"} <= set(eng.stats()["buckets_used"])
     # ngram expands no frontiers: the tree cut to 3 nodes may stay 3 deep (a head's cut is 3 // 2 + 1 = 2)
     assert eng.runner.step_config(3, 96, sampling.GREEDY).tree == DynamicTree(2, 3, 4)
     assert truncate(DynamicTree(2, 8, 9), 3) == DynamicTree(2, 2, 4)

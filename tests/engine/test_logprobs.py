@@ -96,13 +96,14 @@ def _spec(name: str, eagle1: str, k: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def ar(zoo_target, zoo_prompts):
     """Greedy outputs without speculation: the ground truth."""
-    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN).generate(zoo_prompts, GREEDY)
+    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True).generate(zoo_prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
 def ar_sampled(zoo_target, zoo_prompts):
     """Seeded top-p outputs without speculation."""
-    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN).generate(zoo_prompts, SAMPLED)
+    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN,
+                  enforce_eager=True).generate(zoo_prompts, SAMPLED)
 
 
 def _lps(out):
@@ -150,7 +151,7 @@ def test_logprobs_have_vllms_shapes(zoo_target, zoo_prompts, ar):
 def test_logprobs_are_the_raw_distribution_whatever_the_sampling(zoo_target, zoo_prompts):
     """vLLM's default logprobs_mode (raw_logprobs): temperature and top-k change the tokens drawn, not
     the distribution their logprobs describe."""
-    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN)
+    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, enforce_eager=True)
     sp = SamplingParams(temperature=3.0, top_k=2, seed=1, max_tokens=8, ignore_eos=True, logprobs=0)
     out = eng.generate(zoo_prompts[:1], sp)[0].outputs[0]
     torch.testing.assert_close(torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]),
@@ -160,7 +161,7 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(zoo_target, zoo
 
 
 def test_prompt_logprobs_match_a_direct_forward(zoo_target, zoo_prompts):
-    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN)
+    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, enforce_eager=True)
     out = eng.generate(zoo_prompts, SamplingParams(max_tokens=1, prompt_logprobs=3))
     for p, o in zip(zoo_prompts, out):
         x = torch.tensor([p])
@@ -190,7 +191,7 @@ def test_logprobs_above_the_limit_raise_naming_the_field(field):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_prompts, ar, ar_sampled, eagle1, name):
     eng = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_batch_size=4, max_model_len=MAX_LEN,
-                 additional_config=DYNAMIC if name.endswith("_dynamic") else None)
+                 additional_config=DYNAMIC if name.endswith("_dynamic") else None, enforce_eager=True)
     tree = "speculative_token_tree" in METHODS[name][1]
     out = eng.generate(zoo_prompts, GREEDY)
     if tree or not EXACT:
@@ -209,7 +210,7 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_pro
         if name not in ("eagle", "ngram", "suffix"):  # the trained heads accept sampled drafts; history-based
             assert max(o.metrics["acceptance_length"] for o in sampled) > 1.0, "sampled rows accepted drafts"
         return
-    plain = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN)
+    plain = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True)
     for p, o in zip(zoo_prompts, sampled):
         c = o.outputs[0]
         got, want = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], _teacher_forced(plain, p, c.token_ids)
@@ -247,7 +248,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
         _assert_close_lps(have, want, TREE_ATOL if EXACT else OTHER_ATOL)
     else:
         assert have == want
-    assert spec.stats["recompiles"] == 0 and {key[0] for key in spec.runner.compiled} == {2}  # padded rows only
+    assert spec.stats()["recompiles"] == 0 and {key[0] for key in spec.runner.compiled} == {2}  # padded rows only
 
 
 def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(zoo_target, zoo_prompts, traced_codegen):
@@ -270,7 +271,7 @@ def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(zoo_target, 
 
 def test_each_request_carries_its_own_acceptance(zoo_target, zoo_prompts):
     eng = Engine(zoo_target, speculative_config=zoo.speculative_config("ngram", 3), max_batch_size=4,
-                 max_model_len=MAX_LEN)
+                 max_model_len=MAX_LEN, enforce_eager=True)
     out = eng.generate(zoo_prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     per_pos = [o.metrics["num_accepted_tokens_per_pos"] for o in out]
     assert all(len(p) == 3 and p == sorted(p, reverse=True) for p in per_pos)
@@ -281,4 +282,4 @@ def test_each_request_carries_its_own_acceptance(zoo_target, zoo_prompts):
         assert o.outputs[0].metrics["num_accepted_tokens_per_pos"] == p
     total = [sum(x) for x in zip(*per_pos)]
     spec_rows = sum(o.metrics["steps"] for o in out)
-    assert eng.stats["per_position_acceptance"] == [a / spec_rows for a in total]
+    assert eng.stats()["per_position_acceptance"] == [a / spec_rows for a in total]

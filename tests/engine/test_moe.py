@@ -161,7 +161,7 @@ def test_unsupported_combinations_are_refused_naming_the_argument(qwen3_moe):
     with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the target's num_experts=6"):
         check_size(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True)), 4)
     with pytest.raises(ValueError, match="enable_expert_parallel must be a bool, got 'yes'"):
-        Engine(qwen3_moe, enable_expert_parallel="yes")
+        Engine(qwen3_moe, enable_expert_parallel="yes", enforce_eager=True)
 
 
 # ----------------------------------------------------------------------------- tensor and expert parallelism
@@ -231,7 +231,7 @@ def _config(method, heads, tiny_draft, k=3, **extra):
 def test_greedy_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads, reference, method):
     prompts, want = reference
     eng = Engine(qwen3_moe, speculative_config=_config(method, heads, tiny_draft), max_batch_size=4,
-                 max_model_len=96)
+                 max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
 
@@ -239,14 +239,14 @@ def test_tree_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads
     prompts, want = reference
     tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
     eng = Engine(qwen3_moe, speculative_config=_config("eagle3", heads, tiny_draft, 5, speculative_token_tree=tree),
-                 max_batch_size=4, max_model_len=96)
+                 max_batch_size=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_draft, heads, reference, method):
     eng = assert_captured_lossless(qwen3_moe, _config(method, heads, tiny_draft), *reference, warm=4)
-    assert eng.stats["graph_breaks"] == 0
+    assert eng.stats()["graph_breaks"] == 0
 
 
 # ----------------------------------------------------------------------------- quantized on load
@@ -254,7 +254,7 @@ def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_dra
 def quantized_reference(request, qwen3_moe):
     """The Qwen3-MoE target quantized on load: its AR greedy outputs of the 12 prompts."""
     prompts = _prompts(12)
-    eng = Engine(qwen3_moe, quantization=request.param, max_batch_size=4, max_model_len=96)
+    eng = Engine(qwen3_moe, quantization=request.param, max_batch_size=4, max_model_len=96, enforce_eager=True)
     return request.param, eng, prompts, _ids(eng.generate(prompts, GREEDY))
 
 
@@ -275,7 +275,7 @@ def test_greedy_speculation_equals_ar_on_a_quantized_moe_target(qwen3_moe, tiny_
                                                                 method):
     scheme, _, prompts, want = quantized_reference
     eng = Engine(qwen3_moe, quantization=scheme, speculative_config=_config(method, heads, tiny_draft),
-                 max_batch_size=4, max_model_len=96)
+                 max_batch_size=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
 
@@ -283,7 +283,7 @@ def test_captured_quantized_moe_steps_are_lossless(qwen3_moe, tiny_draft, heads,
     scheme, _, prompts, want = quantized_reference
     eng = assert_captured_lossless(qwen3_moe, _config("eagle3", heads, tiny_draft), prompts, want, warm=4,
                                    quantization=scheme)
-    assert eng.stats["graph_breaks"] == 0
+    assert eng.stats()["graph_breaks"] == 0
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped where there is none)
@@ -337,4 +337,4 @@ def test_cudagraph_speculation_on_a_moe_target_equals_ar(qwen3_moe, tiny_draft, 
     assert "_grouped_mm" in log.names
     eng = Engine(qwen3_moe, backend="cudagraph", speculative_config=_config(method, heads, tiny_draft), **kw)
     assert _ids(eng.generate(prompts, GREEDY)) == want
-    assert eng.stats["recompiles"] == 0
+    assert eng.stats()["recompiles"] == 0

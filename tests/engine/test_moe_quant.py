@@ -128,4 +128,4 @@ def test_a_split_that_cuts_quantized_experts_blocks_is_refused_naming_the_sizes(
     path = qw.write_gptq(sources / "qwen3_moe", tmp_path / "gptq", group=32)  # I = 32: 16 a rank
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 cannot split model.layers.0.mlp.experts: its "
                                          r"intermediate size 32 / 2 is not a whole number of blocks of 32"):
-        Engine(str(path), tensor_parallel_size=2, max_model_len=64)
+        Engine(str(path), tensor_parallel_size=2, max_model_len=64, enforce_eager=True)

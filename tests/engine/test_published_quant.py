@@ -215,9 +215,11 @@ def test_logits_match_hf_on_the_dequantized_weights_and_speculation_equals_ar(wr
     ours = forward(model.cfg, model.params, init_kv_cache(model.cfg, 1, len(tokens)), torch.tensor([tokens]), z, z)[0]
     theirs = _hf_logits(path, tokens)
     assert (ours - theirs).abs().max().item() < 0.03 * theirs.abs().max().item()
-    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_batch_size=2).generate(PROMPTS, GREEDY)]
+    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_batch_size=2,
+                                                 enforce_eager=True).generate(PROMPTS, GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_batch_size=2).generate(PROMPTS, GREEDY)] == ar
+    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_batch_size=2,
+                                                   enforce_eager=True).generate(PROMPTS, GREEDY)] == ar
 
 
 @pytest.mark.parametrize("name", ["gptq-int4-g64-act-order", "awq-int4-g128", "ascend-w8a8"])

@@ -38,12 +38,12 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
                                            (1, 2, t, "filtered"), (1, 2, t, "greedy")]
     with torch.compiler.set_stance("fail_on_recompile"):
         out = _mixed(eng)
-    assert len(eng.runner.compiled) == 4 and eng.stats["recompiles"] == 0
+    assert len(eng.runner.compiled) == 4 and eng.stats()["recompiles"] == 0
     # the plain-temperature rows ran as random buckets, in the filtered graph (EnginePlan.graph_modes)
     assert {key[3] for key in eng.graphs} == {"greedy", "random", "filtered"}
     assert all(g is eng.runner.compiled[eng.plan.bucket_plan.graph_batch(key[0]), 2, t, "filtered"]
                for key, g in eng.graphs.items() if key[3] == "random")
-    assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats["buckets_used"])
+    assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats()["buckets_used"])
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96,
                                 ops=rows_free_ops))
 
@@ -67,7 +67,7 @@ def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
     llm = LLM(tiny_llama, max_num_seqs=2, max_model_len=32, compilation_config={"capture": "lazy"})
     assert llm.engine.backend == "inductor" and llm.engine.runner.compiled == {}
     with pytest.raises(ValueError, match="capture must be one of \\('startup', 'lazy'\\), got 'eventually'"):
-        Engine(tiny_llama, capture="eventually")
+        Engine(tiny_llama, capture="eventually", enforce_eager=True)
 
 
 def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
@@ -97,7 +97,7 @@ def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny
     eager = Engine(tiny_llama, backend="eager", max_batch_size=1, max_model_len=32)
     assert _ids(eng.generate(PROMPTS[:1], greedy)) == _ids(eager.generate(PROMPTS[:1], greedy))
     with pytest.raises(ValueError, match="compile_cache: .*missing.zip is not a file written by `funcspec precompile`"):
-        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"))
+        Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"), enforce_eager=True)
 
 
 def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch,

@@ -6,6 +6,7 @@ row-parallel rule that a bias is added once, after the all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -102,10 +103,10 @@ def test_shards_tile_the_weights_and_heads_stay_with_their_kv_head(tp_models):
 
 
 @pytest.mark.parametrize("size, field", [(3, "num_key_value_heads=2"), (4, "num_key_value_heads=2"),
-                                         (0, "an int >= 1")])
+                                         (0, "must be >= 1, got 0")])
 def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts(tp_models, size, field):
     with pytest.raises(ValueError, match=f"tensor_parallel_size.*{field}"):
-        Engine(tp_models["target"], tensor_parallel_size=size)
+        Engine(tp_models["target"], tensor_parallel_size=size, enforce_eager=True)
     assert not dist.is_initialized()
 
 
@@ -114,11 +115,12 @@ def test_bad_draft_tensor_parallel_size_is_refused_before_any_rank_starts(tp_mod
             "draft_tensor_parallel_size": 2}
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or the engine's "
                                          "tensor_parallel_size=1"):
-        Engine(tp_models["target"], spec)
+        Engine(tp_models["target"], spec, enforce_eager=True)
     make_hf_model(tmp_path / "mqa", seed=1, num_hidden_layers=1, num_key_value_heads=1)
     with pytest.raises(ValueError, match="speculative_config.draft_tensor_parallel_size=2 must divide the draft "
                                          "model's num_key_value_heads=1"):
-        Engine(tp_models["target"], {**spec, "model": str(tmp_path / "mqa")}, tensor_parallel_size=2)
+        Engine(tp_models["target"], {**spec, "model": str(tmp_path / "mqa")}, tensor_parallel_size=2,
+               enforce_eager=True)
     assert not dist.is_initialized()
 
 
@@ -145,7 +147,7 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
             if backend == "inductor":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     res[f"{name}/again"] = tokens(eng)
-                res[f"{name}/stats"] = [eng.stats["recompiles"], eng.stats["graph_breaks"]]
+                res[f"{name}/stats"] = [eng.stats()["recompiles"], eng.stats()["graph_breaks"]]
             else:
                 b = eng.bucket(2, eng.plan.bucket_plan.ks[-1], mode=sampling.RANDOM)
                 ex = torch._dynamo.explain(b.fn)(*b.args)
@@ -209,7 +211,7 @@ def test_under_torchrun_every_rank_runs_the_script(tp_models, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), str(script)]
     subprocess.run(cmd, check=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    ref = tokens(Engine(tp_models["target"], **ENGINE))
+    ref = tokens(Engine(tp_models["target"], **ENGINE, enforce_eager=True))
     for rank in range(2):
         got = json.loads((tmp_path / f"out{rank}.json").read_text())
         assert got == {"tokens": ref, "kv_heads": 1, "followers": None}
@@ -250,7 +252,7 @@ class FailsOnRank1(Engine):
 def test_a_follower_failing_to_start_is_reported_by_rank_0(tp_models):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="(?s)rank 1 raised.*rank 1 could not build its engine"):
-        FailsOnRank1(tp_models["target"], tensor_parallel_size=2, max_model_len=40)
+        FailsOnRank1(tp_models["target"], tensor_parallel_size=2, max_model_len=40, enforce_eager=True)
     assert time.monotonic() - t0 < 60 and not dist.is_initialized()
 
 
@@ -386,7 +388,8 @@ def test_a_collected_engine_stops_its_ranks_and_its_group(tp_models, tp1_tokens)
 
 
 def test_a_with_block_closes_the_engine_and_its_ranks(tp_models, tp1_tokens):
-    with funcspec.Engine(tp_models["target"], tensor_parallel_size=2, max_batch_size=2, max_model_len=40) as eng:
+    with funcspec.Engine(tp_models["target"], tensor_parallel_size=2, max_batch_size=2, max_model_len=40,
+                         enforce_eager=True) as eng:
         procs, group = eng.followers.procs, eng.tp.group
         out = eng.generate([[3, 4, 5]], funcspec.SamplingParams(max_tokens=2))
         assert len(out[0].outputs[0].token_ids) == 2
@@ -411,11 +414,11 @@ class PlansOtherwiseOnRank1(Engine):
     another cache length: it must run rank 0's plan, and can report it (a mirrored call every rank runs)."""
 
     def __init__(self, *args, **kwargs):
-        if distributed.global_rank() == 1:
-            import funcspec.engine
+        if distributed.global_rank() == 1:  # a follower: built from rank 0's EngineArgs
+            import funcspec.build
 
-            funcspec.engine.plan_engine = _no_planning  # this follower's process only
-            kwargs["max_model_len"] = 30
+            funcspec.build.plan_engine = _no_planning  # this follower's process only
+            args = (dataclasses.replace(args[0], max_model_len=30),)
         super().__init__(*args, **kwargs)
 
     @distributed.mirrored
@@ -425,8 +428,8 @@ class PlansOtherwiseOnRank1(Engine):
 
 
 def test_a_follower_runs_rank_0s_serialised_plan_not_one_of_its_own(tp_models, tp1_tokens, tmp_path):
-    with PlansOtherwiseOnRank1(tp_models["target"], tensor_parallel_size=2, max_batch_size=2,
-                               max_model_len=40) as eng:
+    with PlansOtherwiseOnRank1(tp_models["target"], tensor_parallel_size=2, max_num_seqs=2,
+                               max_model_len=40, enforce_eager=True) as eng:
         eng.dump_plan(str(tmp_path))
         assert tokens(eng) == tp1_tokens
     ranks = [json.loads((tmp_path / f"plan{r}.json").read_text()) for r in range(2)]

@@ -138,7 +138,7 @@ def test_a_tensor_parallel_size_that_cuts_a_group_is_refused_before_any_rank_sta
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 cannot split model\.layers\.0\.mlp\.down_proj: a "
                                          r"shard of 192 inputs \(384 / 2\) is not a multiple of its quantization "
                                          r"group of 128 \(int4-g128\)"):
-        Engine(str(tmp_path), quantization="int4-g128", tensor_parallel_size=2)
+        Engine(str(tmp_path), quantization="int4-g128", tensor_parallel_size=2, enforce_eager=True)
     assert not dist.is_initialized()
 
 

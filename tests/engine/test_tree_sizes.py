@@ -87,8 +87,8 @@ def test_engine_with_a_tree_size_per_batch_size_is_greedy_lossless(zoo, tree):
     assert eng.plan.bucket_plan.buckets == [(1, 0), (1, 2), (2, 0), (4, 0), (4, 5)]
     assert sorted({key[:2] for key in eng.startup_graphs()}) == [(1, 2), (2, 0), (4, 5)]
     _run(eng, zoo, [[0], [1, 2], [0, 1, 2, 3], [3]])
-    assert eng.stats["buckets_used"].keys() == {"B1_K2", "B2_K0", "B4_K5"}
-    acc = eng.stats["per_position_acceptance"]
+    assert eng.stats()["buckets_used"].keys() == {"B1_K2", "B2_K0", "B4_K5"}
+    acc = eng.stats()["per_position_acceptance"]
     assert len(acc) == 3 and all(a >= b for a, b in zip(acc, acc[1:]))  # per depth of the whole tree
     with pytest.raises(ValueError, match="k must be a node count 0..7 of this engine's token tree, got 8"):
         eng.bucket(1, 8)
@@ -108,7 +108,7 @@ def test_draft_model_tree_size_per_batch_size_is_greedy_lossless(zoo):
     eng = spec_engine(zoo, "draft_model", k=7, spec={"speculative_token_tree": str(TREE),
                                                      "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 6]]})
     _run(eng, zoo, [[2], [0, 1, 2, 3]])
-    assert eng.stats["buckets_used"].keys() == {"B1_K4", "B4_K6"}
+    assert eng.stats()["buckets_used"].keys() == {"B1_K4", "B4_K6"}
 
 
 def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, traced_codegen):
@@ -122,4 +122,4 @@ def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, traced_codege
         _run(eng, zoo, [[3], [0, 1, 2, 3]])
     assert sorted(k[:2] for k in eng.graphs) == [(1, 3), (4, 6)]
     assert all(g.stats.compiles == 1 and g.stats.graph_breaks == 0 for g in eng.graphs.values())
-    assert eng.stats["recompiles"] == 0
+    assert eng.stats()["recompiles"] == 0

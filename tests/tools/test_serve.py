@@ -346,6 +346,28 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(llm, monkeypatc
     assert [t for u in served for t in u.token_ids] == list(served[-1].finish.token_ids)
 
 
+def test_graph_counts_read_the_engines_stats_in_its_thread(llm, monkeypatch):
+    """The ``/metrics`` graph gauges come from ``Engine.stats()``: an eager graph compiles nothing, a compiled
+    one counts, with its recompiles; read in the engine thread, refused once it has stopped."""
+    engine, real_stats = llm.engine, llm.engine.stats
+    loop = EngineLoop(engine)
+
+    async def main():
+        loop.start()
+        try:
+            eager = await loop.graph_counts()
+            monkeypatch.setattr(engine, "stats", lambda: {**real_stats(), "graphs": {
+                "B1_K3_T259_greedy": {"backend": "eager", "recompiles": 0},
+                "Bn_K3_T259_greedy": {"backend": "inductor", "recompiles": 2}}})
+            return eager, await loop.graph_counts()
+        finally:
+            await loop.stop()
+
+    assert asyncio.run(main()) == ((0, 0), (1, 2))
+    with pytest.raises(RuntimeError, match="the engine thread is not running"):
+        asyncio.run(loop.graph_counts())
+
+
 def test_a_request_that_fails_alone_gets_a_500_and_the_others_run_on(llm, monkeypatch, caplog):
     """A request the engine finished with ``finish_reason="error"`` (its own stop rule raised) is answered as an
     error with a generic message, its reason in the log; the request beside it streams its solo tokens."""

@@ -194,11 +194,11 @@ def test_exported_file_drives_the_engine(tiny_llama, tmp_path, monkeypatch):
     # Finishing at different lengths walks the active batch down 4 -> 3 -> 2 -> 1.
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 10, 14, 40)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    ar = Engine(tiny_llama, max_batch_size=4, max_model_len=96)
+    ar = Engine(tiny_llama, max_batch_size=4, max_model_len=96, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     assert got == want
     table_k = {n: k for start, end, k in table for n in range(start, end + 1)}
     assert all(k == table_k[n] for n, k in seen)
     assert {n for n, _ in seen} == {1, 2, 3, 4} and {k for _, k in seen} == {0, 2, 3}
     bucket = {1: 1, 2: 2, 3: 4, 4: 4}
-    assert set(eng.stats["buckets_used"]) == {f"B{bucket[n]}_K{k}" for n, k in seen}
+    assert set(eng.stats()["buckets_used"]) == {f"B{bucket[n]}_K{k}" for n, k in seen}

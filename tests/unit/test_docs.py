@@ -1,4 +1,4 @@
-"""The docs say what the code does: funcspec/ARCHITECTURE.md's claims, checked mechanically.
+"""The docs say what the code does: funcspec/ARCHITECTURE.md's and docs/'s claims, checked mechanically.
 
 Each check is a function of the repository root that returns what it found
 wrong (empty: nothing), so the same functions can be run on another copy of the
@@ -20,14 +20,34 @@ LAYERING = "tests/unit/test_layering.py"
 BANNED_DOC = re.compile("DESIGN" + r"(\.md|\s*§)")
 SCANNED_SUFFIXES = {".py", ".md", ".ipynb", ".toml", ".txt", ".cfg"}
 # Hand-written docs that must not name the machine that wrote them (bench results in graphs/results/cpu/ are
-# generated records and keep theirs).
+# generated records and keep theirs); docs/*.md are added by hand_written().
 HAND_WRITTEN = ("README.md", ARCH, "graphs/results/HISTORY.md", "models/README.md", "notebooks/README.md")
+# NOTE: the README is a user's first page and ARCHITECTURE.md a newcomer's map; reference material goes to
+# docs/, which these caps keep it from drifting back from
+LINE_CAPS = {"README.md": 150, ARCH: 200}
+# The commands the README promises (.ci/run calls `make test`)
+COMMANDS = ("make run", "make test")
 MACHINE_PATH = re.compile(r"(?<![\w.~])/(root|home|work|tmp)/")
 FILE_NAME = re.compile(r"\.(json|py|md|bin|cpp|h|txt|zip|gguf|safetensors|pt)$")
 
 
 def _text(root: Path, rel: str) -> str:
     return (root / rel).read_text(encoding="utf-8")
+
+
+def docs_pages(root: Path) -> list[str]:
+    """The pages of docs/, repository-relative."""
+    return sorted(p.relative_to(root).as_posix() for p in (root / "docs").glob("*.md"))
+
+
+def hand_written(root: Path) -> list[str]:
+    """Every hand-written doc that exists: :data:`HAND_WRITTEN` and docs/*.md."""
+    return [rel for rel in HAND_WRITTEN if (root / rel).is_file()] + docs_pages(root)
+
+
+def code_docs(root: Path) -> list[str]:
+    """The docs whose backticked paths and names must exist: ARCHITECTURE.md and docs/*.md."""
+    return [ARCH] + docs_pages(root)
 
 
 def _code_spans(text: str) -> list[str]:
@@ -53,19 +73,21 @@ def _exists(root: Path, rel: str) -> bool:
 
 
 def missing_paths(root: Path = ROOT) -> list[str]:
-    """Backticked paths in ARCHITECTURE.md that do not exist: ``funcspec/...`` and ``tests/...`` from the
-    repository root, and a bare file (``engine.py``, ``nn/llama.py``, ``stream.cpp``) or package (``serve/``)
-    anywhere under ``funcspec/``."""
+    """Backticked paths in ARCHITECTURE.md and docs/*.md that do not exist: ``funcspec/...`` and ``tests/...``
+    from the repository root, and a bare file (``engine.py``, ``nn/llama.py``, ``stream.cpp``) or package
+    (``serve/``) anywhere under ``funcspec/``. Spans of ARCHITECTURE.md come bare, the others as ``doc: span``."""
     bad = []
     package = root / "funcspec"
-    for span in sorted(set(_code_spans(_text(root, ARCH)))):
-        if span.startswith(("funcspec/", "tests/")):
-            if not _exists(root, span.rstrip("/")):
-                bad.append(span)
-        elif re.fullmatch(r"[\w<>]+(/[\w<>]+)*(\.(py|cpp|h)|/)", span):
-            rel = span.rstrip("/")
-            if not (_exists(package, rel) or _exists(package, "**/" + rel)):
-                bad.append(span)
+    for doc in code_docs(root):
+        where = "" if doc == ARCH else f"{doc}: "
+        for span in sorted(set(_code_spans(_text(root, doc)))):
+            if span.startswith(("funcspec/", "tests/")):
+                if not _exists(root, span.rstrip("/")):
+                    bad.append(where + span)
+            elif re.fullmatch(r"[\w<>]+(/[\w<>]+)*(\.(py|cpp|h)|/)", span):
+                rel = span.rstrip("/")
+                if not (_exists(package, rel) or _exists(package, "**/" + rel)):
+                    bad.append(where + span)
     return bad
 
 
@@ -100,7 +122,8 @@ def _members(cls: ast.ClassDef) -> set[str]:
 
 
 def unresolved_names(root: Path = ROOT) -> list[str]:
-    """Backticked dotted names in ARCHITECTURE.md that name nothing in the code: ``module.name`` where the
+    """Backticked dotted names in ARCHITECTURE.md and docs/*.md that name nothing in the code (reported as
+    :func:`missing_paths` reports paths): ``module.name`` where the
     first part is a funcspec module or package (``nn.llama.commit_path``, ``kernels.quant.reference``), and
     ``Class.member`` for a class defined in funcspec (``Runner.move_slot``). Other spans (``cfg.ops.linear``,
     ``torch.compile``) are not names this test can check."""
@@ -113,7 +136,9 @@ def unresolved_names(root: Path = ROOT) -> list[str]:
                 classes.setdefault(node.name, []).append(node)
     top = {p.stem if p.suffix == ".py" else p.name for p in package.iterdir() if p.suffix == ".py" or p.is_dir()}
     bad = []
-    for span in sorted(set(_code_spans(_text(root, ARCH)))):
+    spans = sorted({("" if doc == ARCH else f"{doc}: ", span)
+                    for doc in code_docs(root) for span in _code_spans(_text(root, doc))})
+    for where, span in spans:
         match = re.fullmatch(r"(?:funcspec\.)?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?", span)
         if not match or FILE_NAME.search(span):  # config.json, methods.py: files, not names
             continue
@@ -131,16 +156,16 @@ def unresolved_names(root: Path = ROOT) -> list[str]:
         else:
             continue
         if not ok:
-            bad.append(span)
+            bad.append(where + span)
     return bad
 
 
 def test_architecture_paths_exist():
-    assert missing_paths() == [], f"{ARCH} names paths that do not exist"
+    assert missing_paths() == [], f"{ARCH} or docs/ names paths that do not exist"
 
 
 def test_architecture_names_exist():
-    assert unresolved_names() == [], f"{ARCH} names functions, classes or modules that do not exist"
+    assert unresolved_names() == [], f"{ARCH} or docs/ names functions, classes or modules that do not exist"
 
 
 # ----------------------------------------------------------------------------- the proposer line cap
@@ -236,11 +261,10 @@ def test_no_file_cites_a_missing_design_document():
 def machine_paths(root: Path = ROOT) -> list[str]:
     """``file:line`` of absolute paths of some machine (``/root/...``) in the hand-written docs."""
     out = []
-    for rel in HAND_WRITTEN:
-        if (root / rel).is_file():
-            for n, line in enumerate(_text(root, rel).splitlines(), 1):
-                if MACHINE_PATH.search(line):
-                    out.append(f"{rel}:{n}")
+    for rel in hand_written(root):
+        for n, line in enumerate(_text(root, rel).splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                out.append(f"{rel}:{n}")
     return out
 
 
@@ -263,9 +287,9 @@ def _anchors(path: Path) -> set[str]:
 
 
 def broken_links(root: Path = ROOT) -> list[str]:
-    """Relative links of README.md, the other hand-written docs and graphs/results/**/*.md whose file (or
-    heading anchor) does not exist."""
-    docs = {root / rel for rel in HAND_WRITTEN if (root / rel).is_file()}
+    """Relative links of README.md, the other hand-written docs (docs/ included) and graphs/results/**/*.md
+    whose file (or heading anchor) does not exist."""
+    docs = {root / rel for rel in hand_written(root)}
     docs |= set((root / "graphs" / "results").rglob("*.md"))
     bad = []
     for doc in sorted(docs):
@@ -285,11 +309,44 @@ def test_relative_links_resolve():
     assert broken_links() == []
 
 
+# ----------------------------------------------------------------------------- the README
+
+
+def _links(text: str) -> set[str]:
+    return set(re.findall(r"\]\(([^)#\s]+)", re.sub(r"(?ms)^```.*?^```", "", text)))
+
+
+def readme_faults(root: Path = ROOT) -> list[str]:
+    """What the README breaks of its promises: the two commands in a code block, a link to every docs/ page
+    (none orphaned) and to ARCHITECTURE.md, and the line caps of it and ARCHITECTURE.md."""
+    text = _text(root, "README.md")
+    blocks = "\n".join(re.findall(r"(?ms)^```[^\n]*\n(.*?)^```", text))
+    out = [f"no `{c}` in a README code block" for c in COMMANDS if not re.search(rf"(?m)^{c}\b", blocks)]
+    linked = _links(text)
+    out += [f"README does not link {rel}" for rel in [*docs_pages(root), ARCH] if rel not in linked]
+    for rel, cap in LINE_CAPS.items():
+        n = len(_text(root, rel).splitlines())
+        if n > cap:
+            out.append(f"{rel} has {n} lines, over its cap of {cap}")
+    return out
+
+
+def test_readme_keeps_its_promises():
+    assert readme_faults() == []
+
+
+def test_the_commands_are_makefile_targets():
+    targets = set(re.findall(r"(?m)^([\w-]+):", _text(ROOT, "Makefile")))
+    assert {c.split()[1] for c in COMMANDS} <= targets
+    assert "make test" in _text(ROOT, ".ci/run")
+
+
 def test_the_checks_catch_stale_docs(tmp_path):
     """Each check finds the fault it exists for, in a copy of the docs with one fault each."""
-    for rel in (ARCH, LAYERING, "README.md"):
+    for rel in (ARCH, LAYERING, "README.md", *docs_pages(ROOT)):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(_text(ROOT, rel))
+    (tmp_path / "docs" / "orphan.md").write_text("`funcspec/gone2.py`, `step.nothing`, [x](gone.md), /home/me\n")
     proposers = tmp_path / "funcspec" / "proposers"
     proposers.mkdir(parents=True)
     (proposers / "ngram.py").write_text("x = 1\n" * (proposer_cap() + 1))
@@ -305,7 +362,15 @@ def test_the_checks_catch_stale_docs(tmp_path):
     assert banned_citations(tmp_path) == [f"{ARCH}:{len(_text(tmp_path, ARCH).splitlines()) - 1}"]
     assert "README.md: graphs/results/gone.md" in broken_links(tmp_path)
     assert "README.md: funcspec/ARCHITECTURE.md#no-such-heading" in broken_links(tmp_path)
-    assert machine_paths(tmp_path) == [f"README.md:{len(_text(tmp_path, 'README.md').splitlines())}"]
+    assert machine_paths(tmp_path) == [f"README.md:{len(_text(tmp_path, 'README.md').splitlines())}",
+                                       "docs/orphan.md:1"]
+    assert "docs/orphan.md: funcspec/gone2.py" in missing_paths(tmp_path)
+    assert "docs/orphan.md: step.nothing" in unresolved_names(tmp_path)
+    assert "docs/orphan.md: gone.md" in broken_links(tmp_path)
+    assert readme_faults(tmp_path) == ["README does not link docs/orphan.md"]
+    (tmp_path / "README.md").write_text(_text(ROOT, "README.md").replace("make test", "make check") + "x\n" * 150)
+    faults = readme_faults(tmp_path)
+    assert "no `make test` in a README code block" in faults and any("over its cap" in f for f in faults)
     layering = _text(ROOT, LAYERING).replace('("step", {"step"}),', '("step", {"step", "runner"}),')
     (tmp_path / LAYERING).write_text(layering)
     tested = [(name, set(units)) for name, units in _literal(tmp_path, LAYERING, "LAYERS")]

@@ -46,8 +46,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("capture", {"capture"}),
     ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture
     # host loop: scheduler (requests, slots) and runner (device state, graphs), wired by engine;
-    # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks
-    ("engine", {"engine", "scheduler", "runner", "plan", "extract", "distributed"}),
+    # extract: the hidden-state prefill hook the engine installs; distributed: tensor-parallel ranks;
+    # args: every engine argument (EngineArgs); build: the engine's build steps
+    ("engine", {"engine", "scheduler", "runner", "plan", "extract", "distributed", "args", "build"}),
     ("llm", {"llm", "__init__"}),
     # public API users; serve: the OpenAI-compatible server (it drives an Engine by add/abort/step)
     ("tools", {"bench", "tune", "train", "zoo", "cli", "serve"}),
@@ -245,3 +246,67 @@ def test_a_cycle_through_type_checking_fails(tmp_path):
                      "    from funcspec.config.spec import SpecConfig  # noqa\n" + rules.read_text())
     assert find_cycle(import_graph(root)) == ["funcspec.config.rules", "funcspec.config.spec",
                                               "funcspec.config.rules"]
+
+
+# ----------------------------------------------------------------------------- tools use the public engine API
+
+ROOT = PACKAGE.parent
+ENGINE_PARTS = ("runner", "scheduler")  # Engine's device state and its request queues: the engine's own business
+
+
+def part_reads(source: str, where: str) -> list[str]:
+    """``where:line: .part`` for every read of an engine part in ``source``: ``x.runner`` or ``x.scheduler``, and
+    ``getattr(x, "runner")``. A tool reads ``Engine.stats()`` and the engine's other public methods instead, so
+    that the engine's parts can change without breaking the server, the benchmarks or the CLI."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            found.append((node.lineno, node.col_offset, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_PARTS):
+            found.append((node.lineno, node.col_offset, node.args[1].value))
+    return [f"{where}:{line}: .{part}" for line, _, part in sorted(found)]  # in source order
+
+
+def notebook_cells(path: Path, where: str) -> list[tuple[str, str]]:
+    """``(where[cell i], source)`` of each code cell of notebook ``path``, IPython magics (``%``, ``!``) blanked
+    so that the cell parses and keeps its line numbers."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    return [(f"{where}[cell {i}]",
+             "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                       for line in "".join(cell["source"]).splitlines()))
+            for i, cell in enumerate(cells) if cell["cell_type"] == "code"]
+
+
+def tool_sources() -> list[tuple[str, str]]:
+    """``(where, source)`` of every tool: the package's modules in the "tools" layer, tools/ and the notebooks."""
+    tools = dict(LAYERS)["tools"]
+    files = [p for name, p in module_names().items() if unit(name) in tools] + sorted((ROOT / "tools").rglob("*.py"))
+    out = [(str(p.relative_to(ROOT)), p.read_text()) for p in files]
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    return out + [cell for nb in notebooks for cell in notebook_cells(nb, str(nb.relative_to(ROOT)))]
+
+
+def test_tools_read_no_engine_parts():
+    sources = tool_sources()
+    assert any(where == "funcspec/cli.py" for where, _ in sources) and any("[cell" in w for w, _ in sources)
+    bad = [line for where, source in sources for line in part_reads(source, where)]
+    assert not bad, "tools read the engine's parts; use Engine.stats() or another public method:\n" + "\n".join(bad)
+
+
+def test_the_part_check_catches_a_planted_read(tmp_path):
+    """Each way of reaching a part is reported with its file and line; the public API is not."""
+    snippet = ("def f(llm, engine):\n"
+               "    graphs = engine.stats()['graphs']\n"
+               "    waiting = engine.waiting_ids()\n"
+               "    compiled = llm.engine.runner.compiled\n"
+               "    return bool(engine.scheduler.waiting), getattr(engine, 'runner')\n")
+    assert part_reads(snippet, "funcspec/serve/x.py") == [
+        "funcspec/serve/x.py:4: .runner", "funcspec/serve/x.py:5: .scheduler", "funcspec/serve/x.py:5: .runner"]
+    nb = tmp_path / "nb.ipynb"
+    nb.write_text('{"cells": [{"cell_type": "markdown", "source": ["eng.runner"]}, {"cell_type": "code", "source": '
+                  '["%matplotlib inline\\n", "st = eng.stats()\\n", "eng.scheduler.waiting"]}]}')
+    ((where, source),) = notebook_cells(nb, "nb.ipynb")
+    assert where == "nb.ipynb[cell 1]" and part_reads(source, where) == ["nb.ipynb[cell 1]:3: .scheduler"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from funcspec import sampling
+from funcspec.args import EngineArgs
 from funcspec.config import SpecConfig
 from funcspec.kernels import REFERENCE, Ops
 from funcspec.nn import ModelConfig
@@ -118,7 +119,7 @@ def test_a_tree_is_cut_once_per_bucket_and_history_drafters_do_not_expand_fronti
 
 def test_bad_values_are_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="max_model_len must be >= 2, got 1"):
-        plan(max_model_len=1)
+        EngineArgs(model="m", max_model_len=1)  # checked once, with the arguments: plan_engine takes it as given
     with pytest.raises(ValueError, match="backend must be one of"):
         plan(backend="tpu")
 

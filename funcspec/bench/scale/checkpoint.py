@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +31,8 @@ class Shape:
 
 _LLAMA_32K = dict(vocab_size=32000, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   max_position_embeddings=8192)
-_DEEPSEEK_V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+_DEEPSEEK_V2_LITE: dict[str, Any] = dict(
+                         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
                          num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
                          q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                          n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,

@@ -43,8 +43,8 @@ def hf_greedy(path: Path, dtype: str, prompt: list[int], n: int, reps: int = 1) 
     def gen(k):
         clock = _Clock()
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False,
-                             streamer=clock)
+        out = model.generate(  # noqa: F821 (called only before the del below)
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False, streamer=clock)
         new = clock.times[1:]  # one stamp per new token
         return out[0, len(prompt):].tolist(), new[0] - t0, (new[-1] - new[0]) / max(len(new) - 1, 1)
 

@@ -25,11 +25,11 @@ def write_gguf(ckpt: Path, kind: str) -> Path:
 def _skipped(ctx: ScaleContext) -> str | None:
     """Why the phase cannot run here, or ``None``."""
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401 (imported only to see it is installed)
     except ImportError:
         return LLAMACPP_SKIPPED
     try:
-        import gguf  # noqa: F401
+        import gguf  # noqa: F401 (imported only to see it is installed)
     except ImportError:
         return "skipped: gguf not installed"
     if SHAPES[ctx.shape].arch not in ("llama", "deepseek_v2"):

@@ -16,7 +16,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def machine_info() -> dict:
     """CPU model, threads, ISA flags (avx2 ... amx_tile), torch version, ATen's CPU capability, and the load
     average (1, 5, 15 minutes) when the run starts: other work on the cores slows every timing."""
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from typing import Any
 
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
@@ -18,8 +19,8 @@ def engine(ctx: ScaleContext, backend: str, max_batch: int, max_len: int, spec: 
     """A greedy engine over the context's model, capturing each bucket on first use."""
     from funcspec import Engine
 
-    return Engine(ctx.model, speculative_config=spec, backend=backend, max_batch_size=max_batch,
-                  max_model_len=max_len, dtype=DTYPES[ctx.dtype], capture="lazy")
+    return Engine(ctx.model, speculative_config=spec, backend=backend, max_num_seqs=max_batch,
+                  max_model_len=max_len, dtype=DTYPES[ctx.dtype], compilation_config={"capture": "lazy"})
 
 
 def ar_row(ctx: ScaleContext, backend: str) -> dict:
@@ -82,7 +83,7 @@ def context_rows(ctx: ScaleContext, backend: str, contexts: list[int]) -> dict:
     prompts = {c: make_prompts(ctx.shape, 1, c, ctx.seed + c) for c in contexts}  # one prompt each
     for c, warm in tqdm(order, desc="context", leave=False):
         passes[c].append(timed_generate(eng, prompts[c], n, ctx.reps, warm=warm))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in contexts:
         ms = [r["ms_per_token"] for r in passes[c]]
         steps = [s for s in (step_ms(r, 1, 0) for r in passes[c]) if s is not None]
@@ -109,7 +110,7 @@ def cache_bytes_per_token(eng) -> int:
     latent), over its slots and ``t_max`` positions; the per-slot lengths left out."""
     from funcspec.tree import slot_leaves
 
-    leaves = [(x, axis) for x, axis in slot_leaves(eng.runner.state.kv) if x.dim() > 1]
+    leaves = [(x, axis) for x, axis in slot_leaves(eng.state.kv) if x.dim() > 1]
     return sum(x.numel() * x.element_size() // x.shape[axis] for x, axis in leaves) // eng.t_max
 
 

@@ -3,6 +3,8 @@ arguments) and their parsing, with a ValueError naming the option for a bad valu
 
 from __future__ import annotations
 
+from typing import Any
+
 from funcspec.bench.scale.checkpoint import DTYPES, SHAPES
 from funcspec.bench.scale.phases import PHASE_FNS
 
@@ -29,7 +31,7 @@ def _list(value, cast) -> list:
 
 def parse_options(args, kwargs) -> dict:
     """DEFAULTS, overridden by an argparse namespace and then by keyword arguments; lists parsed."""
-    o = dict(DEFAULTS)
+    o: dict[str, Any] = dict(DEFAULTS)
     if args is not None:
         o.update({k: v for k, v in vars(args).items() if k in DEFAULTS})
     o.update(kwargs)

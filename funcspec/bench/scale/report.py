@@ -161,7 +161,7 @@ def _md_load(m: dict) -> list[str]:
     """The load average at the run's start and end (1 / 5 / 15 minutes), where the run recorded it."""
     if "load_average" not in m:
         return []
-    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731 (a local one-liner)
     end = f", at its end {fmt(m['load_average_end'])}" if "load_average_end" in m else ""
     return [f"- load average (1 / 5 / 15 min) at the run's start {fmt(m['load_average'])}{end}"]
 
