@@ -203,15 +203,15 @@ class EngineArgs:
 
     @property
     def max_k(self) -> int:
-        """The largest K a step drafts: ``num_speculative_tokens``; 0 without speculation and for a method that
-        does not speculate (``extract_hidden_states``)."""
+        """The largest K a step drafts (``SpecConfig.max_k``, where it is derived); 0 without speculation."""
         spec = self.speculative_config
-        return spec.num_speculative_tokens if spec is not None and methods.lookup(spec.method).speculates else 0
+        return spec.max_k if spec is not None else 0
 
     def k_for_batch_size(self, n: int) -> int:
-        """The K a batch of ``n`` rows runs with: the batch-size table's, else :attr:`max_k`."""
+        """The K a batch of ``n`` rows runs with (``SpecConfig.k_for_batch_size``: the batch-size table's, else
+        :attr:`max_k`); 0 without speculation."""
         spec = self.speculative_config
-        return spec.k_for_batch_size(n) if self.max_k and spec.num_speculative_tokens_per_batch_size else self.max_k
+        return spec.k_for_batch_size(n) if spec is not None else 0
 
     @property
     def batch_buckets(self) -> Optional[list[int]]:

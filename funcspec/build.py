@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -28,7 +29,7 @@ from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec import distributed, kernels, sampling
 from funcspec.args import EngineArgs
-from funcspec.capture import STARTUP_SAMPLING, cache
+from funcspec.capture import cache
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.llama import load_config
 from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
@@ -36,6 +37,7 @@ from funcspec.config import SpecConfig
 from funcspec.nn import ModelConfig
 from funcspec.parallel import TPGroup
 from funcspec.plan import EnginePlan, plan_engine
+from funcspec.plan import startup_modes as plan_startup_modes
 from funcspec.quant import prepare_params
 from funcspec.quant.formats import on_load
 from funcspec.runner import Runner, graph_name
@@ -238,13 +240,15 @@ def failing(followers: Optional[distributed.Followers]):
         raise
 
 
-def startup_modes(args: EngineArgs) -> tuple[str, ...]:
-    """The sampling modes a start-up capture compiles: :data:`~funcspec.capture.STARTUP_SAMPLING`, and the
-    general mode with logprobs under ``compilation_config.capture_logprobs``."""
-    return STARTUP_SAMPLING + (("filtered_logprobs",) if args.compilation_config.capture_logprobs else ())
+def startup_modes(args: EngineArgs) -> tuple[sampling.Mode, ...]:
+    """The sampling modes a start-up capture compiles (:func:`funcspec.plan.startup_modes`): those of
+    :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under
+    ``compilation_config.capture_logprobs``."""
+    return plan_startup_modes(args.compilation_config.capture_logprobs)
 
 
-def startup_graphs(plan: EnginePlan, runner: Runner, dyn, modes: tuple[str, ...]) -> list[tuple[int, int, int, str]]:
+def startup_graphs(plan: EnginePlan, runner: Runner, dyn,
+                   modes: Sequence[sampling.Mode]) -> list[tuple[int, int, int, str]]:
     """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch size up
     to ``max_num_seqs`` with the K it runs (the K table, or every K under a confidence budget), every context
     bucket, and each of ``modes``."""
@@ -256,7 +260,7 @@ def startup_graphs(plan: EnginePlan, runner: Runner, dyn, modes: tuple[str, ...]
         for k in ks(n):
             for t in bp.context_buckets or (plan.t_max,):
                 for mode in modes:
-                    todo.setdefault(runner.graph_key(b, k, t, sampling.MODES[mode]), (b, k, t, mode))
+                    todo.setdefault(runner.graph_key(b, k, t, mode), (b, k, t, mode.name))
     return sorted(todo.values())
 
 
@@ -264,7 +268,8 @@ def capture_all(runner: Runner, todo: list[tuple[int, int, int, str]]) -> float:
     """Capture the graphs of ``todo`` now, with a progress bar naming each; returns the seconds it took."""
     t0 = time.perf_counter()
     with tqdm(todo, desc="capturing graphs", unit="graph") as bar:
-        for b, k, t, mode in bar:
-            bar.set_postfix_str(graph_name(runner.graph_key(b, k, t, sampling.MODES[mode])))
-            runner.graph(b, k, t, sampling.MODES[mode])
+        for b, k, t, name in bar:
+            mode = sampling.MODES[name]
+            bar.set_postfix_str(graph_name(runner.graph_key(b, k, t, mode)))
+            runner.graph(b, k, t, mode)
     return time.perf_counter() - t0

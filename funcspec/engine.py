@@ -19,6 +19,7 @@ and keeps the counters.
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import time
 import warnings
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
-from funcspec import build, rng, sampling
+from funcspec import build, logprobs, rng, sampling
 from funcspec.args import EngineArgs
 from funcspec.config import SamplingParams
 from funcspec.config.prompts import generate_args, request_args
@@ -35,7 +36,7 @@ from funcspec.distributed import mirrored
 from funcspec.outputs import CompletionOutput, RequestOutput
 from funcspec.plan import EnginePlan
 from funcspec.runner import Bucket, graph_name
-from funcspec.scheduler import Request, logprob_dict
+from funcspec.scheduler import Request
 
 __all__ = ["Engine", "Bucket", "Request", "graph_name"]
 
@@ -112,8 +113,8 @@ class Engine:
     def startup_graphs(self) -> list[tuple[int, int, int, str]]:
         """The buckets (B, K, T, mode) whose graphs a start-up capture compiles, one per graph: every batch
         size up to ``max_num_seqs`` with the K it runs (the K table, or every K under a confidence budget),
-        every context bucket, and the modes of :data:`~funcspec.capture.STARTUP_SAMPLING` (and the general mode
-        with logprobs under ``capture_logprobs``)."""
+        every context bucket, and the modes of :func:`funcspec.plan.startup_modes` (those of
+        :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under ``capture_logprobs``)."""
         return build.startup_graphs(self.plan, self.runner, self.dyn, self.startup_modes)
 
     # ------------------------------------------------------------ the device
@@ -137,11 +138,13 @@ class Engine:
         """Running requests by slot (slots 0..n-1)."""
         return self.scheduler.running
 
-    def bucket(self, b: int, k: int, t: Optional[int] = None, mode: str = "filtered", live: int = 0) -> Bucket:
+    def bucket(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED,
+               live: int = 0) -> Bucket:
         """The pure step function of bucket (b, k, t, mode) and example arguments for it.
 
-        ``t`` defaults to the whole cache; ``mode`` is greedy, random or
-        filtered. A token-tree engine takes any node count ``k`` = N up to its
+        ``t`` defaults to the whole cache; ``mode`` is a :class:`funcspec.sampling.Mode`
+        (``sampling.GREEDY``, ``RANDOM``, ``FILTERED``, or one of ``sampling.MODES`` by
+        name, with logprobs). A token-tree engine takes any node count ``k`` = N up to its
         tree's size (the tree cut to N nodes), planned or not. With ``live=0`` every row points at the scratch slot, so
         calling or capturing ``bucket.fn(*bucket.args)`` changes no request;
         ``live=n`` makes the first n rows the running requests (slots 0..n-1).
@@ -151,7 +154,9 @@ class Engine:
             raise ValueError(f"k must be a node count 0..{tree.size} of this engine's token tree, got {k}")
         if tree is None and k not in self.plan.bucket_plan.ks:
             raise ValueError(f"k must be one of this engine's K values {self.plan.bucket_plan.ks}, got {k}")
-        return self.runner.bucket(b, k, t, sampling.MODES[mode], live)
+        if not isinstance(mode, sampling.Mode):
+            raise ValueError(f"mode must be a funcspec.sampling.Mode (sampling.MODES[name] for a name), got {mode!r}")
+        return self.runner.bucket(b, k, t, mode, live)
 
     @mirrored
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
@@ -270,13 +275,14 @@ class Engine:
             seeds = [rng.completion_seed(r.params.seed if r.params.seed is not None
                                          else (self.seed << 32) + int(r.request_id), r.index) for r in group]
             try:
-                firsts, first_lps, prompt_lps = self.runner.prefill(group, seeds)
+                mode = sampling.mode_for(r.params for r in group)  # as a step's: the engine decides it
+                firsts, first_lps, prompt_lps = self.runner.prefill(group, seeds, mode)
                 for req, first, lp, plp in zip(group, firsts, first_lps, prompt_lps):
                     req.t_first = time.perf_counter()
                     if plp is not None:
-                        req.prompt_logprobs = [None] + self._logprob_dicts(req.prompt_ids[1:], plp,
-                                                                           req.params.prompt_logprobs)
-                    self._append(req, [first], None if lp is None else tuple([x] for x in lp))
+                        req.prompt_logprobs = [None] + logprobs.dicts(req.prompt_ids[1:], plp,
+                                                                      req.params.prompt_logprobs, self._decode)
+                    self._append(req, [first], lp)
             except Exception as err:  # noqa: BLE001 (one request's failure is its own)
                 self._fail(group, err)
         done = [r for r in reqs if r.finish_reason]
@@ -284,13 +290,13 @@ class Engine:
             self._retire(req)
         return done
 
-    def _append(self, req: Request, new: list[int], lps: Optional[tuple] = None) -> int:
-        """Append ``new`` tokens under the stop rules, with their logprobs ``lps`` (per-position lists) where the
-        request asked for them; returns how many the stop rules kept."""
+    def _append(self, req: Request, new: list[int], lps: Optional[logprobs.HostRow] = None) -> int:
+        """Append ``new`` tokens under the stop rules, with their logprobs ``lps`` (the row's, one position per
+        token) where the request asked for them; returns how many the stop rules kept."""
         before = len(req.output_ids)
         self.scheduler.append(req, new)
         if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
-            req.logprobs += self._logprob_dicts(req.output_ids[before:], lps, req.params.logprobs)
+            req.logprobs += logprobs.dicts(req.output_ids[before:], lps, req.params.logprobs, self._decode)
         return len(req.output_ids) - before
 
     @staticmethod
@@ -318,7 +324,7 @@ class Engine:
             return self._dyn_k
         return self.spec.k_for_batch_size(active) if self.spec else 0
 
-    def _observe_confidence(self, rows: int, conf: torch.Tensor, drafts: list[int], k: int) -> None:
+    def _observe_confidence(self, rows: int, conf: list, drafts: list[int], k: int) -> None:
         """Confidence-based verify length on the host: update the budget, then the next K bucket.
 
         NOTE: graphs have static K, so the bucket is the width rows may verify: the
@@ -329,20 +335,10 @@ class Engine:
         used = max(drafts[:rows], default=0)
         self._dyn_k = min(self.dyn.max_k, max(self.dyn.budget_k, used + (used == k)))
 
-    def _decode_one(self, token: int):
-        """The text of one token id (``Logprob.decoded_token``), ``None`` without a tokenizer; memoised, as
-        logprobs decode the same top tokens over and over."""
-        memo = self.__dict__.setdefault("_decoded", {})
-        if token not in memo:
-            tok = self.model.tokenizer
-            memo[token] = tok.decode([token]) if tok is not None else None
-        return memo[token]
-
-    def _logprob_dicts(self, tokens: list[int], lps: tuple, k: int) -> list[dict]:
-        """vLLM's dicts for ``tokens`` from unpacked logprobs ``(logprob [E], rank [E], top [E][M], ids [E][M])``."""
-        lp, rank, top, ids = lps
-        decode = self._decode_one
-        return [logprob_dict(t, lp[j], rank[j], top[j], ids[j], k, decode) for j, t in enumerate(tokens)]
+    @functools.cached_property
+    def _decode(self) -> logprobs.Decoder:
+        """Token id -> text for logprobs' ``decoded_token`` (memoised)."""
+        return logprobs.Decoder(self.model.tokenizer)
 
     def _record(self, rows: list[Request], tokens, n, drafts, k: int, b: int, lps=None) -> list[Request]:
         """Count the step, append each row's tokens (and logprobs), retire the finished rows; returns them."""
@@ -363,8 +359,7 @@ class Engine:
                     self._accepted_per_pos[j] += 1
                     req.accepted_per_pos[j] += 1
             try:
-                self._stats["tokens_generated"] += self._append(req, tokens[i][:n[i]],
-                                                                lps and tuple(x[i] for x in lps))
+                self._stats["tokens_generated"] += self._append(req, tokens[i][:n[i]], lps and lps[i])
             except Exception as err:  # noqa: BLE001 (one request's failure is its own)
                 self._fail([req], err)
             if req.finish_reason:

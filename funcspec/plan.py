@@ -4,13 +4,17 @@
 ``ModelConfig`` and kernels, and the engine's arguments, and returns an
 :class:`EnginePlan` before any weight is prepared or any graph captured. The
 engine, the runner and the scheduler read the plan; none of them re-derives the
-largest K, the cache length, the buckets, the tree a bucket drafts or the rule
-that verifies it.
+largest K, the cache length, the buckets, the tree a bucket drafts, the rule
+that verifies it in each sampling mode, or the graph a bucket's mode runs in.
+Each of those is a table of the plan, built once (``shapes``, ``verify_rules``,
+``graph_modes``); ``tests/unit/test_decisions.py`` fails where another module
+derives one again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Mapping
@@ -18,14 +22,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from funcspec import methods
-from funcspec.capture import BucketPlan, resolve_backend
+from funcspec import methods, sampling
+from funcspec.capture import STARTUP_SAMPLING, BucketPlan, resolve_backend
 from funcspec.config import SpecConfig
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
 from funcspec.kernels import Ops
 from funcspec.nn import ModelConfig
+from funcspec.sampling import Mode
 from funcspec.token_tree import Chain, DynamicTree, Shape, TokenTree, truncate
-from funcspec.verifiers import VerifyConfig, verify_config
+from funcspec.verifiers import VerifyConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +40,12 @@ class EnginePlan:
     Attributes:
         spec: the parsed speculative config, or ``None`` (autoregressive decoding;
             ``extract_hidden_states`` decodes autoregressively too).
-        max_k: the largest K of any step (``num_speculative_tokens``; a token tree's node count).
+        max_k: the largest K of any step (``SpecConfig.max_k``; a token tree's node count).
         max_model_len: the prompt + output limit.
         t_max: KV positions per slot, ``max_model_len + max_k + 1``: a full block
             verified past the limit never writes out of bounds.
         num_slots: KV slots (``max_num_seqs``), plus the scratch slot.
         backend: the resolved capture backend.
-        startup: every graph is captured before the engine returns.
         bucket_plan: the (B, K, T) buckets and their graphs (:class:`~funcspec.capture.BucketPlan`).
         tree_frontiers: a draft network expands a tree's frontiers (``False`` for
             ngram and suffix, which caps the depth of a cut dynamic tree).
@@ -53,9 +57,13 @@ class EnginePlan:
     t_max: int
     num_slots: int
     backend: str
-    startup: bool
     bucket_plan: BucketPlan
     tree_frontiers: bool = True
+
+    @property
+    def startup(self) -> bool:
+        """Every graph is captured before the engine returns (``BucketPlan.startup``)."""
+        return self.bucket_plan.startup
 
     @property
     def tree(self):
@@ -68,18 +76,36 @@ class EnginePlan:
         rates = self.spec.synthetic_acceptance_rates if self.spec is not None else None
         return None if rates is None else tuple(rates)
 
-    def verify(self, k: int) -> VerifyConfig:
-        """The rule that verifies a bucket of K drafts: the configured one for a chain, ``"tree"`` for a
-        token tree, and for K = 0 (every bucket without speculation) the standard rule, whose one keyed
-        draw is decoding's (``verifiers.verify_config``)."""
-        return verify_config(self.spec, k, self.bucket_tree(k))
+    @functools.cached_property
+    def shapes(self) -> dict[int, Shape]:
+        """K -> the shape a bucket of K = N drafts proposes and verifies, for every K from 0 to ``max_k``:
+        the engine's tree cut to N nodes (``token_tree.truncate``), or the ``Chain`` of K (chains, and K = 0).
+        The one place the cut is made: the step hands it to in-graph proposers (``StepContext.tree``), the
+        engine to host drafters."""
+        return {k: bucket_shape(self.tree, k, self.tree_frontiers) for k in range(self.max_k + 1)}
+
+    @functools.cached_property
+    def verify_rules(self) -> dict[tuple[int, str], VerifyConfig]:
+        """(K, mode name) -> the complete rule that verifies a bucket of K drafts whose rows sample in that
+        mode (:func:`verify_rule`), for every K of :attr:`shapes` and every mode of ``sampling.MODES``."""
+        return {(k, name): verify_rule(self.spec, k, shape, mode)
+                for k, shape in self.shapes.items() for name, mode in sampling.MODES.items()}
+
+    @functools.cached_property
+    def graph_modes(self) -> dict[str, Mode]:
+        """Mode name -> the mode of the graph that runs a bucket of that mode (:func:`graph_modes`)."""
+        return graph_modes(self.startup)
 
     def bucket_tree(self, k: int) -> Shape:
-        """The shape a bucket of K = N drafts proposes and verifies, resolved once per bucket: the
-        engine's tree cut to N nodes (``token_tree.truncate``), or the ``Chain`` of K (chains, and
-        K = 0). The one place the cut is made: the step hands it to in-graph proposers
-        (``StepContext.tree``), the engine to host drafters."""
-        return truncate(self.tree, k, self.tree_frontiers) if self.tree is not None and k > 0 else Chain(k)
+        """The shape of a bucket of K drafts (:attr:`shapes`); a K outside 0..``max_k`` is a ``ValueError``."""
+        if k not in self.shapes:
+            raise ValueError(f"k must be in 0..{self.max_k} (this engine's largest K), got {k!r}")
+        return self.shapes[k]
+
+    def verify(self, k: int, mode: Mode = sampling.FILTERED) -> VerifyConfig:
+        """The rule that verifies a bucket of K drafts in ``mode`` (:attr:`verify_rules`), read, never rebuilt."""
+        self.bucket_tree(k)  # a K outside the plan is a ValueError naming k
+        return self.verify_rules[k, mode.name]
 
     def to_dict(self) -> dict[str, Any]:
         """This plan as plain data (dicts, lists, str, int, float, bool, ``None``; JSON-able): what a
@@ -98,6 +124,56 @@ class EnginePlan:
         spec = None if d["spec"] is None else _spec(d["spec"])
         buckets = BucketPlan(**_fields(BucketPlan, d["bucket_plan"], "EnginePlan.bucket_plan"))
         return cls(**{**d, "spec": spec, "bucket_plan": buckets})
+
+
+def bucket_shape(tree: Optional[Shape], k: int, frontiers: bool = True) -> Shape:
+    """The shape a bucket of K = N drafts proposes: ``tree`` cut to N nodes, or the ``Chain`` of K (no tree,
+    or K = 0). ``frontiers``: a draft network expands the tree's frontiers (``token_tree.truncate``)."""
+    return truncate(tree, k, frontiers) if tree is not None and k > 0 else Chain(k)
+
+
+def verify_rule(spec: Optional[SpecConfig], k: int, shape: Optional[Shape] = None,
+                mode: Mode = sampling.FILTERED) -> VerifyConfig:
+    """The complete rule that verifies a bucket of K drafts of ``shape`` (``None``: a chain) in ``mode``.
+
+    The rule depends on the speculative config only (not on the proposer), so every method's buckets share
+    it: a bucket of no drafts (K = 0, and decoding without a speculative config: ``spec=None``) is verified
+    by the standard rule, whose keyed draw of its one token is decoding's own; a token tree by ``"tree"``;
+    a chain by the configured rule. ``mode`` sets ``filters`` and ``greedy`` (the rows' sampling).
+    """
+    modal = {"filters": mode.filters, "greedy": mode.greedy}
+    if k == 0 or spec is None:
+        return VerifyConfig(**modal)
+    if shape is not None and not isinstance(shape, Chain):
+        return VerifyConfig(method="tree", depth=shape.depth, **modal)
+    rs, rates = spec.rejection_sampler, spec.synthetic_acceptance_rates
+    return VerifyConfig(method=spec.verifier_method, posterior_threshold=rs.posterior_threshold,
+                        posterior_alpha=rs.posterior_alpha, entropy=spec.verify_entropy,
+                        synthetic_rates=None if rates is None else tuple(rates)[:k], **modal)
+
+
+def graph_modes(startup: bool) -> dict[str, Mode]:
+    """Mode name -> the mode of the graph that runs a bucket of that mode, for every ``sampling.MODES``.
+
+    Captured on first use (``startup=False``), a bucket runs in its own mode's graph. After a start-up
+    capture, a mode of ``STARTUP_SAMPLING`` runs in its own graph and every other in the general mode's
+    (``filtered`` serves every request: a ``random`` bucket's rows have top-k and top-p off, so it draws
+    the same), so that no step compiles; a logprobs mode runs in ``filtered_logprobs``, captured at start-up
+    under ``capture_logprobs`` (:func:`startup_modes`), else on its first use.
+    """
+    def graph(mode: Mode) -> Mode:
+        own = not mode.logprobs and mode.name in STARTUP_SAMPLING
+        return mode if not startup or own else sampling.FILTERED.with_logprobs(mode.logprobs)
+
+    return {name: graph(mode) for name, mode in sampling.MODES.items()}
+
+
+def startup_modes(logprobs: bool = False) -> tuple[Mode, ...]:
+    """The modes whose graphs a start-up capture compiles: those of ``STARTUP_SAMPLING``, the graphs
+    :func:`graph_modes` runs every mode without logprobs in, and with ``logprobs`` (``capture_logprobs``) the
+    general mode with them."""
+    return tuple(sampling.MODES[name] for name in STARTUP_SAMPLING) + \
+        ((sampling.FILTERED.with_logprobs(),) if logprobs else ())
 
 
 def _plain(value: Any) -> Any:
@@ -171,7 +247,7 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     """Resolve an engine's plan from its arguments, each checked already (:class:`~funcspec.args.EngineArgs`,
     which checks ``speculative_config`` against the backend ``auto`` resolves to); what only the target's
     config can judge is a ``ValueError`` naming it."""
-    max_k = spec.num_speculative_tokens if spec is not None else 0
+    max_k = spec.max_k if spec is not None else 0
     backend = resolve_backend(backend, device)
     if max_model_len is None:
         max_model_len = min(cfg.max_position_embeddings, 2048)
@@ -190,4 +266,4 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     buckets = BucketPlan.for_engine(max_batch_size, max_k, batch_buckets, startup, t_max, context_buckets,
                                     tree=tree, tree_sizes=sizes, symbolic_batch=symbolic)
     frontiers = spec is None or methods.lookup(spec.method).model != methods.NONE
-    return EnginePlan(spec, max_k, max_model_len, t_max, max_batch_size, backend, startup, buckets, frontiers)
+    return EnginePlan(spec, max_k, max_model_len, t_max, max_batch_size, backend, buckets, frontiers)

@@ -16,8 +16,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
-from funcspec import rng, sampling
+from funcspec import logprobs, rng, sampling
 from funcspec.capture import capture
 from funcspec.capture.backends import graph_pool
 from funcspec.capture.window import Window
@@ -68,35 +69,32 @@ class Bucket:
         return graph_name(self.key)
 
 
-def readback(out) -> tuple[list, list, list, Optional[torch.Tensor], Optional[tuple]]:
-    """Copy a StepOutput to the host in ONE transfer: tokens, num_emitted, num_drafts, confidence, logprobs.
+def readback(tree):
+    """Copy every tensor of the pytree ``tree`` to the host in ONE transfer; returns ``tree`` with each tensor
+    a Python list of its values (``Tensor.tolist``, in its own dtype).
 
-    NOTE: everything is packed into one float64 tensor (token ids are exact
-    below 2^53, float32 logprobs exactly), so a step costs exactly one
-    device-to-host sync. ``logprobs`` is ``None`` unless the bucket computed
-    them, else lists per row: ``(logprob [E], rank [E], top_logprobs [E][M], top_ids [E][M])``.
+    NOTE: every tensor is packed into one float64 tensor (token ids are exact below 2^53, float32 logprobs
+    exactly), so a step, or a prefill, costs exactly one device-to-host sync. The step's ``StepOutput`` and
+    the prefill's first tokens and logprobs travel through it alike.
     """
-    parts = [out.tokens.double(), out.num_emitted.double().unsqueeze(1), out.num_drafts.double().unsqueeze(1)]
-    if out.confidence is not None:
-        parts.append(out.confidence.double())
-    lp = out.logprobs
-    if lp is not None:
-        b = out.tokens.shape[0]
-        parts += [lp.logprob.double(), lp.rank.double(), lp.top_logprobs.double().reshape(b, -1),
-                  lp.top_ids.double().reshape(b, -1)]
-    host = torch.cat(parts, 1).cpu()
-    k1 = out.tokens.shape[1]
-    ints = host[:, : k1 + 2].long()
-    conf_w = out.confidence.shape[1] if out.confidence is not None else 0
-    conf = host[:, k1 + 2: k1 + 2 + conf_w].float() if out.confidence is not None else None
-    lps = None
-    if lp is not None:
-        rest, m = host[:, k1 + 2 + conf_w:], lp.top_ids.shape[-1]
-        e = lp.logprob.shape[1]
-        lps = (rest[:, :e].float().tolist(), rest[:, e:2 * e].long().tolist(),
-               rest[:, 2 * e: 2 * e + e * m].float().reshape(-1, e, m).tolist(),
-               rest[:, 2 * e + e * m:].long().reshape(-1, e, m).tolist())
-    return ints[:, :k1].tolist(), ints[:, k1].tolist(), ints[:, k1 + 1].tolist(), conf, lps
+    leaves, spec = pytree.tree_flatten(tree)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not tensors:
+        return tree
+    host = torch.cat([x.double().reshape(-1) for x in tensors]).cpu()  # SYNC: the one copy
+    parts = iter(host.split([x.numel() for x in tensors]))
+    out = []
+    for x in leaves:  # NOTE: a loop, not a comprehension: every .tolist() reads the host copy, here
+        out.append(next(parts).view(x.shape).to(x.dtype).tolist() if isinstance(x, torch.Tensor) else x)
+    return pytree.tree_unflatten(out, spec)
+
+
+def step_lists(out) -> tuple[list, list, list, Optional[list], Optional[list]]:
+    """A step's :class:`~funcspec.step.StepOutput` after :func:`readback`, as the host loop reads it: tokens
+    [B][K+1], num_emitted [B], num_drafts [B], confidence [B][K] (or ``None``), and per row its
+    ``logprobs.HostRow`` (or ``None`` where the bucket computed none)."""
+    lps = None if out.logprobs is None else logprobs.rows(out.logprobs)
+    return out.tokens, out.num_emitted, out.num_drafts, out.confidence, lps
 
 
 def batch_dims(inputs: StepInputs) -> list[tuple[torch.Tensor, int]]:
@@ -127,7 +125,8 @@ class Runner:
         plan: the engine's :class:`~funcspec.plan.EnginePlan`: slots, cache length,
             backend, buckets, and per bucket K its verify rule and token tree.
         model: the loaded target (:class:`~funcspec.checkpoints.Model`).
-        proposer: the built proposer handle, or ``None`` (autoregressive).
+        proposer: the built proposer (:class:`~funcspec.proposers.BoundProposer`, which holds the draft
+            params), or ``None`` (autoregressive).
         device, dtype: where and in what the state lives.
         dyn: the confidence scheduler (dynamic verify length; host state that
             changes every step, so not part of the plan), or ``None``.
@@ -142,12 +141,17 @@ class Runner:
         self.backend, self.num_slots, self.t_max = plan.backend, plan.num_slots, plan.t_max
         self.synthetic_rates = plan.synthetic_rates  # NOTE: a tensor input: set_synthetic_acceptance_rates changes it
         self.prefill_hooks = tuple(prefill_hooks)
-        self.params = {"target": model.params, "draft": proposer.params if proposer else None}
         self.state = self._init_state(dtype)
         self.graphs: dict[BucketKey, Any] = {}  # (B, K, T, mode name) -> the captured step that runs it
         self.compiled: dict[BucketKey, Any] = {}  # (plan.graph_batch(B), K, T, mode name) -> captured step
         self.pool = graph_pool(self.backend)  # device graphs: one memory pool for this runner's buckets
         self.replay_ms: dict[BucketKey, Window] = collections.defaultdict(Window)  # per bucket: recent step wall ms
+
+    @property
+    def params(self) -> dict:
+        """``{"target": ..., "draft": ...}``: the params pytree every bucket takes, read from where they are
+        held (the target's ``model.params`` and the proposer's ``params``)."""
+        return {"target": self.model.params, "draft": self.proposer.params if self.proposer else None}
 
     def _init_state(self, dtype) -> EngineState:
         s, dev = self.num_slots, self.device
@@ -161,12 +165,12 @@ class Runner:
 
     # ---------------------------------------------------------------- buckets
     def step_config(self, k: int, t: int, mode: sampling.Mode) -> StepConfig:
-        """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i."""
+        """The static config of bucket (·, k, t, mode): ``t`` cache positions read, row i is slot i; its shape
+        and verify rule are the plan's (``EnginePlan.bucket_tree``, ``EnginePlan.verify``)."""
         p = self.proposer
-        verify = dataclasses.replace(self.plan.verify(k), filters=mode.filters, greedy=mode.greedy)
-        return StepConfig(self.model.cfg, k, p.bound if p else None, verify,
-                          p.hidden_layers if p else (), self.dyn.min_k if self.dyn else None,
-                          KVRead(t, aligned=True), mode, self.plan.bucket_tree(k))
+        return StepConfig(self.model.cfg, k, p, self.plan.verify(k, mode), p.hidden_layers if p else (),
+                          self.dyn.min_k if self.dyn else None, KVRead(t, aligned=True), mode,
+                          self.plan.bucket_tree(k))
 
     def inputs(self, live: int, b: int, k: int, drafts=None) -> StepInputs:
         """Graph inputs for ``live`` running rows (slots 0..live-1); rows live..b-1 pad (scratch slot).
@@ -194,36 +198,26 @@ class Runner:
         return Bucket((b, k, t, mode.name), fn, (self.params, self.state, self.inputs(live, b, k)), live)
 
     def graph_key(self, b: int, k: int, t: int, mode: sampling.Mode) -> BucketKey:
-        """The key of the graph that runs bucket (b, k, t, mode): buckets above B = 1 share one graph when
-        the plan's batch is symbolic."""
-        return self.plan.bucket_plan.graph_batch(b), k, t, mode.name
+        """The key of the graph that runs bucket (b, k, t, mode), from the plan's tables: buckets above B = 1
+        share one graph when the batch is symbolic (``BucketPlan.graph_batch``), and a mode runs in the
+        graph of ``EnginePlan.graph_modes`` (after a start-up capture, the general mode's for most)."""
+        return self.plan.bucket_plan.graph_batch(b), k, t, self.plan.graph_modes[mode.name].name
 
     @torch.no_grad()
     def graph(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED):
-        """The captured step of bucket (b, k, t, mode), captured on first use (under no_grad, which
-        Dynamo guards on)."""
+        """The captured step that runs bucket (b, k, t, mode) (:meth:`graph_key`), captured on first use
+        (under no_grad, which Dynamo guards on)."""
         key = (b, k, self.t_max if t is None else t, mode.name)
         if key not in self.graphs:
             gkey = self.graph_key(b, *key[1:3], mode)
             if gkey not in self.compiled:
                 # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
-                bucket = self.bucket(b, k, t, mode)  # every example row is the scratch slot
+                bucket = self.bucket(b, k, t, self.plan.graph_modes[mode.name])  # example rows: the scratch slot
                 self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend, name=f"spec_step_{graph_name(gkey)}",
                                               symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else (),
                                               donated=(1,), pool=self.pool)  # donated: the state, updated in place
             self.graphs[key] = self.compiled[gkey]
         return self.graphs[key]
-
-    def pick_graph(self, b: int, k: int, t: int, mode: sampling.Mode):
-        """The exact bucket's graph; after a start-up capture, a mode that was not captured runs in the
-        general mode's graph (``filtered`` serves every request), so that no step compiles; a logprobs
-        mode runs in ``filtered_logprobs``, captured on its first use."""
-        if self.plan.bucket_plan.eager_capture and self.graph_key(b, k, t, mode) not in self.compiled:
-            # NOTE: logprobs graphs are not captured at start-up (they would double its graphs for a
-            # feature few requests use): the first logprobs step of a (B, K, T) graph captures the general
-            # mode with logprobs, once, and every logprobs mode runs in it afterwards.
-            mode = sampling.FILTERED.with_logprobs(mode.logprobs)
-        return self.graph(b, k, t, mode)
 
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
         """See :meth:`funcspec.Engine.set_synthetic_acceptance_rates`."""
@@ -234,12 +228,12 @@ class Runner:
     # ---------------------------------------------------------------- running
     @torch.no_grad()
     def step(self, live: int, b: int, k: int, t: int, mode: sampling.Mode, drafts=None):
-        """One decode step of rows 0..live-1 in bucket (b, k, t, mode); returns :func:`readback`'s lists."""
-        graph = self.pick_graph(b, k, t, mode)
+        """One decode step of rows 0..live-1 in bucket (b, k, t, mode); returns :func:`step_lists`."""
+        graph = self.graph(b, k, t, mode)
         inputs = self.inputs(live, b, k, drafts)
         t0 = time.perf_counter()
         out, self.state = graph(self.params, self.state, inputs)
-        result = readback(out)  # SYNC: the step's one device-to-host copy
+        result = step_lists(readback(out))  # SYNC: the step's one device-to-host copy
         ms = (time.perf_counter() - t0) * 1e3
         graph.stats.replay_ms.append(ms)  # per graph (shared by the buckets of a symbolic batch)
         self.replay_ms[(b, k, t, mode.name)].append(ms)  # per bucket
@@ -250,8 +244,9 @@ class Runner:
         move_slot(self.state, src, dst)
 
     @torch.no_grad()
-    def prefill(self, reqs, seeds: Sequence[int]):
-        """Write each sequence's slot (key, sampling, prompt), prefill the prompts together, sample first tokens.
+    def prefill(self, reqs, seeds: Sequence[int], mode: sampling.Mode):
+        """Write each sequence's slot (key, sampling, prompt), prefill the prompts together, sample first tokens
+        in ``mode`` (the engine's ``sampling.mode_for`` of ``reqs``).
 
         ``reqs`` are sequences (``scheduler.Request``); the completions of an
         ``n`` > 1 request arrive together, and only completion 0's prompt runs:
@@ -259,7 +254,8 @@ class Runner:
         every completion draws its first token from the same logits with its
         own key. Returns ``(first tokens, first logprobs, prompt logprobs)``,
         one entry per sequence; the logprob entries are ``None`` where the
-        request did not ask (else :func:`host_logprobs`' tuples).
+        request did not ask (else its ``logprobs.HostRow``: E = 1 for the first
+        token, one position per prompt token after the first for the prompt).
 
         NOTE: prefill runs eagerly, padded to a power-of-two length, like
         vLLM's FULL_DECODE_ONLY graph mode: its shapes vary with prompt
@@ -288,8 +284,8 @@ class Runner:
             hook(leads, tokens, lens, tuple(by_layer[x] for x in hook.layers))
         if self.proposer is not None:
             for i, r in enumerate(leads):
-                pstate = self.proposer.prefill(self.params["draft"], self.state.proposer, tokens[i:i + 1], r.slot,
-                                               lens[i], tuple(by_layer[x][i:i + 1] for x in own))
+                pstate = self.proposer.prefill(self.state.proposer, tokens[i:i + 1], r.slot, lens[i],
+                                               tuple(by_layer[x][i:i + 1] for x in own))
                 self.state = replace(self.state, proposer=pstate)
         for req in reqs:
             if req.index > 0:  # a sibling: the prompt's KV, history, sampling and drafter state, copied
@@ -302,42 +298,17 @@ class Runner:
         first_logits = logits[rows, last]  # [R, V]
         s = self.state.sampling
         first = sampling.sample(row_keys(self.state, all_slots, last), first_logits,
-                                s.temperature[all_slots], s.top_k[all_slots], s.top_p[all_slots],
-                                sampling.mode_for(r.params for r in reqs))
-        parts, layout = [first.double()], []
+                                s.temperature[all_slots], s.top_k[all_slots], s.top_p[all_slots], mode)  # [R]
         wants = [r.params.logprobs is not None for r in reqs]
-        if any(wants):
-            lps = sampling.token_logprobs(first_logits.unsqueeze(1), first.unsqueeze(1), sampling.MAX_LOGPROBS)
-            parts += [x.double().reshape(-1) for x in lps]  # [R], [R], [R*M], [R*M]
-            layout.append(("first", len(reqs)))
-        for i, r in enumerate(leads):
-            if r.params.prompt_logprobs is not None and lens[i] > 1:
-                lps = sampling.token_logprobs(logits[i:i + 1, : lens[i] - 1], tokens[i:i + 1, 1:lens[i]],
-                                              sampling.MAX_LOGPROBS)
-                parts += [x.double().reshape(-1) for x in lps]
-                layout.append((i, lens[i] - 1))
-        host = torch.cat(parts).cpu().tolist()  # SYNC: prefill hands its first tokens (and logprobs) to the host
-        firsts = [int(x) for x in host[:len(reqs)]]
-        first_lps, prompt_lps = [None] * len(reqs), [None] * len(leads)
-        at = len(reqs)
-        m = min(sampling.MAX_LOGPROBS, logits.shape[-1])
-        for what, e in layout:
-            got = host_logprobs(host[at: at + e * (2 + 2 * m)], e, m)
-            at += e * (2 + 2 * m)
-            if what == "first":
-                first_lps = [tuple(x[j] for x in got) if w else None for j, w in enumerate(wants)]
-            else:
-                prompt_lps[what] = got
+        first_lp = logprobs.token_logprobs(first_logits.unsqueeze(1), first.unsqueeze(1)) if any(wants) else None
+        prompt_lp = [logprobs.token_logprobs(logits[i:i + 1, : lens[i] - 1], tokens[i:i + 1, 1:lens[i]])
+                     if r.params.prompt_logprobs is not None and lens[i] > 1 else None for i, r in enumerate(leads)]
+        # SYNC: prefill hands its first tokens (and logprobs) to the host, in the one copy a step makes
+        firsts, first_lp, prompt_lp = readback((first, first_lp, prompt_lp))
+        first_rows = logprobs.rows(first_lp) if first_lp is not None else [None] * len(reqs)  # [R] of E = 1
+        prompt_rows = [None if lp is None else logprobs.rows(lp)[0] for lp in prompt_lp]
         for r, f in zip(reqs, firsts):
             self.state.kv.lens[r.slot] = len(r.prompt_ids)
             self.state.history[r.slot, len(r.prompt_ids)] = f
-        return firsts, first_lps, [prompt_lps[row[id(r)]] if r.index == 0 else None for r in reqs]
-
-
-def host_logprobs(flat: list, e: int, m: int) -> tuple[list, list, list, list]:
-    """Unpack ``sampling.token_logprobs`` of E positions flattened in order (logprob, rank, top, ids):
-    ``(logprob [E], rank [E], top_logprobs [E][M], top_ids [E][M])`` as Python numbers."""
-    lp, rank = flat[:e], [int(x) for x in flat[e:2 * e]]
-    top = [flat[2 * e + j * m: 2 * e + (j + 1) * m] for j in range(e)]
-    ids = [[int(x) for x in flat[2 * e + e * m + j * m: 2 * e + e * m + (j + 1) * m]] for j in range(e)]
-    return lp, rank, top, ids
+        return (firsts, [x if w else None for x, w in zip(first_rows, wants)],
+                [prompt_rows[row[id(r)]] if r.index == 0 else None for r in reqs])

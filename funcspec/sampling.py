@@ -31,8 +31,8 @@ class Mode:
         filters: some row has top-k or top-p on: the O(V log V) sort runs.
         logprobs: some row asked for logprobs: the step also returns the
             target's log-probabilities of its emitted tokens and their top
-            :data:`MAX_LOGPROBS` (:func:`token_logprobs`). Buckets without such
-            rows do none of that work.
+            ``logprobs.MAX_LOGPROBS`` (``logprobs.token_logprobs``). Buckets
+            without such rows do none of that work.
     """
 
     greedy: bool = False
@@ -55,11 +55,6 @@ RANDOM = Mode(greedy=False, filters=False)
 FILTERED = Mode(greedy=False, filters=True)
 """The general mode: serves any mix of rows."""
 MODES = {m.name: m for base in (GREEDY, RANDOM, FILTERED) for m in (base, base.with_logprobs())}
-
-MAX_LOGPROBS = 20
-"""The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default ``max_logprobs``).
-A logprobs bucket always computes this many top entries (a static shape); the host keeps each row's own k."""
-
 
 def mode_for(params) -> Mode:
     """The cheapest mode serving requests with these ``SamplingParams`` (or ``Sampling``-like) values."""
@@ -140,26 +135,3 @@ def draw(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.
         return logits.argmax(-1), None
     q = target_probs(logits, temperature, top_k, top_p, mode.filters)
     return rng.categorical(key, q), q
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int):
-    """The target's log-probabilities of ``tokens`` and the top ``num_top``, from raw logits.
-
-    Args:
-        logits: [B, E, V] raw target logits at the positions that emitted ``tokens``.
-        tokens: [B, E] int64 emitted tokens (``PLACEHOLDER`` entries give garbage the host drops).
-        num_top: static count of top entries (clamped to V).
-
-    Returns ``(logprob [B, E] f32, rank [B, E] i64, top_logprobs [B, E, k] f32, top_ids [B, E, k] i64)``.
-
-    NOTE: these are vLLM's default ``logprobs_mode="raw_logprobs"``: the log-softmax
-    of the raw logits, before temperature, top-k and top-p, whatever the row samples
-    with. A row's values depend on its own logits only, so a token verified inside a
-    K+1 block gets the bits it gets when decoded alone. ``rank`` is 1 + the number of
-    other tokens at least as likely (vLLM's count).
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, E, V]
-    lp = torch.gather(logp, -1, tokens.clamp(min=0).unsqueeze(-1))  # [B, E, 1]
-    rank = (logp >= lp).sum(-1)  # [B, E]: the token itself counts once
-    top_lp, top_ids = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)  # [B, E, k]
-    return lp.squeeze(-1), rank, top_lp, top_ids

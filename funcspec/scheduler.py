@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 from funcspec.config import SamplingParams
 from funcspec.config.checks import FLOAT32_TINY, short
-from funcspec.outputs import Logprob
 
 _NORMALIZE_SLACK = 8
 """Characters a normalizer may merge across the cut of a prompt's prefix (a base and its combining marks)."""
@@ -138,18 +137,6 @@ class Request:
     def seq_id(self) -> str:
         """A name unique to this sequence: the request id, ``.index`` appended for completions after the first."""
         return self.request_id if self.index == 0 else f"{self.request_id}.{self.index}"
-
-
-def logprob_dict(token: int, logprob: float, rank: int, top_logprobs, top_ids, k: int, decode) -> dict:
-    """vLLM's per-position dict: the chosen ``token`` first, then the ``k`` most likely (ranks 1..k).
-
-    ``decode(id) -> str | None`` gives each entry's ``decoded_token``.
-    """
-    out = {token: Logprob(logprob, rank, decode(token))}
-    for r, (lp, tid) in enumerate(zip(top_logprobs[:k], top_ids[:k]), start=1):
-        if tid not in out:
-            out[tid] = Logprob(lp, r, decode(tid))
-    return out
 
 
 class Scheduler:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from funcspec import dynamic, rng, sampling, verifiers
+from funcspec.logprobs import TokenLogprobs, token_logprobs
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import Chain, Shape, ancestors, depths, tree_parents
@@ -87,31 +88,14 @@ class StepOutput:
         num_drafts: [B] int64 drafts that were verified (not ``PLACEHOLDER``).
         confidence: [B, K] float32 draft confidences (confidence-based verify
             length only), else ``None``.
-        logprobs: a logprobs bucket's :class:`TokenLogprobs` of ``tokens``, else ``None``.
+        logprobs: a logprobs bucket's ``logprobs.TokenLogprobs`` of ``tokens``, else ``None``.
     """
 
     tokens: torch.Tensor
     num_emitted: torch.Tensor
     num_drafts: torch.Tensor
     confidence: Optional[torch.Tensor] = None
-    logprobs: Optional["TokenLogprobs"] = None
-
-
-@pytree_dataclass
-class TokenLogprobs:
-    """The target's raw log-probabilities at each emitted token (``sampling.token_logprobs``).
-
-    Attributes:
-        logprob: [B, E] float32 of the emitted token (E = K+1, or D+1 for a tree).
-        rank: [B, E] int64, 1-based rank of the emitted token in the target's distribution.
-        top_logprobs: [B, E, M] float32, the M = ``sampling.MAX_LOGPROBS`` largest, descending.
-        top_ids: [B, E, M] int64 their token ids.
-    """
-
-    logprob: torch.Tensor
-    rank: torch.Tensor
-    top_logprobs: torch.Tensor
-    top_ids: torch.Tensor
+    logprobs: Optional[TokenLogprobs] = None
 
 
 @pytree_dataclass
@@ -165,7 +149,7 @@ class StepConfig:
 
     model: ModelConfig
     k: int
-    proposer: Optional["BoundProposer"] = None  # module + static cfg; None without speculation
+    proposer: Optional["BoundProposer"] = None  # equal by (module, cfg); None without speculation
     verify: verifiers.VerifyConfig = verifiers.VerifyConfig()  # the bucket's rule (K = 0: standard)
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
@@ -288,8 +272,8 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]
     logits, hiddens, kv = forward(sc.model, params["target"], state.kv, tokens, slots, lens, sc.hidden_layers,
                                   sc.read, tree=attention(sc.tree, proposal.parents, lens))  # [B, K+1, V] float32
-    block = verifiers.Block(keys[:, 0], logits, proposal, samp, keys, inputs.synthetic_cond)
-    out, n, path = verifiers.verify(sc.verify, block)  # [B, D+1], [B], [B, D+1]
+    vin = verifiers.VerifyInput(keys[:, 0], logits, proposal, samp, keys, inputs.synthetic_cond)
+    out, n, path = verifiers.verify(sc.verify, vin)  # [B, D+1], [B], [B, D+1]
     keep_path(sc.tree, kv, slots, lens, path)
     commit_lengths(kv, state.history, slots, lens, out, n)
     if sc.proposer is not None:
@@ -305,4 +289,4 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
 def emitted_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
     """Logprobs of the emitted ``tokens [B, D+1]`` from the verify logits along the accepted path
     [B, D+1, V]: token j was drawn from the logits of the path's j-th tree index."""
-    return TokenLogprobs(*sampling.token_logprobs(logits[:, : tokens.shape[1]], tokens, sampling.MAX_LOGPROBS))
+    return token_logprobs(logits[:, : tokens.shape[1]], tokens)

@@ -13,7 +13,7 @@ from funcspec.capture.backends import (
     fresh_code_copy,
     resolve_backend,
 )
-from funcspec.capture.plan import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, default_batch_buckets
+from funcspec.capture.buckets import CAPTURE_MODES, STARTUP_SAMPLING, BucketPlan, default_batch_buckets
 
 __all__ = [
     "BACKENDS",

@@ -311,6 +311,8 @@ def fingerprint(obj: Any, h: "hashlib._Hash", values: bool = True) -> None:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         h.update(f"D{type(obj).__module__}.{type(obj).__qualname__}".encode())
         for f in dataclasses.fields(obj):
+            if not f.compare:  # NOTE: carried, not identity (a proposer's params: the graph takes them as input)
+                continue
             h.update(f.name.encode())
             fingerprint(getattr(obj, f.name), h, values)
     elif isinstance(obj, (tuple, list)):

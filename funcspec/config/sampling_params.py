@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from funcspec.config.checks import (FLOAT32_MAX, INT64_MAX, INT64_MIN, check_bool, check_float, check_int,
                                     check_text, is_int, set_field, short)
-from funcspec.sampling import MAX_LOGPROBS
+from funcspec.logprobs import MAX_LOGPROBS
 
 MAX_STOPS = 256
 """The most ``stop`` strings, and ``stop_token_ids``, a request may give: the scheduler checks each one at every

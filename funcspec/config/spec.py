@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from funcspec import methods
 from funcspec.capture.backends import BACKENDS  # the capture layer owns backend names
 from funcspec.config import rules, vllm
 from funcspec.config.additional import DynamicSpecConfig, RejectionSamplerConfig
@@ -136,26 +137,32 @@ class SpecConfig:
         """The token tree every step drafts (static or dynamic), or ``None`` for chains."""
         return self.speculative_token_tree or self.dynamic_tree
 
+    @property
+    def max_k(self) -> int:
+        """The largest K of any step, derived here only: ``num_speculative_tokens`` for a method that
+        speculates, 0 for one that does not (``extract_hidden_states`` decodes autoregressively)."""
+        return self.num_speculative_tokens if methods.lookup(self.method).speculates else 0
+
     def k_for_batch_size(self, bs: int) -> int:
         """K for a step with ``bs`` active requests, from ``num_speculative_tokens_per_batch_size``.
 
         This is vLLM's lookup. A batch size inside a range uses that range's K.
         A gap, or a batch size past the last range, inherits the K of the range
-        before it. K is clamped to ``num_speculative_tokens``. K = 0 means no
-        drafting. ``bs`` 0 gives 0. Without a table, K is ``num_speculative_tokens``.
+        before it. K is clamped to :attr:`max_k`. K = 0 means no
+        drafting. ``bs`` 0 gives 0. Without a table, K is :attr:`max_k`.
         With a token tree, K is the node count N the step drafts (the tree cut to
         N nodes, :func:`funcspec.token_tree.truncate`).
         """
         check_int("bs", bs, lo=0)
         table = self.num_speculative_tokens_per_batch_size
         if table is None:
-            return self.num_speculative_tokens
+            return self.max_k
         k = 0
         for start, _end, range_k in table:
             if bs < start:
                 break
             k = range_k
-        return min(k, self.num_speculative_tokens)
+        return min(k, self.max_k)
 
     @property
     def verifier_method(self) -> str:

@@ -19,10 +19,11 @@ Every proposal carries its drafts' parents: a chain's are i - 1
 (``Proposal.chain``), a token tree's come from the tree it drafts
 (``StepContext.tree``, the bucket's shape).
 
-:class:`BoundProposer` binds a module to its cfg once, for both paths: the engine
-calls it eagerly (``init_state``, ``prefill``) and the bucket's ``StepConfig``
-holds it, a static value, for the graph (``propose``, ``commit``). :class:`ProposerHandle` adds the
-params and the host drafter. ``chain.py`` is not a method: it is the feature-chain
+:class:`BoundProposer` is the one object an engine holds per proposer: the module
+bound to its cfg once, its params and its host drafter. The engine calls it
+eagerly (``init_state``, ``prefill``, ``host_drafts``) and the bucket's
+``StepConfig`` holds it, a static value equal by ``(module, cfg)``, for the
+graph (``propose``, ``commit``). ``chain.py`` is not a method: it is the feature-chain
 runtime that ``eagle``, ``eagle3`` and ``mtp`` share.
 """
 
@@ -34,8 +35,8 @@ from typing import Any, Optional
 
 from funcspec.proposers.base import BuildContext, HostDrafter, Proposer, contract_errors
 
-__all__ = ["PROPOSERS", "BoundProposer", "BuildContext", "HostDrafter", "Proposer", "ProposerHandle",
-           "build_proposer", "contract_errors", "keep_state", "no_prefill"]
+__all__ = ["PROPOSERS", "BoundProposer", "BuildContext", "HostDrafter", "Proposer", "build_proposer",
+           "contract_errors", "keep_state", "no_prefill"]
 
 from funcspec import methods
 
@@ -55,14 +56,19 @@ def keep_state(cfg, state, result):
 
 @dataclasses.dataclass(frozen=True)
 class BoundProposer:
-    """A proposer module bound to its static cfg: one object for the eager calls and the graph.
+    """A built proposer, one per engine: its module's functions bound to its static cfg once, its params and
+    its host drafter.
 
-    Frozen and hashable by ``(module, cfg)``, so a bucket's ``StepConfig`` holds it
-    as a static value; params and state are always passed in, never held.
+    Equal and hashable by ``(module, cfg)`` only, so a bucket's ``StepConfig`` holds this very object as a
+    static value. ``params`` (the one place an engine holds the draft params) and ``host`` are carried, never
+    compared: the graph takes the params as an input (``propose`` and ``commit`` are handed them, and never
+    read ``self.params``), and the eager calls (``init_state``, ``prefill``) read them here.
     """
 
     module: Proposer
     cfg: Any
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    host: Optional[HostDrafter] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def runs_on_host(self) -> bool:
@@ -74,77 +80,44 @@ class BoundProposer:
         """The target hidden-state indices the proposer reads."""
         return self.module.hidden_layers(self.cfg)
 
-    def init_state(self, params, num_slots: int, max_len: int):
+    def init_state(self, num_slots: int, max_len: int):
         """The zeroed state pytree for ``num_slots`` slots of ``max_len`` positions (eager)."""
-        return self.module.init_state(self.cfg, params, num_slots, max_len)
+        return self.module.init_state(self.cfg, self.params, num_slots, max_len)
 
-    def prefill(self, params, state, tokens, slot: int, n: int, hiddens):
+    def prefill(self, state, tokens, slot: int, n: int, hiddens):
         """Fold a prefilled prompt into the state (eager, outside the bucket graphs)."""
-        return self.module.prefill(self.cfg, params, state, tokens, slot, n, hiddens)
+        return self.module.prefill(self.cfg, self.params, state, tokens, slot, n, hiddens)
 
     def propose(self, params, state, ctx, k: int):
-        """K drafts [B, K] and the new state (in the bucket graph)."""
+        """K drafts [B, K] and the new state (in the bucket graph: ``params`` is the graph's input)."""
         return self.module.propose(self.cfg, params, state, ctx, k)
 
     def commit(self, state, result):
         """The state after verification (in the bucket graph)."""
         return self.module.commit(self.cfg, state, result)
 
-
-@dataclasses.dataclass
-class ProposerHandle:
-    """A built proposer as the engine holds it: module and cfg, params, and the host drafter (or ``None``)."""
-
-    module: Proposer
-    cfg: Any
-    params: Any
-    host: Optional[HostDrafter] = None
-
-    @property
-    def bound(self) -> BoundProposer:
-        """The static ``(module, cfg)`` that a bucket's ``StepConfig`` holds."""
-        return BoundProposer(self.module, self.cfg)
-
-    @property
-    def runs_on_host(self) -> bool:
-        """Whether drafts come from a host-side drafter (suffix trees) instead of the graph."""
-        return self.module.runs_on_host
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """The target hidden-state indices the proposer reads."""
-        return self.bound.hidden_layers
-
-    def init_state(self, num_slots: int, max_len: int):
-        """The proposer's zeroed state pytree for ``num_slots`` slots of ``max_len`` positions."""
-        return self.bound.init_state(self.params, num_slots, max_len)
-
-    def prefill(self, params, state, tokens, slot, n, hiddens):
-        """Fold a prefilled prompt into the proposer's state (eager, outside the bucket graphs)."""
-        return self.bound.prefill(params, state, tokens, slot, n, hiddens)
-
     def host_drafts(self, rows, b: int, k: int, tree):
         """Host drafts (tokens, parents), [B, K] each, for the running rows in the bucket's shape ``tree``
         (``EnginePlan.bucket_tree``); host proposers only."""
         return self.host.drafts(rows, b, k, tree)
-
-    def shard(self, tp, quantization=None) -> "ProposerHandle":
-        """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1), its layers
-        quantized to ``quantization`` on load first (``speculative_config["quantization"]``)."""
-        cfg, params = self.module.shard(self.cfg, self.params, tp, quantization)
-        return dataclasses.replace(self, cfg=cfg, params=params)
 
     def on_finish(self, req) -> None:
         """Tell a host drafter that a request finished (it may keep the tokens for later lookups)."""
         if self.host is not None:
             self.host.finish(req)
 
+    def shard(self, tp, quantization=None) -> "BoundProposer":
+        """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1), its layers
+        quantized to ``quantization`` on load first (``speculative_config["quantization"]``)."""
+        cfg, params = self.module.shard(self.cfg, self.params, tp, quantization)
+        return dataclasses.replace(self, cfg=cfg, params=params)
 
-def build_proposer(spec, target, ctx: BuildContext) -> ProposerHandle:
+
+def build_proposer(spec, target, ctx: BuildContext) -> BoundProposer:
     """Load the proposer for ``spec.method`` against the ``target`` model."""
     if spec.method not in PROPOSERS:
         raise ValueError(f"speculative_config.method {spec.method!r} is not built yet")
     module = importlib.import_module(PROPOSERS[spec.method])
     cfg, params = module.build(spec, target, ctx)
     host = module.HostDrafter(cfg, ctx) if module.runs_on_host else None
-    return ProposerHandle(module, cfg, params, host)
+    return BoundProposer(module, cfg, params, host)

@@ -15,8 +15,8 @@ Glossary (after vLLM's ``rejection_sampler.py``), for one row of the batch:
 
 Every rule, chain or tree, has the signature
 
-    verify(cfg, block) -> (tokens, num_emitted, path)
-    #  block: common.Block (key [B], logits [B, N+1, V], proposal.tokens/parents [B, N], sampling,
+    verify(cfg, vin) -> (tokens, num_emitted, path)
+    #  vin: common.VerifyInput (key [B], logits [B, N+1, V], proposal.tokens/parents [B, N], sampling,
     #         keys [B, D+1] decoding's key per position, rates [K] for synthetic)
     #  -> tokens [B, D+1] int64 (PLACEHOLDER after the emitted ones) · num_emitted [B] int32
     #     · path [B, D+1] the tree indices of the accepted root path (a chain's: 0..K)
@@ -32,7 +32,8 @@ synthetic (which accepts by rate, then emits the target argmax).
 Token trees are verified by the rule ``"tree"`` (``verifiers.tree``; lossless),
 which an engine's plan picks for every bucket that drafts a tree; the step moves
 the KV of the path it returns into place. Every rule sees the rows' sampling
-mode through ``VerifyConfig.greedy`` and ``filters``, which the runner sets per bucket.
+mode through ``VerifyConfig.greedy`` and ``filters``: an engine's plan builds each
+bucket's complete config once (``plan.verify_rule``), per K and sampling mode.
 
 Reproducibility: the step hands the standard rule and the tree rule the keys
 that autoregressive decoding draws each position with (``step.row_keys``). With
@@ -53,7 +54,7 @@ from funcspec import rng
 from funcspec.token_tree import Chain
 from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import block, common, entropy, greedy, magicmtp, standard, synthetic, tree
-from funcspec.verifiers.common import Block, Verdict
+from funcspec.verifiers.common import Verdict, VerifyInput
 
 VERIFIERS: dict[str, Callable[..., Verdict]] = {
     "greedy": greedy.verify,
@@ -64,7 +65,7 @@ VERIFIERS: dict[str, Callable[..., Verdict]] = {
     "synthetic": synthetic.verify,
     "tree": tree.verify,
 }
-"""Rule name -> ``verify(cfg, block)`` function."""
+"""Rule name -> ``verify(cfg, vin)`` function."""
 
 OWN_GREEDY = ("synthetic", "tree")
 """Rules that do not reduce to the greedy rule when every row is greedy: synthetic accepts by
@@ -135,38 +136,14 @@ class VerifyConfig:
             object.__setattr__(self, "synthetic_rates", rates)
 
 
-def verify_config(spec, k: int, shape=None) -> VerifyConfig:
-    """The rule that verifies a bucket of K drafts of ``shape`` (``token_tree.Shape``; ``None``: a chain).
-
-    It depends on the speculative config only (not on the proposer), so every
-    method's buckets share it; the runner sets ``filters`` and ``greedy`` per
-    sampling mode. A bucket of no drafts (K = 0, and decoding without a
-    speculative config: ``spec=None``) is verified by the standard rule, whose
-    keyed draw of its one token is decoding's own; a token tree by ``"tree"``.
-    """
-    if k == 0 or spec is None:
-        return VerifyConfig()
-    if shape is not None and not isinstance(shape, Chain):
-        return VerifyConfig(method="tree", depth=shape.depth)
-    rs = spec.rejection_sampler
-    rates = spec.synthetic_acceptance_rates
-    return VerifyConfig(
-        method=spec.verifier_method,
-        posterior_threshold=rs.posterior_threshold,
-        posterior_alpha=rs.posterior_alpha,
-        entropy=spec.verify_entropy,
-        synthetic_rates=None if rates is None else tuple(rates)[:k],
-    )
-
-
-def verify(cfg: VerifyConfig, block: Block) -> Verdict:
+def verify(cfg: VerifyConfig, vin: VerifyInput) -> Verdict:
     """Run the rule of ``cfg``; see the module docstring for shapes.
 
     With ``cfg.greedy`` (static: the host knows every row has temperature 0)
     every rule but those of :data:`OWN_GREEDY` runs as the greedy rule.
     """
     method = "greedy" if cfg.greedy and cfg.method not in OWN_GREEDY else cfg.method
-    return VERIFIERS[method](cfg, block)
+    return VERIFIERS[method](cfg, vin)
 
 
 def _row_keys(key: torch.Tensor, batch: int) -> torch.Tensor:
@@ -228,7 +205,7 @@ def rejection_sample(
     check_method(method)
     if method == "tree":
         raise ValueError("method 'tree' verifies token trees, whose drafts need parents: call verifiers.verify "
-                         "with a common.Block whose proposal carries them")
+                         "with a common.VerifyInput whose proposal carries them")
     common.check_inputs(None, target_logits, draft_tokens, draft_probs)
     batch, k = draft_tokens.shape
     rates = None
@@ -247,9 +224,9 @@ def rejection_sample(
         _checked_row_tensor("top_p", top_p, batch, torch.float32, device, lambda t: 0 < t <= 1, "in (0, 1]"),
     )
     proposal = Proposal.chain(draft_tokens, draft_probs)
-    tokens, num_emitted, _ = verify(cfg, Block(_row_keys(key, batch), target_logits, proposal, sampling))
+    tokens, num_emitted, _ = verify(cfg, VerifyInput(_row_keys(key, batch), target_logits, proposal, sampling))
     return tokens, num_emitted
 
 
-__all__ = ["VERIFIERS", "Block", "Verdict", "VerifyConfig", "verify", "verify_config", "rejection_sample",
+__all__ = ["VERIFIERS", "Verdict", "VerifyConfig", "VerifyInput", "verify", "rejection_sample",
            "check_method"]

@@ -37,10 +37,10 @@ def continue_probs(inp: common.Inputs, cum: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, cum[:, k - 1:]], dim=1)  # [B, K]
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Block verification; reads only ``cfg.filters``."""
-    key = block.key
-    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
+    key = vin.key
+    inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     batch, k = inp.drafts.shape
     cum = common.cumulative_ratio(inp.ratio)  # [B, K]
     u = common.acceptance_uniforms(key, k)  # [B, K]

@@ -30,7 +30,7 @@ STREAM_FINAL = 1
 
 
 @pytree_dataclass
-class Block:
+class VerifyInput:
     """What every rule verifies: one bucket's proposal and the target's logits over it.
 
     Attributes:

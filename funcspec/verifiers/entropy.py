@@ -28,10 +28,10 @@ def threshold(cfg, target_logits: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(-cfg.posterior_alpha * entropy), max=cfg.posterior_threshold)
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Entropy verification with ``cfg.posterior_threshold`` and ``cfg.posterior_alpha``."""
-    key = block.key
-    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
+    key = vin.key
+    inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, inp.drafts.shape[1])  # [B, K]
-    thr = threshold(cfg, block.logits)  # [B, K]
+    thr = threshold(cfg, vin.logits)  # [B, K]
     return common.first_rejection(key, inp, inp.supported & (inp.ratio >= thr * u))

@@ -10,10 +10,10 @@ from __future__ import annotations
 from funcspec.verifiers import common
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Greedy verification; reads only the logits and the drafts."""
-    common.check_inputs(block.key, block.logits, block.proposal.tokens, block.proposal.probs)
+    common.check_inputs(vin.key, vin.logits, vin.proposal.tokens, vin.proposal.probs)
     # NOTE: argmax takes the first index on ties, the same rule as target_probs'
     # one-hot at temperature 0 and greedy autoregressive decoding. O(K·V): no
     # probabilities.
-    return common.match(block.proposal.tokens, block.logits.argmax(dim=-1))  # [B, K+1]
+    return common.match(vin.proposal.tokens, vin.logits.argmax(dim=-1))  # [B, K+1]

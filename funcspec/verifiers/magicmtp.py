@@ -34,14 +34,14 @@ MIN_K = 3
 """vLLM-Ascend enables block verify only when ``max_spec_len >= 3``."""
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """MagicMTP block verify, combined with entropy verify when ``cfg.entropy``."""
-    key, target_logits = block.key, block.logits
-    if block.proposal.tokens.shape[-1] < MIN_K:  # static shape, not a tensor value
+    key, target_logits = vin.key, vin.logits
+    if vin.proposal.tokens.shape[-1] < MIN_K:  # static shape, not a tensor value
         # NOTE: vLLM-Ascend's fallback is the uniform-coupled rule, not decoding's draws (keys=None).
         fallback = entropy.verify if cfg.entropy else standard.verify
-        return fallback(cfg, dataclasses.replace(block, keys=None))
-    inp = common.prepare(target_logits, block.proposal, block.sampling, key, cfg.filters)
+        return fallback(cfg, dataclasses.replace(vin, keys=None))
+    inp = common.prepare(target_logits, vin.proposal, vin.sampling, key, cfg.filters)
     pi = common.cumulative_ratio(inp.ratio)  # [B, K]
     bound = torch.cumprod(common.acceptance_uniforms(key, inp.drafts.shape[1]), dim=1)  # [B, K]
     if cfg.entropy:

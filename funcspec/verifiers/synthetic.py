@@ -96,14 +96,14 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(r / p if p > 0 else 0.0 for r, p in zip(rates, prev))
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Synthetic verification. Uses stream 0 (u) and 1 (final race).
 
-    The conditional rates are ``block.rates`` [K] float32, a runtime tensor (the
+    The conditional rates are ``vin.rates`` [K] float32, a runtime tensor (the
     engine passes its current rates, so one graph serves any rates); else ``cfg.synthetic_rates``.
     """
-    key, cond = block.key, block.rates
-    inp = common.prepare(block.logits, block.proposal, block.sampling, key, cfg.filters)
+    key, cond = vin.key, vin.rates
+    inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     k = inp.drafts.shape[1]
     if cond is None:
         if cfg.synthetic_rates is None:

@@ -60,11 +60,11 @@ def accepted_nodes(tok: torch.Tensor, tparents: torch.Tensor, y: torch.Tensor, d
     return acc
 
 
-def verify(cfg, block: common.Block) -> common.Verdict:
+def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     """Verify a token tree of depth ``cfg.depth`` (static: no node is deeper).
 
-    Reads ``block.keys`` [B, D+1] (the key of each depth's draw: autoregressive
-    decoding's key at that position), ``block.logits`` [B, N+1, V] (the target
+    Reads ``vin.keys`` [B, D+1] (the key of each depth's draw: autoregressive
+    decoding's key at that position), ``vin.logits`` [B, N+1, V] (the target
     over [pending, nodes] with tree attention) and the proposal's ``tokens [B, N]``
     (``PLACEHOLDER`` is never accepted) and ``parents [B, N]``, with
     ``probs=None``; greedy buckets (``cfg.greedy``) take argmax only.
@@ -73,7 +73,7 @@ def verify(cfg, block: common.Block) -> common.Verdict:
     then ``PLACEHOLDER``), num_emitted [B] int32, and path [B, D+1] the tree
     indices of the accepted path (root first; repeated past its end).
     """
-    proposal, target_logits, keys, depth = block.proposal, block.logits, block.keys, cfg.depth
+    proposal, target_logits, keys, depth = vin.proposal, vin.logits, vin.keys, cfg.depth
     if proposal.parents is None or proposal.probs is not None:
         raise ValueError("a tree proposal needs parents [B, N] and deterministic drafts (probs=None)")
     b, n1, _ = target_logits.shape
@@ -88,7 +88,7 @@ def verify(cfg, block: common.Block) -> common.Verdict:
     anc = ancestors(tparents, depth)  # [B, N+1, N+1]
     dep = depths(anc)  # [B, N+1]
     mode = sampling_lib.Mode(greedy=cfg.greedy, filters=cfg.filters)
-    y = target_choices(keys, target_logits, block.sampling, mode, dep)  # [B, N+1]
+    y = target_choices(keys, target_logits, vin.sampling, mode, dep)  # [B, N+1]
     tok = torch.cat([torch.full_like(proposal.tokens[:, :1], PLACEHOLDER), proposal.tokens.long()], 1)  # [B, N+1]
     acc = accepted_nodes(tok, tparents, y, depth)  # [B, N+1]
     best = torch.where(acc, dep, -1).argmax(-1)  # [B]: the deepest accepted node (one per depth at most)

@@ -16,6 +16,7 @@ check funcspec's incremental drafts against it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
@@ -338,5 +339,5 @@ def record_drafts(eng, rows: int):
         return proposal, new
 
     wrapped.propose = propose
-    eng.proposer.module = wrapped
+    eng.proposer = eng.runner.proposer = dataclasses.replace(eng.proposer, module=wrapped)
     return rec

@@ -80,8 +80,8 @@ def test_bucket_refuses_bad_arguments(tiny_llama):
         eng.bucket(1, 3)
     with pytest.raises(ValueError, match=r"live rows must be in \[0, 2\]"):
         eng.bucket(2, 0, live=3)
-    with pytest.raises(KeyError):
-        eng.bucket(1, 0, mode="beam")
+    with pytest.raises(ValueError, match=r"mode must be a funcspec.sampling.Mode .*'greedy'"):
+        eng.bucket(1, 0, mode="greedy")  # a name: sampling.MODES["greedy"] is the Mode
 
 
 def test_incremental_text_equals_a_full_decode(default_model):

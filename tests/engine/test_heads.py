@@ -3,6 +3,7 @@ against a from-scratch recompute, checkpoint round trips, state structure, paddi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from funcspec import Engine, SamplingParams
+from funcspec import Engine, SamplingParams, sampling
 from funcspec.checkpoints import flatten, layouts, read_weights
 from funcspec.checkpoints import eagle, medusa, mtp
 from funcspec.nn import medusa as medusa_net
@@ -36,7 +37,7 @@ def record_drafts(eng):
         return proposal, new
 
     wrapped.propose = propose
-    eng.proposer.module = wrapped
+    eng.proposer = eng.runner.proposer = dataclasses.replace(eng.proposer, module=wrapped)
     return rec
 
 
@@ -209,7 +210,7 @@ def test_draft_window_does_not_depend_on_k(zoo):
     drafts = {}
     for k in (2, 3):
         state = clone_state(eng.state)
-        drafts[k] = h.bound.propose(params, state.proposer, _ctx(state, [0, 1], k), k)[0].tokens
+        drafts[k] = h.propose(params, state.proposer, _ctx(state, [0, 1], k), k)[0].tokens
     assert torch.equal(drafts[3][:, :2], drafts[2])
 
 
@@ -301,7 +302,7 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert eng.plan.bucket_plan.ks == (0, 7) and eng.plan.bucket_plan.capture_sizes()[7] == [32]
-    bucket = eng.bucket(4, 7, mode="greedy")
+    bucket = eng.bucket(4, 7, mode=sampling.GREEDY)
     sig = tree_signature(bucket.args[1])
     out, new = bucket.fn(*bucket.args)
     assert tree_signature(new) == sig and out.tokens.shape == (4, 4) and out.num_emitted.shape == (4,)

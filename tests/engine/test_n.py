@@ -37,7 +37,7 @@ def test_n_completions_prefill_once_and_each_is_reproducible_alone(zoo_target, z
         eng = Engine(zoo_target, speculative_config=spec, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True)
         prefills = []
         real = eng.runner.prefill
-        eng.runner.prefill = lambda reqs, seeds: prefills.append(sum(r.index == 0 for r in reqs)) or real(reqs, seeds)
+        eng.runner.prefill = lambda reqs, *a: prefills.append(sum(r.index == 0 for r in reqs)) or real(reqs, *a)
         out = eng.generate(zoo_prompts[:1], sp)[0]
         assert prefills == [1]  # one prompt row for three completions
         assert [c.index for c in out.outputs] == [0, 1, 2]

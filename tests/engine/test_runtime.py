@@ -39,7 +39,10 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     with torch.compiler.set_stance("fail_on_recompile"):
         out = _mixed(eng)
     assert len(eng.runner.compiled) == 4 and eng.stats()["recompiles"] == 0
-    assert {key[3] for key in eng.graphs} == {"greedy", "filtered"}
+    # the plain-temperature rows ran as random buckets, in the filtered graph (EnginePlan.graph_modes)
+    assert {key[3] for key in eng.graphs} == {"greedy", "random", "filtered"}
+    assert all(g is eng.runner.compiled[eng.plan.bucket_plan.graph_batch(key[0]), 2, t, "filtered"]
+               for key, g in eng.graphs.items() if key[3] == "random")
     assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats()["buckets_used"])
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96,
                                 ops=rows_free_ops))
@@ -53,7 +56,7 @@ def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
         out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
     assert len(eng.runner.compiled) == 3 and len(out[0].outputs[0].logprobs) == 4
     assert LLM(tiny_llama, max_num_seqs=1, max_model_len=32, enforce_eager=True,
-               compilation_config={"capture_logprobs": True}).engine.startup_modes[-1] == "filtered_logprobs"
+               compilation_config={"capture_logprobs": True}).engine.startup_modes[-1].name == "filtered_logprobs"
 
 
 def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):

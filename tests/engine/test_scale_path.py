@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import funcspec
 from conftest import OpLog, make_hf_model
 from funcspec import Engine, SamplingParams, rng, sampling, verifiers
-from funcspec.capture.plan import BucketPlan, default_context_buckets
+from funcspec.capture.buckets import BucketPlan, default_context_buckets
 from funcspec.kernels import Ops, attention, build, cpu, onednn, ops as kops, stream
 from funcspec.nn import llama
 from funcspec.nn.llama import KVRead, ModelConfig, attend, init_kv_cache, read_cache
@@ -503,8 +503,8 @@ def test_deterministic_drafts_verify_without_a_one_hot_q(method):
     onehot = F.one_hot(drafts.clamp(min=0), v).float() * (drafts >= 0).unsqueeze(-1)
     cfg = verifiers.VerifyConfig(method, filters=False)
     with OpLog() as log:
-        got = verifiers.verify(cfg, verifiers.Block(key, logits, Proposal.chain(drafts), samp))
-    want = verifiers.verify(cfg, verifiers.Block(key, logits, Proposal.chain(drafts, onehot), samp))
+        got = verifiers.verify(cfg, verifiers.VerifyInput(key, logits, Proposal.chain(drafts), samp))
+    want = verifiers.verify(cfg, verifiers.VerifyInput(key, logits, Proposal.chain(drafts, onehot), samp))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     views = {"slice", "view", "select", "expand", "unsqueeze", "squeeze", "alias", "as_strided", "t", "transpose"}
     built = [name for name, shapes in log.ops if name not in views and (b, k, v) in shapes]

@@ -195,7 +195,7 @@ def test_draft_model_dynamic_tree_leaves_each_run_node_kv_at_its_node_slot(tiny_
     h, params, tree = eng.proposer, eng.params["draft"], eng.spec.tree
     prompt = [5, 17, 42, 8, 61, 23, 9]
     p = len(prompt)
-    state = h.prefill(params, h.init_state(1, 128), torch.tensor([prompt]), 0, p, ())
+    state = h.prefill(h.init_state(1, 128), torch.tensor([prompt]), 0, p, ())
     history = torch.zeros(2, 128, dtype=torch.int64)
     history[0, :p] = torch.tensor(prompt)
     slots, lens = torch.tensor([0]), torch.tensor([p - 1])  # the last prompt token is the pending one

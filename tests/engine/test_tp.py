@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import funcspec
-from funcspec import Engine, SamplingParams, distributed
+from funcspec import Engine, SamplingParams, distributed, sampling
 from funcspec.checkpoints import init_draft_head, load_model
 from funcspec.checkpoints.tp import shard_model
 from funcspec.distributed import _free_port
@@ -149,7 +149,7 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
                     res[f"{name}/again"] = tokens(eng)
                 res[f"{name}/stats"] = [eng.stats()["recompiles"], eng.stats()["graph_breaks"]]
             else:
-                b = eng.bucket(2, eng.plan.bucket_plan.ks[-1], mode="random")
+                b = eng.bucket(2, eng.plan.bucket_plan.ks[-1], mode=sampling.RANDOM)
                 ex = torch._dynamo.explain(b.fn)(*b.args)
                 res[f"{name}/explain"] = [ex.graph_break_count, ex.graph_count, sum(map(_all_reduces, ex.graphs))]
                 res[f"{name}/kv_heads"] = eng.state.kv.k.shape[2]

@@ -4,6 +4,7 @@ and engines whose greedy output equals autoregressive decoding token for token."
 import pytest
 import torch
 
+from funcspec import sampling
 from funcspec.capture import BucketPlan
 from funcspec.config import SpecConfig
 from funcspec.config.tree import check_dynamic_tree
@@ -91,7 +92,7 @@ def test_engine_with_a_tree_size_per_batch_size_is_greedy_lossless(zoo, tree):
     assert len(acc) == 3 and all(a >= b for a, b in zip(acc, acc[1:]))  # per depth of the whole tree
     with pytest.raises(ValueError, match="k must be a node count 0..7 of this engine's token tree, got 8"):
         eng.bucket(1, 8)
-    bucket = eng.bucket(2, 3, mode="greedy")  # any N <= 7 runs, planned or not (scratch rows only)
+    bucket = eng.bucket(2, 3, mode=sampling.GREEDY)  # any N <= 7 runs, planned or not (scratch rows only)
     out, _ = bucket.fn(*bucket.args)
     # [B, D+1]: the static tree's first 3 nodes are all depth 1; DynamicTree(2, 2, 4) is 2 deep
     assert out.tokens.shape == ((2, 2) if tree == "static" else (2, 3))

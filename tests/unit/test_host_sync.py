@@ -12,7 +12,7 @@ import pytest
 import funcspec
 
 ROOT = Path(funcspec.__file__).parent
-SCANNED = ("verifiers/*.py", "proposers/*.py", "nn/*.py", "step.py", "sampling.py")
+SCANNED = ("verifiers/*.py", "proposers/*.py", "nn/*.py", "step.py", "sampling.py", "logprobs.py")
 
 SYNC_CALLS = {"item", "tolist", "cpu", "numpy", "nonzero"}
 """``x.item()`` etc.: a device-to-host copy (nonzero: a data-dependent shape, hence a sync)."""

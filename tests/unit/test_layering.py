@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("kernels", {"kernels"}),  # every device- and ISA-specific piece, and Ops
     ("nn", {"nn"}),  # math only, over cfg.ops
     ("formats", {"checkpoints", "quant"}),  # HF formats: config, weight files, layouts; prepare_params
-    ("step parts", {"proposers", "verifiers", "sampling", "dynamic"}),  # pure functions over explicit state
+    ("step parts", {"proposers", "verifiers", "sampling", "dynamic", "logprobs"}),  # pure functions over explicit state
     ("step", {"step"}),
     ("capture", {"capture"}),
     ("config", {"config"}),  # SpecConfig parsing; takes backend names from capture

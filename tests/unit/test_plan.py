@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
+from funcspec import sampling
 from funcspec.args import EngineArgs
 from funcspec.config import SpecConfig
 from funcspec.kernels import REFERENCE, Ops
 from funcspec.nn import ModelConfig
-from funcspec.plan import EnginePlan, plan_engine
-from funcspec.token_tree import Chain, chain, truncate
+from funcspec.plan import EnginePlan, graph_modes, plan_engine, startup_modes, verify_rule
+from funcspec.token_tree import Chain, TokenTree, chain, truncate
 from funcspec.verifiers import VerifyConfig
 
 CFG = ModelConfig("llama", 96, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -36,6 +37,63 @@ def test_a_chain_plan_holds_k_the_cache_length_the_buckets_and_the_rule_per_k():
         p.max_k = 4
     assert hash(p) == hash(plan(SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_min": 1})))
+
+
+def test_verify_rule_depends_on_the_spec_and_the_mode_only():
+    spec = SpecConfig("echo", 3, rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 0.5, 0.2])
+    cfg = verify_rule(spec, 2)
+    assert cfg.method == "synthetic" and cfg.synthetic_rates == (0.9, 0.5)
+    assert verify_rule(SpecConfig("ngram", 3), 3) == VerifyConfig("standard")
+    # K = 0 (and no speculation) is decoding: the standard rule; a token tree's bucket: the tree rule
+    assert verify_rule(spec, 0) == verify_rule(None, 0) == VerifyConfig()
+    tree = TokenTree(((0,), (1,), (0, 0)))
+    assert verify_rule(spec, 3, tree) == VerifyConfig("tree", depth=2)
+    assert verify_rule(spec, 3, Chain(3)) == verify_rule(spec, 3)
+    # the mode completes the rule: greedy rows, and top-k/top-p off
+    assert verify_rule(spec, 2, mode=sampling.GREEDY) == VerifyConfig(
+        "synthetic", synthetic_rates=(0.9, 0.5), filters=False, greedy=True)
+    assert verify_rule(None, 0, mode=sampling.RANDOM) == VerifyConfig(filters=False)
+
+
+def test_the_plan_holds_each_buckets_shape_and_complete_rule_as_tables():
+    spec = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 1,
+                                 "speculative_token_tree": TREE})
+    p = plan(spec)
+    assert sorted(p.shapes) == list(range(8)) and p.shapes[0] == Chain(0)
+    assert all(p.shapes[k] == truncate(p.tree, k, frontiers=False) for k in range(1, 8))
+    assert sorted(p.verify_rules) == sorted((k, m) for k in range(8) for m in sampling.MODES)
+    for (k, name), rule in p.verify_rules.items():
+        mode = sampling.MODES[name]
+        assert rule == verify_rule(spec, k, p.shapes[k], mode) and p.verify(k, mode) is rule
+        assert (rule.filters, rule.greedy) == (mode.filters, mode.greedy)
+    assert p.verify(3) is p.verify(3, sampling.FILTERED)  # read, never rebuilt
+    with pytest.raises(ValueError, match=r"k must be in 0\.\.7 .*got 8"):
+        p.bucket_tree(8)
+    with pytest.raises(ValueError, match=r"k must be in 0\.\.7 .*got 8"):
+        p.verify(8)
+
+
+def test_graph_modes_is_the_table_of_the_graph_each_mode_runs_in():
+    names = {name: mode.name for name, mode in graph_modes(True).items()}
+    # after a start-up capture: greedy and filtered run in their own graphs, random in filtered's (top-k and
+    # top-p off draw the same), and every logprobs mode in the general mode's with logprobs
+    assert names == {"greedy": "greedy", "random": "filtered", "filtered": "filtered",
+                     "greedy_logprobs": "filtered_logprobs", "random_logprobs": "filtered_logprobs",
+                     "filtered_logprobs": "filtered_logprobs"}
+    assert graph_modes(False) == sampling.MODES  # captured on first use: each mode its own graph
+    assert [m.name for m in startup_modes()] == ["greedy", "filtered"]
+    assert [m.name for m in startup_modes(True)] == ["greedy", "filtered", "filtered_logprobs"]
+    # every graph a start-up capture leaves a mode to is one it compiles (with capture_logprobs)
+    assert set(graph_modes(True).values()) == set(startup_modes(True))
+    assert plan(backend="inductor", device="cpu").graph_modes == graph_modes(True)
+    assert plan(capture="lazy").graph_modes == graph_modes(False) == plan().graph_modes  # eager: lazy
+
+
+def test_max_k_is_derived_once_by_the_spec():
+    assert SpecConfig("ngram", 3).max_k == 3 and plan(SpecConfig("ngram", 3)).max_k == 3
+    hidden = SpecConfig.from_vllm({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1]}}})
+    assert hidden.max_k == 0 and hidden.k_for_batch_size(3) == 0  # it does not speculate: K = 0
 
 
 def test_autoregressive_plan_and_the_default_cache_length():

@@ -152,7 +152,7 @@ def verify_tree(keys, logits, proposal, samp, mode, depth):
     from funcspec import verifiers
 
     cfg = verifiers.VerifyConfig("tree", depth=depth, greedy=mode.greedy, filters=mode.filters)
-    return verifiers.verify(cfg, verifiers.Block(keys[:, 0], logits, proposal, samp, keys))
+    return verifiers.verify(cfg, verifiers.VerifyInput(keys[:, 0], logits, proposal, samp, keys))
 
 
 def test_greedy_tree_accepts_the_deepest_agreeing_path():

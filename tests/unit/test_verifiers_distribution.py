@@ -89,7 +89,7 @@ def autoregressive_keyed(seed: int, vocab: int, top_k: int, n: int = N, k: int =
     keys = rng.split(rng.key(seed), n * (k + 1)).view(n, k + 1)  # [N, K+1]: AR's key at each position
     cfg = verifiers.VerifyConfig("standard")
     sampling = Sampling.full(n, temperature=0.9, top_k=top_k)
-    block = verifiers.Block(rng.split(rng.key(seed + 1), n), logits, Proposal.chain(drafts), sampling, keys)
+    block = verifiers.VerifyInput(rng.split(rng.key(seed + 1), n), logits, Proposal.chain(drafts), sampling, keys)
     tokens, num, path = standard.verify(cfg, block)
     assert path.tolist() == [list(range(k + 1))] * n  # a chain's accepted path is its first positions
     p = target_probs(logits[:1], 0.9, top_k)[0]  # [K+1, V]

@@ -214,7 +214,7 @@ def test_compiled_equals_eager_for_every_rule():
         for name, k, with_probs in COMPILED_CASES:
             key, logits, drafts, probs = inputs[k]
             proposal = Proposal.chain(drafts, probs if with_probs else None)
-            out.append(verifiers.verify(config(name, k), verifiers.Block(key, logits, proposal, sampling)))
+            out.append(verifiers.verify(config(name, k), verifiers.VerifyInput(key, logits, proposal, sampling)))
         return out
 
     compiled = torch.compile(all_rules, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)

@@ -364,17 +364,17 @@ def test_verify_checks_key_and_proposal_shapes():
     cfg = verifiers.VerifyConfig("standard")
     sampling = Sampling.full(B)
     logits = GOOD["target_logits"]
-    Block = verifiers.Block
+    VerifyInput = verifiers.VerifyInput
     with pytest.raises(ValueError, match=r"key must be a \[B\] = \[2\] key tensor"):
-        verifiers.verify(cfg, Block(rng.key(0), logits, Proposal.chain(GOOD["draft_tokens"]), sampling))
+        verifiers.verify(cfg, VerifyInput(rng.key(0), logits, Proposal.chain(GOOD["draft_tokens"]), sampling))
     with pytest.raises(ValueError, match=r"draft_probs \(proposal.probs\)"):
-        verifiers.verify(cfg, Block(rng.split(rng.key(0), B), logits,
+        verifiers.verify(cfg, VerifyInput(rng.split(rng.key(0), B), logits,
                                     Proposal.chain(GOOD["draft_tokens"], torch.zeros(B, K, V - 1)), sampling))
     synth = verifiers.VerifyConfig("synthetic", synthetic_rates=(1.0, 1.0))
     with pytest.raises(ValueError, match="synthetic_rates must have length K=3"):
-        verifiers.verify(synth, Block(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
+        verifiers.verify(synth, VerifyInput(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
                                       sampling))
     tree = verifiers.VerifyConfig("tree", depth=3)
     with pytest.raises(ValueError, match=r"keys must be \[B, D\+1\] = \[2, 4\] \(decoding's key per depth\), got None"):
-        verifiers.verify(tree, Block(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
+        verifiers.verify(tree, VerifyInput(rng.split(rng.key(0), B), logits, Proposal.chain(GOOD["draft_tokens"]),
                                      sampling))

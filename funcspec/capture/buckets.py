@@ -1,4 +1,4 @@
-"""Bucket plans: which (B, K, T) graphs exist, and how a live batch maps onto them."""
+"""Bucket tables: which (B, K, T) graphs exist, and how a live batch maps onto them."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ class BucketPlan:
     Attributes:
         batch_buckets: sorted, distinct batch sizes.
         ks: sorted, distinct K values (0 is autoregressive decoding).
-        eager_capture: the graphs were captured at start-up (``capture="startup"``):
-            a mode that was not captured runs in the general mode's graph, never
-            compiling a new one (else each bucket is captured on first use).
+        startup: the graphs are captured at start-up (``capture="startup"``);
+            else each bucket is captured on first use. Which mode's graph runs a
+            bucket then is the engine plan's table (``EnginePlan.graph_modes``).
         context_buckets: sorted, distinct KV lengths T that attention reads; a
             step takes the smallest that holds every row's live tokens, so its
             cost follows the live context, not the cache's capacity. Empty: one
@@ -62,7 +62,7 @@ class BucketPlan:
 
     batch_buckets: tuple[int, ...]
     ks: tuple[int, ...] = (0,)
-    eager_capture: bool = False
+    startup: bool = False
     context_buckets: tuple[int, ...] = ()
     pairs: tuple[tuple[int, int], ...] = ()
     symbolic_batch: bool = False
@@ -91,7 +91,7 @@ class BucketPlan:
                              f"got {list(self.pairs)}")
 
     @staticmethod
-    def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, eager_capture=False,
+    def for_engine(max_batch_size: int, max_k: int, batch_buckets=None, startup=False,
                    t_max: int | None = None, context_buckets=None, tree: bool = False,
                    tree_sizes: Optional[Sequence[int]] = None, symbolic_batch: bool = False) -> "BucketPlan":
         """Default plan: power-of-two batches, K from 0 to ``max_k``, power-of-two contexts up to ``t_max``.
@@ -114,11 +114,11 @@ class BucketPlan:
             raise ValueError(f"context_buckets must end at the cache length {t_max} (max_model_len + K + 1), "
                              f"got {list(context_buckets)}")
         if not tree:
-            return BucketPlan(buckets, tuple(range(max_k + 1)), eager_capture, tuple(context_buckets),
+            return BucketPlan(buckets, tuple(range(max_k + 1)), startup, tuple(context_buckets),
                               symbolic_batch=symbolic_batch)
         pairs = tree_pairs(sorted(buckets), [max_k] * max_batch_size if tree_sizes is None else tree_sizes)
         ks = tuple(sorted({k for _, k in pairs}))
-        return BucketPlan(buckets, ks, eager_capture, tuple(context_buckets), pairs, symbolic_batch)
+        return BucketPlan(buckets, ks, startup, tuple(context_buckets), pairs, symbolic_batch)
 
     def graph_batch(self, b: int) -> int:
         """The batch of the graph that runs bucket B: ``b``, or 0 (any B > 1) with a symbolic batch."""
