@@ -44,7 +44,7 @@ NO_EFFECT_ARGS = frozenset({
 
 DEPRECATED_ARGS: Mapping[str, str] = {
     "max_batch_size": "max_num_seqs",
-    "batch_buckets": "compilation_config['cudagraph_capture_sizes']",
+    "batch_buckets": "compilation_config['batch_sizes'] (or vLLM's cudagraph_capture_sizes)",
     "capture": "compilation_config['capture']",
     "compile_cache": "compilation_config['compile_cache']",
     "capture_logprobs": "compilation_config['capture_logprobs']",
@@ -215,7 +215,10 @@ class EngineArgs:
 
     @property
     def batch_buckets(self) -> Optional[list[int]]:
-        """The batch buckets named by ``compilation_config.cudagraph_capture_sizes`` (``None``: the default)."""
+        """The batch buckets: ``compilation_config.batch_sizes``, or those its ``cudagraph_capture_sizes``
+        name (``None``: the default)."""
+        if self.compilation_config.batch_sizes is not None:
+            return sorted(self.compilation_config.batch_sizes)
         return batch_buckets_from_compilation(self.compilation_config.cudagraph_capture_sizes,
                                               self.k_for_batch_size, self.max_num_seqs)
 
@@ -247,12 +250,11 @@ class EngineArgs:
         return args if buckets is None else args.with_batch_buckets(buckets)
 
     def with_batch_buckets(self, buckets: Sequence[int]) -> "EngineArgs":
-        """These arguments with batch buckets ``buckets``, as the capture sizes n·(K_n + 1) that name them."""
+        """These arguments with exactly the batch buckets ``buckets`` (``compilation_config.batch_sizes``)."""
         if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) \
                 or not all(is_int(n) and n >= 1 for n in buckets):
             raise ValueError(f"batch_buckets must be a list of batch sizes >= 1, got {buckets!r}")
-        sizes = [n * (self.k_for_batch_size(n) + 1) for n in buckets]
-        cc = dataclasses.replace(self.compilation_config, cudagraph_capture_sizes=sizes)
+        cc = dataclasses.replace(self.compilation_config, batch_sizes=tuple(buckets))
         return dataclasses.replace(self, compilation_config=cc)
 
     # ----------------------------------------------------------------- as plain data (tensor-parallel followers)

@@ -46,6 +46,8 @@ class CompilationConfig:
 
     Attributes:
         cudagraph_capture_sizes: vLLM's capture sizes, n·(K_n + 1) tokens: the batch buckets n.
+        batch_sizes: funcspec's: the batch buckets themselves (where capture sizes would name more than one
+            batch size under a K table); not with ``cudagraph_capture_sizes``.
         capture: funcspec's: ``"startup"`` captures every graph while ``LLM(...)`` starts, ``"lazy"`` each on first use.
         capture_logprobs: funcspec's: also capture the logprobs graphs at start-up.
         compile_cache: funcspec's: a ``funcspec precompile`` file to load first.
@@ -57,6 +59,7 @@ class CompilationConfig:
     """
 
     cudagraph_capture_sizes: Optional[tuple[int, ...]] = None
+    batch_sizes: Optional[tuple[int, ...]] = None
     capture: str = "startup"
     capture_logprobs: bool = False
     compile_cache: Optional[str] = None
@@ -87,6 +90,15 @@ class CompilationConfig:
                     or not all(is_int(s) and s >= 1 for s in sizes):
                 raise ValueError(f"{CC}cudagraph_capture_sizes must be a list of integers >= 1, got {sizes!r}")
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sizes))
+        batch = self.batch_sizes
+        if batch is not None:
+            if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence) \
+                    or not all(is_int(n) and n >= 1 for n in batch):
+                raise ValueError(f"{CC}batch_sizes must be a list of batch sizes >= 1, got {batch!r}")
+            if sizes is not None:
+                raise ValueError(f"{CC}batch_sizes and {CC}cudagraph_capture_sizes both name the batch buckets: "
+                                 "give one")
+            object.__setattr__(self, "batch_sizes", tuple(batch))
         _check_name("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
         _check_name("mode", self.mode, COMPILATION_MODES, levels=True)
 

@@ -96,8 +96,9 @@ OLD = [
                  "capture_logprobs= is deprecated; use compilation_config['capture_logprobs']",
                  lambda a: a.compilation_config.capture_logprobs is True, id="capture_logprobs"),
     pytest.param(dict(batch_buckets=[1, 4], speculative_config=NGRAM),
-                 "batch_buckets= is deprecated; use compilation_config['cudagraph_capture_sizes']",
-                 lambda a: a.compilation_config.cudagraph_capture_sizes == (4, 16) and a.batch_buckets == [1, 4],
+                 "batch_buckets= is deprecated; use compilation_config['batch_sizes'] (or vLLM's "
+                 "cudagraph_capture_sizes)",
+                 lambda a: a.compilation_config.batch_sizes == (1, 4) and a.batch_buckets == [1, 4],
                  id="batch_buckets"),
 ]
 

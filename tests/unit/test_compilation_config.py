@@ -42,7 +42,23 @@ def test_every_key_with_no_effect_is_named_with_why():
     ({"capture": "never"}, r"^compilation_config.capture must be one of \('startup', 'lazy'\), got 'never'$"),
     ({"capture_logprobs": "yes"}, r"^compilation_config.capture_logprobs must be a bool, got 'yes'$"),
     ({"cudagraph_capture_sizes": [0]}, r"^compilation_config.cudagraph_capture_sizes must be a list of integers"),
+    ({"batch_sizes": [1, 0]}, r"^compilation_config.batch_sizes must be a list of batch sizes >= 1"),
+    ({"batch_sizes": [2], "cudagraph_capture_sizes": [4]},
+     r"^compilation_config.batch_sizes and compilation_config.cudagraph_capture_sizes both name the batch buckets"),
 ])
 def test_bad_values_name_the_key(value, match):
     with pytest.raises(ValueError, match=match):
         CompilationConfig.from_vllm(value)
+
+
+def test_batch_sizes_name_the_buckets_exactly():
+    """Under a K table one capture size can name two batch sizes (8 = 2·(3+1) = 4·(1+1)); ``batch_sizes`` names
+    the buckets themselves."""
+    from funcspec import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1]]}
+    by_size = EngineArgs(model="m", speculative_config=spec, max_num_seqs=4,
+                         compilation_config={"cudagraph_capture_sizes": [8]})
+    exact = EngineArgs(model="m", speculative_config=spec, max_num_seqs=4, compilation_config={"batch_sizes": [4]})
+    assert (by_size.batch_buckets, exact.batch_buckets) == ([2, 4], [4])
