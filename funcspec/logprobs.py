@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from funcspec.outputs import Logprob
-from funcspec.tree import pytree_dataclass
+from funcspec.pytree import pytree_dataclass
 
 MAX_LOGPROBS = 20
 """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default ``max_logprobs``).

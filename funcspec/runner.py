@@ -27,7 +27,7 @@ from funcspec.nn.llama import KVRead
 from funcspec.step import EngineState, StepConfig, StepInputs, row_keys, spec_step
 from funcspec.plan import EnginePlan
 from funcspec.token_tree import Chain, static_parents
-from funcspec.tree import move_slot, replace
+from funcspec.pytree import move_slot, replace
 from funcspec.types import PLACEHOLDER, Sampling
 from funcspec.verifiers import synthetic
 

@@ -143,7 +143,7 @@ class Scheduler:
     """Waiting and running requests over ``num_slots`` KV slots.
 
     Args:
-        num_slots: KV slots (the engine's ``max_batch_size``).
+        num_slots: KV slots (the engine's ``max_num_seqs``).
         max_model_len: prompt + output limit.
         model: the target checkpoint: its vocabulary size, tokenizer and EOS ids.
         max_new_tokens: a cap on every request's output, whatever its

@@ -26,7 +26,7 @@ from funcspec.logprobs import TokenLogprobs, token_logprobs
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import Chain, Shape, ancestors, depths, tree_parents
-from funcspec.tree import pytree_dataclass, replace, slot_field, static_field
+from funcspec.pytree import pytree_dataclass, replace, slot_field, static_field
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from funcspec.token_tree import Chain, static_parents
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 
 PLACEHOLDER = -1
 """Marks a draft position with no proposal, and verifier output after the emitted tokens."""

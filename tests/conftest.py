@@ -59,7 +59,7 @@ def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
 @pytest.fixture(scope="session")
 def check_slot_declarations():
     """``check(engine)``: every tensor of the engine's state declares its slot axis, sized slots + scratch."""
-    from funcspec.tree import slot_leaves, tree_leaves
+    from funcspec.pytree import slot_leaves, tree_leaves
 
     def check(eng):
         declared = list(slot_leaves(eng.state))

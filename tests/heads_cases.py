@@ -43,16 +43,16 @@ def build_zoo(root: Path):
     tensors = {**read_weights(root / "target"), **read_weights(root / "mtp")}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(both / "model.safetensors"))
     paths["mtp_in_target"] = str(both)
-    ar = Engine(target, max_batch_size=4, max_model_len=96, enforce_eager=True).generate(PROMPTS, greedy(24))
+    ar = Engine(target, max_num_seqs=4, max_model_len=96, enforce_eager=True).generate(PROMPTS, greedy(24))
     return types.SimpleNamespace(target=target, paths=paths, ar=[o.outputs[0].token_ids for o in ar])
 
 
-def spec_engine(zoo, method, k=K_MAX, max_batch_size=4, spec=None, **kw):
+def spec_engine(zoo, method, k=K_MAX, max_num_seqs=4, spec=None, **kw):
     if method == "mtp_in_target":
         return Engine(zoo.paths["mtp_in_target"], {"method": "mtp", "num_speculative_tokens": k, **(spec or {})},
-                      max_batch_size=max_batch_size, max_model_len=96, **kw, enforce_eager=True)
+                      max_num_seqs=max_num_seqs, max_model_len=96, **kw, enforce_eager=True)
     return Engine(zoo.target, {"method": method, "model": zoo.paths[method], "num_speculative_tokens": k,
-                               **(spec or {})}, max_batch_size=max_batch_size, max_model_len=96, **kw,
+                               **(spec or {})}, max_num_seqs=max_num_seqs, max_model_len=96, **kw,
                                enforce_eager=True)
 
 

@@ -168,7 +168,7 @@ def decode_rate(max_tokens: int, pairs: int, busy: int) -> dict:
     from funcspec import Engine, SamplingParams, zoo
 
     eng = Engine(str(zoo.model_path("target")), speculative_config=zoo.speculative_config("eagle3", 4),
-                 backend="auto", max_batch_size=len(zoo.RUN_PROMPTS))
+                 backend="auto", max_num_seqs=len(zoo.RUN_PROMPTS))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(zoo.RUN_PROMPTS, sp)
     runs: dict[str, list] = {"quiet": [], "busy": [], "others": []}

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from funcspec.capture import store
 from funcspec.capture.window import Window
-from funcspec.tree import slot_leaves
+from funcspec.pytree import slot_leaves
 
 BACKENDS = ("eager", "inductor", "cudagraph", "aclgraph", "auto")
 """Backend names; ``auto`` is resolved per device by :func:`resolve_backend`."""
@@ -139,7 +139,7 @@ def declare_donation(fn: Callable, example_args: tuple, donated: Sequence[int],
     """The :class:`Donation` of ``fn`` called on ``example_args`` with arguments ``donated`` donated.
 
     A donated argument is a tensor (donated whole) or a state pytree, whose
-    donated leaves are its declared slot leaves (:func:`funcspec.tree.slot_leaves`,
+    donated leaves are its declared slot leaves (:func:`funcspec.pytree.slot_leaves`,
     which refuses a tensor without a declared slot axis). A donated leaf keeps
     its shape, so none may be ``symbolic``.
     """
@@ -577,7 +577,7 @@ def capture(fn: Callable, example_args: tuple, backend: str = "eager", *, name: 
         donated: positions of ``example_args`` that ``fn`` donates (updates in
             place and returns), as JAX's ``donate_argnums``: ``(1,)`` for a
             step's ``state``. A tensor is donated whole; a state pytree donates
-            its declared slot leaves (:func:`funcspec.tree.slot_leaves`). Every
+            its declared slot leaves (:func:`funcspec.pytree.slot_leaves`). Every
             backend records them (``Captured.donated``); eager checks their
             shapes and dtypes at each call, inductor while it checks its
             guards (:class:`TrustedAfterChecks`), and a device graph

@@ -28,7 +28,7 @@ from funcspec.nn import dsa
 from funcspec.nn.llama import (FULL_READ, MATH_TOKENS_MAX, KVRead, ModelConfig, TreeMask, apply_rope, attend,
                                feed_forward, read_cache, rms_norm, row_parallel, visible_keys, write_kv, zeros)
 from funcspec.nn.llama import forward as llama_forward
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 
 
 @pytree_dataclass

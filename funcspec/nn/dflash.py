@@ -43,7 +43,7 @@ import torch
 # NOTE: ``window_start`` is the draft-window rule that every head shares; it stays importable from here.
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, apply_rope, attend, mlp, read_cache, rms_norm,
                                rope_tables, window_start, write_kv)  # noqa: F401 (window_start: re-exported)
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from funcspec.kernels.cpu import huge_empty
 from funcspec.nn import moe
 from funcspec.nn.moe import DENSE, MoEConfig
 from funcspec.parallel import SINGLE, TPGroup, all_reduce
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 
 
 @dataclasses.dataclass(frozen=True)

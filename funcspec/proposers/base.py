@@ -11,8 +11,8 @@ NOTE: ``prefill``, ``propose`` and ``commit`` are pure in what they return but
 multi-megabyte KV cache per step would cost more than the step) and return the
 state that holds the result. Each function's docstring names the leaves it
 donates. A caller that needs the state from before the call keeps a
-``funcspec.tree.clone_state`` copy. Every tensor of a state declares its slot
-axis (``funcspec.tree.slot_field``), which is how the engine moves and copies slots.
+``funcspec.pytree.clone_state`` copy. Every tensor of a state declares its slot
+axis (``funcspec.pytree.slot_field``), which is how the engine moves and copies slots.
 """
 
 from __future__ import annotations

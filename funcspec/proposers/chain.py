@@ -46,7 +46,7 @@ from funcspec.nn import init_kv_cache
 from funcspec.nn.llama import KVCache, ModelConfig, activation_ref, window_start
 from funcspec.proposers import tree_draft
 from funcspec.token_tree import Chain, DynamicTree, TokenTree
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
 

@@ -23,7 +23,7 @@ import torch
 from funcspec.checkpoints import dflash as ckpt
 from funcspec.nn import dflash
 from funcspec.nn.llama import window_start
-from funcspec.tree import pytree_dataclass, replace, slot_field
+from funcspec.pytree import pytree_dataclass, replace, slot_field
 from funcspec.types import Proposal
 
 runs_on_host = False

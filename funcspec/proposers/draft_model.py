@@ -36,7 +36,7 @@ from funcspec.nn import KVCache, ModelConfig, forward, init_kv_cache
 from funcspec.nn.llama import commit_path, move_entries, window_start
 from funcspec.proposers import tree_draft
 from funcspec.token_tree import Chain, TokenTree
-from funcspec.tree import pytree_dataclass
+from funcspec.pytree import pytree_dataclass
 from funcspec.types import Proposal
 
 runs_on_host = False

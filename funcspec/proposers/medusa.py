@@ -16,7 +16,7 @@ import torch
 from funcspec.checkpoints import medusa as ckpt
 from funcspec.nn import medusa as net
 from funcspec.nn.llama import activation_ref
-from funcspec.tree import pytree_dataclass, slot_field
+from funcspec.pytree import pytree_dataclass, slot_field
 from funcspec.types import Proposal
 
 runs_on_host = False

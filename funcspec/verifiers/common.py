@@ -22,7 +22,7 @@ import torch
 
 from funcspec import rng
 from funcspec.sampling import target_probs
-from funcspec.tree import pytree_dataclass
+from funcspec.pytree import pytree_dataclass
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
 STREAM_ACCEPT = 0

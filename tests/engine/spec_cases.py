@@ -37,7 +37,7 @@ def assert_captured_lossless(target, spec, prompts, want, warm: int, **engine) -
     recompiled; returns the engine."""
     from funcspec import Engine
 
-    eng = Engine(target, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
+    eng = Engine(target, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
                  max_model_len=96, capture="lazy", **engine)
     assert _ids(eng.generate(prompts[:warm], GREEDY)) == want[:warm]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -51,7 +51,7 @@ def ar_reference(target: str, n: int = 12):
     from funcspec import Engine
 
     prompts = _prompts(n)
-    return prompts, _ids(Engine(target, max_batch_size=4, max_model_len=96,
+    return prompts, _ids(Engine(target, max_num_seqs=4, max_model_len=96,
                                 enforce_eager=True).generate(prompts, GREEDY))
 
 

@@ -8,7 +8,7 @@ import torch
 from funcspec import Engine, SamplingParams, kernels
 from funcspec.capture import BucketPlan, capture, fresh_code_copy
 from funcspec.capture.backends import TrustedAfterChecks
-from funcspec.tree import tree_signature
+from funcspec.pytree import tree_signature
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
@@ -17,12 +17,12 @@ PROMPTS = [[5, 17, 33], list(range(10, 25)), [44, 9, 71, 8], [3] * 7, [90, 12]]
 
 @pytest.fixture(scope="module")
 def inductor_engine(tiny_llama):
-    return Engine(tiny_llama, backend="inductor", max_batch_size=8, max_model_len=64, capture="lazy")
+    return Engine(tiny_llama, backend="inductor", max_num_seqs=8, max_model_len=64, capture="lazy")
 
 
 @pytest.fixture(scope="module")
 def eager_engine(tiny_llama):
-    return Engine(tiny_llama, backend="eager", max_batch_size=8, max_model_len=64)
+    return Engine(tiny_llama, backend="eager", max_num_seqs=8, max_model_len=64)
 
 
 def _ids(outs):
@@ -63,7 +63,7 @@ def test_padding_rows_never_change_real_rows(eager_engine):
 
 
 def test_padding_rows_write_only_the_scratch_slot(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=32, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=4, max_model_len=32, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     k_real = eng.state.kv.k[:, :4].clone()
     lens, hist = eng.state.kv.lens.clone(), eng.state.history[:4].clone()
@@ -82,7 +82,7 @@ def test_ten_batch_sizes_share_two_graphs_and_never_recompile(tiny_llama, traced
     Inductor's code generation is swapped for the traced graph itself to keep this test fast (Dynamo still
     traces, guards and counts compiles); the tests above and test_runtime.py run real inductor code.
     """
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24, ops=rows_free_ops)
+    eng = Engine(tiny_llama, backend="inductor", max_num_seqs=10, max_model_len=24, ops=rows_free_ops)
     assert eng.plan.bucket_plan.batch_buckets == tuple(range(1, 11)) and eng.plan.bucket_plan.symbolic_batch
     assert sorted(eng.runner.compiled) == [(0, 0, 25, "filtered"), (0, 0, 25, "greedy"),
                                            (1, 0, 25, "filtered"), (1, 0, 25, "greedy")]
@@ -98,7 +98,7 @@ def test_where_products_count_rows_each_batch_bucket_has_its_graph(tiny_llama, t
     """The plain products (AVX2 CPUs; ``kernels.REFERENCE`` here on any CPU) pick their path by the row count, so
     the plan keeps a static graph per batch bucket (1, 2, 4, 8, 10), every one captured while the engine starts;
     batches 1..10 pad into them and nothing compiles afterwards."""
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=10, max_model_len=24, ops=kernels.REFERENCE)
+    eng = Engine(tiny_llama, backend="inductor", max_num_seqs=10, max_model_len=24, ops=kernels.REFERENCE)
     assert not eng.plan.bucket_plan.symbolic_batch and eng.plan.bucket_plan.batch_buckets == (1, 2, 4, 8, 10)
     assert sorted(eng.runner.compiled) == [(b, 0, 25, m) for b in (1, 2, 4, 8, 10) for m in ("filtered", "greedy")]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -177,8 +177,8 @@ def test_aclgraph_refuses_without_torch_npu_and_checks_k(tiny_llama):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
 def test_cudagraph_equals_eager(tiny_llama):
-    cuda = Engine(tiny_llama, backend="cudagraph", max_batch_size=8, max_model_len=64, device="cuda")
-    eager = Engine(tiny_llama, backend="eager", max_batch_size=8, max_model_len=64, device="cuda")
+    cuda = Engine(tiny_llama, backend="cudagraph", max_num_seqs=8, max_model_len=64, device="cuda")
+    eager = Engine(tiny_llama, backend="eager", max_num_seqs=8, max_model_len=64, device="cuda")
     assert _ids(cuda.generate(PROMPTS, GREEDY)) == _ids(eager.generate(PROMPTS, GREEDY))
     assert cuda.stats()["recompiles"] == 0
 

@@ -138,7 +138,7 @@ def test_greedy_speculation_on_deepseek_equals_ar(v3, eagle3, reference, method)
         {"method": "eagle3", "model": eagle3, "num_speculative_tokens": 3}
     if method == "eagle3-tree":
         spec.update(num_speculative_tokens=5, speculative_token_tree="[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]")
-    assert _ids(Engine(v3, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True).generate(
+    assert _ids(Engine(v3, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True).generate(
         prompts, GREEDY)) == want
 
 
@@ -152,7 +152,7 @@ def test_captured_speculation_on_deepseek_equals_ar(v3, reference):
 def test_cudagraph_speculation_on_deepseek_equals_ar_on_cuda(v3, eagle3, method):
     """A bf16 DeepSeek-V3 on CUDA: latent attention and its tree commits replay in CUDA graphs, and captured
     greedy speculation equals eager greedy AR."""
-    kw = dict(max_batch_size=4, max_model_len=96, device="cuda", dtype=torch.bfloat16)
+    kw = dict(max_num_seqs=4, max_model_len=96, device="cuda", dtype=torch.bfloat16)
     prompts = _prompts(12)
     want = _ids(Engine(v3, backend="eager", **kw).generate(prompts, GREEDY))
     spec = _spec("ngram", 3) if method == "ngram" else {
@@ -166,7 +166,7 @@ def test_cudagraph_speculation_on_deepseek_equals_ar_on_cuda(v3, eagle3, method)
 def test_bf16_speculation_on_deepseek_equals_bf16_ar(v3):
     """In bf16 the sigmoid router still scores in fp32 (its weight cast as transformers does)."""
     prompts = _prompts(4)
-    kw = dict(max_batch_size=4, max_model_len=96, dtype=torch.bfloat16)
+    kw = dict(max_num_seqs=4, max_model_len=96, dtype=torch.bfloat16)
     want = _ids(Engine(v3, **kw, enforce_eager=True).generate(prompts, GREEDY))
     assert _ids(Engine(v3, speculative_config=_spec("ngram", 3), **kw,
                        enforce_eager=True).generate(prompts, GREEDY)) == want

@@ -122,7 +122,7 @@ def test_greedy_speculation_on_v32_equals_ar(v32, reference, tmp_path, method):
     if method == "eagle3-tree":
         spec = {"method": "eagle3", "model": str(init_draft_head("eagle3", v32, tmp_path / "eagle3")),
                 "num_speculative_tokens": 5, "speculative_token_tree": TREE}
-    assert _ids(Engine(v32, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True).generate(
+    assert _ids(Engine(v32, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True).generate(
         prompts, GREEDY)) == want
 
 

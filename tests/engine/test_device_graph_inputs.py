@@ -84,7 +84,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_no_captured_step_copies_host_data(case, tiny_llama, tiny_draft, heads, guarded_steps):
-    eng = Engine(tiny_llama, speculative_config=CASES[case](heads, tiny_draft), max_batch_size=2, max_model_len=64,
+    eng = Engine(tiny_llama, speculative_config=CASES[case](heads, tiny_draft), max_num_seqs=2, max_model_len=64,
                  enforce_eager=True)
     for params in (GREEDY, SAMPLED):
         outs = eng.generate(_prompts(2), params)
@@ -103,7 +103,7 @@ def test_the_guard_catches_a_python_list_index_and_a_host_scalar():
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"ar", "synthetic"}))  # synthetic accepts by rate: not lossless
 def test_cudagraph_greedy_speculation_equals_eager_ar_on_cuda(case, tiny_llama, tiny_draft, heads):
     """Every lossless case above captured as CUDA graphs on a real GPU: greedy tokens equal eager greedy AR's."""
-    kw = dict(max_batch_size=2, max_model_len=64, device="cuda")
+    kw = dict(max_num_seqs=2, max_model_len=64, device="cuda")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in Engine(tiny_llama, **kw, enforce_eager=True).generate(_prompts(4), params)]
     eng = Engine(tiny_llama, speculative_config=CASES[case](heads, tiny_draft), backend="cudagraph", **kw)

@@ -17,7 +17,7 @@ from funcspec.proposers import dflash as dflash_proposer
 from funcspec.proposers import dspark as dspark_proposer
 from funcspec.step import StepContext, VerifyResult
 from funcspec.token_tree import Chain
-from funcspec.tree import replace, tree_signature
+from funcspec.pytree import replace, tree_signature
 from funcspec.types import Sampling
 
 PROPOSERS = {"dflash": dflash_proposer, "dspark": dspark_proposer}
@@ -56,7 +56,7 @@ def heads(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar_outputs(target):
-    return [o.outputs[0].token_ids for o in Engine(target, max_batch_size=4,
+    return [o.outputs[0].token_ids for o in Engine(target, max_num_seqs=4,
                                                    enforce_eager=True).generate(PROMPTS, GREEDY)]
 
 
@@ -65,7 +65,7 @@ def ar_outputs(target):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_autoregressive(target, heads, ar_outputs, method, k, batch):
     """Batch 4 with 3 prompts also runs a padding row."""
-    eng = Engine(target, speculative_config=_spec(method, heads[method], k), max_batch_size=batch, enforce_eager=True)
+    eng = Engine(target, speculative_config=_spec(method, heads[method], k), max_num_seqs=batch, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar_outputs
     assert eng.stats()["recompiles"] == 0
 
@@ -78,7 +78,7 @@ def test_every_state_tensor_declares_its_slot_axis(target, heads, method, check_
 def test_dflash_keeps_its_context_through_k0_steps(target, heads, ar_outputs):
     """K = 0 steps (a batch-size table gap) still stage and project the committed context."""
     spec = {**_spec("dflash", heads["dflash"], 3), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 4, 0]]}
-    eng = Engine(target, speculative_config=spec, max_batch_size=4, enforce_eager=True)
+    eng = Engine(target, speculative_config=spec, max_num_seqs=4, enforce_eager=True)
     lengths = [6, 16, 10]  # so the batch shrinks to one request, which drafts again
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, params)]
@@ -126,8 +126,8 @@ def bigram(tmp_path_factory):
 def test_dspark_oracle_markov_head_accepts_every_draft(bigram, tmp_path):
     tgt, table = bigram
     head = _markov_oracle(tmp_path, tgt, table, noise=0.0)
-    ar = Engine(tgt, max_batch_size=2, enforce_eager=True).generate(PROMPTS, GREEDY)
-    eng = Engine(tgt, speculative_config=_spec("dspark", head, 3), max_batch_size=2, enforce_eager=True)
+    ar = Engine(tgt, max_num_seqs=2, enforce_eager=True).generate(PROMPTS, GREEDY)
+    eng = Engine(tgt, speculative_config=_spec("dspark", head, 3), max_num_seqs=2, enforce_eager=True)
     out = eng.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
     assert eng.stats()["mean_acceptance_length"] == 4.0
@@ -139,7 +139,7 @@ def test_dspark_sampled_is_lossless(bigram, tmp_path):
     tgt, table = bigram
     head = _markov_oracle(tmp_path, tgt, table, noise=0.15)  # q close to, but not, p: accepts and rejects
     temp, top_k, n = 1.0, 4, 1500
-    eng = Engine(tgt, speculative_config=_spec("dspark", head, 3), max_batch_size=16, max_model_len=32,
+    eng = Engine(tgt, speculative_config=_spec("dspark", head, 3), max_num_seqs=16, max_model_len=32,
                  enforce_eager=True)
     for prompt in ([5], [7, 9]):
         params = [SamplingParams(temperature=temp, top_k=top_k, seed=i, max_tokens=2, ignore_eos=True)
@@ -225,7 +225,7 @@ def _reference_hidden(cfg, params, raw, block, start):
 
 
 def _run_engine(target, heads, method, k, prompts, max_tokens, **engine_kw):
-    eng = Engine(target, speculative_config=_spec(method, heads[method], k), max_batch_size=4, **engine_kw,
+    eng = Engine(target, speculative_config=_spec(method, heads[method], k), max_num_seqs=4, **engine_kw,
                  enforce_eager=True)
     eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return eng
@@ -298,9 +298,9 @@ def test_draft_window(target, heads):
     block = torch.tensor([pending] + [pcfg.net.mask_token_id] * k)
     torch.testing.assert_close(small, _reference_hidden(pcfg.net, params, raw[start:], block, start),
                                atol=1e-4, rtol=1e-4)
-    windowed = Engine(target, speculative_config=_spec("dflash", heads["dflash"], k), max_batch_size=2,
+    windowed = Engine(target, speculative_config=_spec("dflash", heads["dflash"], k), max_num_seqs=2,
                       additional_config={"draft_window_size": 8}, enforce_eager=True)
-    ar = Engine(target, max_batch_size=2, enforce_eager=True).generate([prompt, PROMPTS[1]], GREEDY)
+    ar = Engine(target, max_num_seqs=2, enforce_eager=True).generate([prompt, PROMPTS[1]], GREEDY)
     out = windowed.generate([prompt, PROMPTS[1]], GREEDY)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
 

@@ -33,10 +33,10 @@ def test_init_draft_head_gives_a_usable_eagle3_head_on_any_depth(tmp_path, layer
     ids = json.loads((head / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
     assert tuple(ids) == eagle.spread_aux_layers(layers)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    ar = [o.outputs[0].token_ids for o in Engine(str(target), max_batch_size=2,
+    ar = [o.outputs[0].token_ids for o in Engine(str(target), max_num_seqs=2,
                                                  enforce_eager=True).generate(prompts, GREEDY)]
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-    eng = Engine(str(target), speculative_config=spec, max_batch_size=2, enforce_eager=True)
+    eng = Engine(str(target), speculative_config=spec, max_num_seqs=2, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
 
 

@@ -23,7 +23,7 @@ def test_greedy_matches_transformers_generate(tmp_path):
     hf = make_hf_model(tmp_path)
     hf.generation_config.eos_token_id = None
     prompts = [[5, 17, 33], list(range(10, 30)), [44, 9, 71, 8, 3, 90, 12, 6, 51, 7, 23]]
-    outs = funcspec.generate(str(tmp_path), prompts, GREEDY, max_batch_size=4, max_model_len=128, enforce_eager=True)
+    outs = funcspec.generate(str(tmp_path), prompts, GREEDY, max_num_seqs=4, max_model_len=128, enforce_eager=True)
     for p, o in zip(prompts, outs):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False, min_new_tokens=0)
         assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
@@ -35,9 +35,9 @@ def test_continuous_batching_equals_single_requests(tiny_llama):
     prompts = _prompts(20, seed=1)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=20 if i % 3 else 0, seed=i,
                              max_tokens=5 + (i * 7) % 17, ignore_eos=True) for i in range(20)]
-    eng = Engine(tiny_llama, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     batched = eng.generate(prompts, params)
-    single = Engine(tiny_llama, max_batch_size=1, max_model_len=96, enforce_eager=True)
+    single = Engine(tiny_llama, max_num_seqs=1, max_model_len=96, enforce_eager=True)
     for p, sp, o in zip(prompts, params, batched):
         assert single.generate([p], sp)[0].outputs[0].token_ids == o.outputs[0].token_ids
         assert len(o.outputs[0].token_ids) == sp.max_tokens
@@ -46,7 +46,7 @@ def test_continuous_batching_equals_single_requests(tiny_llama):
 
 
 def test_seeds_reproduce_and_differ(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     p = [[4, 5, 6, 7]]
     a = eng.generate(p, SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True))
     b = eng.generate(p, SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True))
@@ -56,7 +56,7 @@ def test_seeds_reproduce_and_differ(tiny_llama):
 
 
 def test_engine_keeps_state_between_calls(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     first = eng.generate([[4, 5, 6]], GREEDY.__class__(temperature=0.0, max_tokens=8, ignore_eos=True))
     steps = eng.stats()["steps"]
     second = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -65,7 +65,7 @@ def test_engine_keeps_state_between_calls(tiny_llama):
 
 
 def test_stop_token_ids_and_max_model_len(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=24, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=24, enforce_eager=True)
     free = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
     ids = free.outputs[0].token_ids
     assert len(ids) == 24 - 3 and free.outputs[0].finish_reason == "length"  # max_tokens=None: up to max_model_len
@@ -78,7 +78,7 @@ def test_stop_token_ids_and_max_model_len(tiny_llama):
 
 
 def test_eos_stops_unless_ignored(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=1, max_model_len=64, enforce_eager=True)
     ids = eng.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     ids = ids.outputs[0].token_ids
     # make the 4th generated token the EOS id by loading a model whose eos is that token
@@ -88,7 +88,7 @@ def test_eos_stops_unless_ignored(tiny_llama):
 
 
 def test_text_prompts_and_stop_strings(default_model):
-    eng = Engine(default_model, max_batch_size=2, max_model_len=128, enforce_eager=True)
+    eng = Engine(default_model, max_num_seqs=2, max_model_len=128, enforce_eager=True)
     out = eng.generate("def main():", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     text = out.outputs[0].text
     assert out.prompt == "def main():" and len(out.outputs[0].token_ids) == 20
@@ -100,7 +100,7 @@ def test_text_prompts_and_stop_strings(default_model):
 
 
 def test_prompt_forms(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     a = eng.generate([[7, 8, 9]], sp)[0].outputs[0].token_ids
     b = eng.generate([{"prompt_token_ids": [7, 8, 9]}], sp)[0].outputs[0].token_ids
@@ -108,7 +108,7 @@ def test_prompt_forms(tiny_llama):
 
 
 def test_stats_keys(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     st = eng.stats()
     for key in ("steps", "tokens_generated", "recompiles", "graphs", "capture_seconds",
@@ -130,7 +130,7 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_bad_prompts_leave_engine_clean(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=16, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=16, enforce_eager=True)
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="prompt must not be empty"):
         eng.generate([[1, 2], []], sp)
@@ -161,7 +161,7 @@ def test_exactly_one_device_to_host_copy_per_step(tiny_llama, monkeypatch, metho
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         spec["prompt_lookup_max"] = 2
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=64, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # warm up
     calls = collections.Counter()  # (what, calling function) -> count
 
@@ -210,7 +210,7 @@ def test_a_request_prefilled_beside_others_keeps_the_bits_it_has_alone():
 
     def slot0_kv(prompts):
         eng = Engine(str(zoo.model_path("target")), zoo.speculative_config("eagle3", 3), backend="eager",
-                     max_batch_size=4, max_model_len=256)
+                     max_num_seqs=4, max_model_len=256)
         for p in prompts:
             eng.add_request(p, SamplingParams(temperature=0.8, top_p=0.95, seed=1005, max_tokens=4, ignore_eos=True))
         eng.step()  # admits every request, then one speculative step

@@ -18,9 +18,9 @@ def test_add_request_and_step_match_generate(tiny_llama, tiny_draft):
     prompts = [[5, 6, 7], [9, 8, 7, 6], [3, 4]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 12, 9)]
     want = [o.outputs[0].token_ids for o in
-            Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64,
+            Engine(tiny_llama, speculative_config=spec, max_num_seqs=2, max_model_len=64,
                    enforce_eager=True).generate(prompts, params)]
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     assert ids == ["0", "1", "2"] and eng.has_unfinished_requests()
     done = {}
@@ -35,9 +35,9 @@ def test_add_request_and_step_match_generate(tiny_llama, tiny_draft):
 def test_bucket_is_the_step_the_engine_runs(tiny_llama):
     """Calling bucket.fn on live rows yields the tokens that Engine.step would have emitted."""
     prompt = [5, 6, 7, 8]
-    ref = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    ref = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     want = ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     eng.add_request(prompt, GREEDY)
     eng.step()  # prefill + one decode step: two tokens
     got = list(eng.running[0].output_ids)
@@ -57,7 +57,7 @@ def test_one_step_serves_chains_and_trees_and_refuses_drafts_without_parents(tin
     from funcspec.proposers import echo
     from funcspec.types import Proposal
 
-    eng = Engine(tiny_llama, {"method": "echo", "num_speculative_tokens": 2}, max_batch_size=2, max_model_len=64,
+    eng = Engine(tiny_llama, {"method": "echo", "num_speculative_tokens": 2}, max_num_seqs=2, max_model_len=64,
                  enforce_eager=True)
     eng.add_request([5, 6, 7, 8], GREEDY)
     eng.step()
@@ -75,7 +75,7 @@ def test_one_step_serves_chains_and_trees_and_refuses_drafts_without_parents(tin
 
 
 def test_bucket_refuses_bad_arguments(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     with pytest.raises(ValueError, match=r"k must be one of this engine's K values \(0,\)"):
         eng.bucket(1, 3)
     with pytest.raises(ValueError, match=r"live rows must be in \[0, 2\]"):
@@ -86,7 +86,7 @@ def test_bucket_refuses_bad_arguments(tiny_llama):
 
 def test_incremental_text_equals_a_full_decode(default_model):
     """The streamed text of any id sequence is the tokenizer's decode of all of it, fast and slow paths."""
-    tok = Engine(default_model, max_batch_size=1, max_model_len=32, enforce_eager=True).model.tokenizer
+    tok = Engine(default_model, max_num_seqs=1, max_model_len=32, enforce_eager=True).model.tokenizer
     rng = random.Random(0)
     for trial in range(20):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
@@ -101,7 +101,7 @@ def test_incremental_text_equals_a_full_decode(default_model):
 
 def test_stop_strings_decode_each_token_once(default_model, monkeypatch):
     """Stop strings are found without re-decoding the output: the tokenizer decodes once, at the end."""
-    eng = Engine(default_model, max_batch_size=1, max_model_len=128, enforce_eager=True)
+    eng = Engine(default_model, max_num_seqs=1, max_model_len=128, enforce_eager=True)
     tok = eng.model.tokenizer
     calls = {"decode": 0}
     real = type(tok).decode
@@ -135,7 +135,7 @@ def test_a_stop_string_completed_before_min_tokens_is_not_found_again():
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=32, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=1, max_model_len=32, enforce_eager=True)
     assert eng.model.tokenizer is None
     with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["x"]))
@@ -145,7 +145,7 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_llama):
 def test_stats_counts_waiting_and_running_sequences_as_requests_come_and_go(tiny_llama):
     """``Engine.stats()`` counts the sequences waiting for a slot and those in one (a request's ``n``
     completions each), at every step; ``waiting_ids`` names the waiting ones; a snapshot does not change later."""
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
 
     def counts():
         st = eng.stats()
@@ -180,7 +180,7 @@ def test_stats_keeps_each_buckets_step_times_in_a_bounded_window(tiny_llama):
     from funcspec.bench.timing import new_replays
     from funcspec.capture.window import WINDOW, Window
 
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=1, max_model_len=64, enforce_eager=True)
     eng.runner.replay_ms = collections.defaultdict(lambda: Window(4))  # a small window, to overflow it
     greedy = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
     eng.generate([[1, 2, 3]], greedy)  # 10 steps after the prefill's token
@@ -196,7 +196,7 @@ def test_stats_keeps_each_buckets_step_times_in_a_bounded_window(tiny_llama):
     assert len(st["bucket_timings"][name]["replay_ms"]) == 4 and after["bucket_timings"][name]["calls"] == 12
     assert new_replays(st, after) == {name: list(after["bucket_timings"][name]["replay_ms"][-2:])}
     assert new_replays(after, after) == {} and len(new_replays({"bucket_timings": {}}, after)[name]) == 4
-    assert Engine(tiny_llama, max_batch_size=1, max_model_len=64,
+    assert Engine(tiny_llama, max_num_seqs=1, max_model_len=64,
                   enforce_eager=True).runner.replay_ms.default_factory().maxlen == WINDOW
 
 
@@ -210,7 +210,7 @@ def test_step_timings_are_kept_in_bounded_windows(tiny_llama):
         window.append(x)
     assert list(window) == [6, 7, 8, 9] and window.total == 10
     assert window.since(7) == [7, 8, 9] and window.since(2) == [6, 7, 8, 9] and window.since(10) == []
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=1, max_model_len=64, enforce_eager=True)
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     (graph,) = eng.runner.compiled.values()
     (bucket,) = eng.runner.replay_ms.values()

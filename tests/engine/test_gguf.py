@@ -48,10 +48,10 @@ def test_a_gguf_file_loads_with_its_tokenizer_and_speculation_equals_ar(hf_dir, 
     tokens = [1, 5, 9, 13, 2, 7]
     diff = (_logits(model, tokens) - _logits(ref, tokens)).abs().max().item()
     assert diff < {"float32": 1e-5, "bfloat16": 0.05, "q8_0": 0.2, "q4_0": 2.0}[kind]
-    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_batch_size=2,
+    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_num_seqs=2,
                                                  enforce_eager=True).generate(PROMPTS, GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_batch_size=2,
+    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_num_seqs=2,
                                                    enforce_eager=True).generate(PROMPTS, GREEDY)] == ar
 
 
@@ -128,9 +128,9 @@ def test_q4_k_model_runs_losslessly(tmp_path):
     model = load_model(tmp_path / "q4k.gguf")
     assert model.params["lm_head"]["format"].name == "gguf-q4_k" and model.params["lm_head"]["format"].asym
     assert model.tokenizer is None  # this file has no vocabulary
-    ar = [o.outputs[0].token_ids for o in Engine(model, max_batch_size=2, enforce_eager=True).generate(PROMPTS, GREEDY)]
+    ar = [o.outputs[0].token_ids for o in Engine(model, max_num_seqs=2, enforce_eager=True).generate(PROMPTS, GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    assert [o.outputs[0].token_ids for o in Engine(model, spec, max_batch_size=2,
+    assert [o.outputs[0].token_ids for o in Engine(model, spec, max_num_seqs=2,
                                                    enforce_eager=True).generate(PROMPTS, GREEDY)] == ar
 
 
@@ -189,12 +189,12 @@ def test_draft_heads_over_a_tied_quantized_gguf_target_are_lossless(tmp_path, me
         (f,) = head.glob("*.safetensors")
         save_file({k: v for k, v in load_file(f).items() if not k.endswith(".1.weight")}, f)
     spec = {"method": method.split("-")[0], "model": str(head), "num_speculative_tokens": 3}
-    eng = Engine(target, spec, max_batch_size=2, enforce_eager=True)
+    eng = Engine(target, spec, max_num_seqs=2, enforce_eager=True)
     drafter_head = eng.params["draft"].get("lm_head")
     if method != "eagle3":
         assert drafter_head is eng.params["target"]["lm_head"]
     else:
         assert drafter_head["weight"].dtype == torch.float32
-    ar = [o.outputs[0].token_ids for o in Engine(target, max_batch_size=2,
+    ar = [o.outputs[0].token_ids for o in Engine(target, max_num_seqs=2,
                                                  enforce_eager=True).generate(PROMPTS, GREEDY)]
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar

@@ -87,7 +87,7 @@ def test_a_float_deepseek_gguf_is_the_hf_checkpoint(sources, kind):
 
 
 def _greedy(model, spec=None) -> list[list[int]]:
-    eng = Engine(model, spec, max_batch_size=2, max_model_len=64, backend="eager")
+    eng = Engine(model, spec, max_num_seqs=2, max_model_len=64, backend="eager")
     return [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
 
 

@@ -67,7 +67,7 @@ def test_a_quantized_qwen3_moe_gguf_keeps_its_experts_quantized_and_speculation_
     assert diff < {"q8_0": 0.15, "q4_0": 0.8}[kind]  # logits span about +-1.5
     ar = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    eng = Engine(str(path), spec, max_batch_size=2, max_model_len=96, backend="eager")
+    eng = Engine(str(path), spec, max_num_seqs=2, max_model_len=96, backend="eager")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar
 
 
@@ -161,7 +161,7 @@ def test_q4_k_experts_with_q6_k_down_run_losslessly(tmp_path):
     experts = model.params["model"]["layers"][0]["mlp"]["experts"]
     assert experts["gate_up_proj"]["format"].name == "gguf-q4_k" and experts["gate_up_proj"]["format"].asym
     assert (experts["down_proj"]["format"].name, experts["down_proj"]["format"].group) == ("gguf-q6_k", 16)
-    ar = [o.outputs[0].token_ids for o in Engine(model, max_batch_size=2, backend="eager").generate(PROMPTS, GREEDY)]
+    ar = [o.outputs[0].token_ids for o in Engine(model, max_num_seqs=2, backend="eager").generate(PROMPTS, GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    eng = Engine(model, spec, max_batch_size=2, backend="eager")
+    eng = Engine(model, spec, max_num_seqs=2, backend="eager")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar

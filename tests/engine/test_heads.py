@@ -19,7 +19,7 @@ from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
 from funcspec.step import StepContext, VerifyResult
 from funcspec.token_tree import Chain
-from funcspec.tree import clone_state, tree_signature
+from funcspec.pytree import clone_state, tree_signature
 from funcspec.types import Sampling
 
 from heads_cases import HEADS, K_MAX, METHODS, PROMPTS, TREE, greedy, spec_engine
@@ -87,7 +87,7 @@ def test_drafts_match_full_recompute(zoo, method):
     partial and full acceptance is what this checks.
     """
     synthetic = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.6, 0.4]}
-    eng = spec_engine(zoo, method, max_batch_size=2, spec=synthetic)
+    eng = spec_engine(zoo, method, max_num_seqs=2, spec=synthetic)
     rec = record_drafts(eng)
     outs = eng.generate(PROMPTS[1:3], greedy(16))
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS[1:3], outs)]
@@ -156,12 +156,12 @@ def _ctx(state, slots, k=K_MAX):
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
 def test_every_state_tensor_declares_its_slot_axis(zoo, method, check_slot_declarations):
-    check_slot_declarations(spec_engine(zoo, method, max_batch_size=2))
+    check_slot_declarations(spec_engine(zoo, method, max_num_seqs=2))
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
 def test_state_structure_and_padding_invariance(zoo, method):
-    eng = spec_engine(zoo, method, max_batch_size=2)
+    eng = spec_engine(zoo, method, max_num_seqs=2)
     eng.generate(PROMPTS[:2], greedy(7))  # slots 0 and 1 now hold decoded requests
     h, params, s = eng.proposer, eng.params["draft"], eng.num_slots
 
@@ -190,7 +190,7 @@ def test_state_structure_and_padding_invariance(zoo, method):
 def test_draft_window_changes_drafts_never_the_output(zoo, method):
     def run(window):
         extra = None if window is None else {"draft_window_size": window}
-        eng = spec_engine(zoo, method, max_batch_size=2, additional_config=extra)
+        eng = spec_engine(zoo, method, max_num_seqs=2, additional_config=extra)
         rec = record_drafts(eng)
         out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))]
         return out, rec
@@ -204,7 +204,7 @@ def test_draft_window_changes_drafts_never_the_output(zoo, method):
 def test_draft_window_does_not_depend_on_k(zoo):
     """The window starts at lens - W whatever the bucket's K (nn.llama.window_start), so a chain head's
     drafts at K = 2 are its first two at K = 3: a row's drafts do not follow the batch-size K table."""
-    eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config={"draft_window_size": 3})
+    eng = spec_engine(zoo, "eagle3", max_num_seqs=2, additional_config={"draft_window_size": 3})
     eng.generate(PROMPTS[:2], greedy(9))
     h, params = eng.proposer, eng.params["draft"]
     drafts = {}
@@ -218,7 +218,7 @@ def test_draft_window_does_not_depend_on_k(zoo):
 
 
 def test_propose_compiles_fullgraph(zoo):
-    eng = spec_engine(zoo, "eagle3", max_batch_size=2, additional_config={"draft_window_size": 8})
+    eng = spec_engine(zoo, "eagle3", max_num_seqs=2, additional_config={"draft_window_size": 8})
     eng.generate(PROMPTS[:2], greedy(5))
     h, params = eng.proposer, eng.params["draft"]
 
@@ -246,7 +246,7 @@ def test_whole_step_captures_as_one_graph(zoo, method, traced_codegen, tmp_path)
     if method in ("dflash", "dspark"):
         head = init_draft_head(method, zoo.target, tmp_path / method, markov_rank=8)
         eng = Engine(zoo.target, {"method": method, "model": str(head), "num_speculative_tokens": 2},
-                     backend="inductor", max_batch_size=4, batch_buckets=[4], max_model_len=96, capture="lazy")
+                     backend="inductor", max_num_seqs=4, batch_buckets=[4], max_model_len=96, capture="lazy")
     else:
         eng = spec_engine(zoo, method, 2, backend="inductor", batch_buckets=[4], capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]

@@ -103,7 +103,7 @@ TREES = {"static": {"speculative_token_tree": str(list(STATIC.paths)), "num_spec
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     prompts = _prompts(12)
-    return prompts, _ids(Engine(tiny_llama, max_batch_size=4, max_model_len=96,
+    return prompts, _ids(Engine(tiny_llama, max_num_seqs=4, max_model_len=96,
                                 enforce_eager=True).generate(prompts, GREEDY))
 
 
@@ -112,7 +112,7 @@ def reference(tiny_llama):
 def test_history_tree_greedy_equals_autoregressive(tiny_llama, reference, method, shape):
     prompts, want = reference
     spec = {**_spec(method, None), **TREES[shape]}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
     st = eng.stats()
     assert st["mean_acceptance_length"] > 1.0 and st["per_position_acceptance"][0] > 0
@@ -128,7 +128,7 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
         request.getfixturevalue("traced_codegen")
     prompts, want = reference
     spec = {**_spec(method, None), **TREES[shape]}
-    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
+    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
                  max_model_len=96, capture="lazy")
     n = eng.spec.tree.size
     assert _ids(eng.generate(prompts[:4], GREEDY)) == want[:4]
@@ -146,7 +146,7 @@ def test_ngram_tree_size_per_batch_size(tiny_llama, reference):
     prompts, want = reference
     spec = {**_spec("ngram", None), "speculative_eagle_topk": 2, "speculative_num_steps": 8,
             "speculative_num_draft_tokens": 9, "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 4, 3]]}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts[:1], GREEDY)) == want[:1]
     assert _ids(eng.generate(prompts[1:], GREEDY)) == want[1:]
     assert {"B1_K8", "B4_K3"} <= set(eng.stats()["buckets_used"])

@@ -96,13 +96,13 @@ def _spec(name: str, eagle1: str, k: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def ar(zoo_target, zoo_prompts):
     """Greedy outputs without speculation: the ground truth."""
-    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True).generate(zoo_prompts, GREEDY)
+    return Engine(zoo_target, max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True).generate(zoo_prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
 def ar_sampled(zoo_target, zoo_prompts):
     """Seeded top-p outputs without speculation."""
-    return Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN,
+    return Engine(zoo_target, max_num_seqs=4, max_model_len=MAX_LEN,
                   enforce_eager=True).generate(zoo_prompts, SAMPLED)
 
 
@@ -151,7 +151,7 @@ def test_logprobs_have_vllms_shapes(zoo_target, zoo_prompts, ar):
 def test_logprobs_are_the_raw_distribution_whatever_the_sampling(zoo_target, zoo_prompts):
     """vLLM's default logprobs_mode (raw_logprobs): temperature and top-k change the tokens drawn, not
     the distribution their logprobs describe."""
-    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, enforce_eager=True)
+    eng = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, enforce_eager=True)
     sp = SamplingParams(temperature=3.0, top_k=2, seed=1, max_tokens=8, ignore_eos=True, logprobs=0)
     out = eng.generate(zoo_prompts[:1], sp)[0].outputs[0]
     torch.testing.assert_close(torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]),
@@ -161,7 +161,7 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(zoo_target, zoo
 
 
 def test_prompt_logprobs_match_a_direct_forward(zoo_target, zoo_prompts):
-    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, enforce_eager=True)
+    eng = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, enforce_eager=True)
     out = eng.generate(zoo_prompts, SamplingParams(max_tokens=1, prompt_logprobs=3))
     for p, o in zip(zoo_prompts, out):
         x = torch.tensor([p])
@@ -190,7 +190,7 @@ def test_logprobs_above_the_limit_raise_naming_the_field(field):
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_prompts, ar, ar_sampled, eagle1, name):
-    eng = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_batch_size=4, max_model_len=MAX_LEN,
+    eng = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_num_seqs=4, max_model_len=MAX_LEN,
                  additional_config=DYNAMIC if name.endswith("_dynamic") else None, enforce_eager=True)
     tree = "speculative_token_tree" in METHODS[name][1]
     out = eng.generate(zoo_prompts, GREEDY)
@@ -210,7 +210,7 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_pro
         if name not in ("eagle", "ngram", "suffix"):  # the trained heads accept sampled drafts; history-based
             assert max(o.metrics["acceptance_length"] for o in sampled) > 1.0, "sampled rows accepted drafts"
         return
-    plain = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True)
+    plain = Engine(zoo_target, max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True)
     for p, o in zip(zoo_prompts, sampled):
         c = o.outputs[0]
         got, want = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], _teacher_forced(plain, p, c.token_ids)
@@ -225,7 +225,7 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_pro
 @pytest.fixture(scope="module")
 def inductor_ar(zoo_target, zoo_prompts):
     """A greedy and a seeded sampled row in one batch, decoded without speculation on inductor (one graph)."""
-    ar = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, backend="inductor", capture="lazy",
+    ar = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, backend="inductor", capture="lazy",
                 batch_buckets=[2])
     return ar.generate(zoo_prompts, MIXED)
 
@@ -238,7 +238,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
     tokens and logprobs; no recompile."""
     # NOTE: batch_buckets=[2]: the row left when the other finishes runs padded in the same graph, so each
     # method compiles one graph (a cold inductor compile is the cost of this test)
-    spec = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_batch_size=2, max_model_len=MAX_LEN,
+    spec = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_num_seqs=2, max_model_len=MAX_LEN,
                   backend="inductor", capture="lazy", batch_buckets=[2],
                   additional_config=DYNAMIC if name.endswith("_dynamic") else None)
     got = spec.generate(zoo_prompts, MIXED)
@@ -254,7 +254,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
 def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(zoo_target, zoo_prompts, traced_codegen):
     """A start-up capture compiles no logprobs graph; the first logprobs step captures filtered_logprobs
     (every logprobs mode runs in it), and a step without logprobs still runs in its start-up graph."""
-    eng = Engine(zoo_target, max_batch_size=1, max_model_len=MAX_LEN, backend="inductor")
+    eng = Engine(zoo_target, max_num_seqs=1, max_model_len=MAX_LEN, backend="inductor")
     before = set(eng.runner.compiled)
     assert not any("logprobs" in key[3] for key in before)
     eng.generate(zoo_prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
@@ -270,7 +270,7 @@ def test_startup_capture_runs_logprobs_in_one_lazily_captured_graph(zoo_target, 
 
 
 def test_each_request_carries_its_own_acceptance(zoo_target, zoo_prompts):
-    eng = Engine(zoo_target, speculative_config=zoo.speculative_config("ngram", 3), max_batch_size=4,
+    eng = Engine(zoo_target, speculative_config=zoo.speculative_config("ngram", 3), max_num_seqs=4,
                  max_model_len=MAX_LEN, enforce_eager=True)
     out = eng.generate(zoo_prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     per_pos = [o.metrics["num_accepted_tokens_per_pos"] for o in out]

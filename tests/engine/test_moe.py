@@ -195,7 +195,7 @@ def test_two_ranks_emit_one_ranks_greedy_tokens(tmp_path, family, expert_paralle
     """TP = 2 (each expert sliced) and EP = 2 (experts split whole), attention tensor-parallel and the shared
     expert an MLP split in two: both ranks' engine emits the tokens of one rank."""
     make_moe(tmp_path, family)
-    args = dict(max_batch_size=2, max_model_len=64, backend="eager")
+    args = dict(max_num_seqs=2, max_model_len=64, backend="eager")
     prompts = _prompts(2, seed=3)
     want = _ids(Engine(str(tmp_path), **args).generate(prompts, GREEDY))
     if family == "qwen2_moe":  # as the guide passes it: LLM(..., tensor_parallel_size=2, enable_expert_parallel=True)
@@ -230,7 +230,7 @@ def _config(method, heads, tiny_draft, k=3, **extra):
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle3", "dflash"])
 def test_greedy_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads, reference, method):
     prompts, want = reference
-    eng = Engine(qwen3_moe, speculative_config=_config(method, heads, tiny_draft), max_batch_size=4,
+    eng = Engine(qwen3_moe, speculative_config=_config(method, heads, tiny_draft), max_num_seqs=4,
                  max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
@@ -239,7 +239,7 @@ def test_tree_speculation_equals_ar_on_a_moe_target(qwen3_moe, tiny_draft, heads
     prompts, want = reference
     tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
     eng = Engine(qwen3_moe, speculative_config=_config("eagle3", heads, tiny_draft, 5, speculative_token_tree=tree),
-                 max_batch_size=4, max_model_len=96, enforce_eager=True)
+                 max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
 
@@ -254,7 +254,7 @@ def test_captured_moe_steps_are_lossless_and_never_recompile(qwen3_moe, tiny_dra
 def quantized_reference(request, qwen3_moe):
     """The Qwen3-MoE target quantized on load: its AR greedy outputs of the 12 prompts."""
     prompts = _prompts(12)
-    eng = Engine(qwen3_moe, quantization=request.param, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(qwen3_moe, quantization=request.param, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     return request.param, eng, prompts, _ids(eng.generate(prompts, GREEDY))
 
 
@@ -275,7 +275,7 @@ def test_greedy_speculation_equals_ar_on_a_quantized_moe_target(qwen3_moe, tiny_
                                                                 method):
     scheme, _, prompts, want = quantized_reference
     eng = Engine(qwen3_moe, quantization=scheme, speculative_config=_config(method, heads, tiny_draft),
-                 max_batch_size=4, max_model_len=96, enforce_eager=True)
+                 max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
 
 
@@ -328,7 +328,7 @@ def test_cudagraph_speculation_on_a_moe_target_equals_ar(qwen3_moe, tiny_draft, 
     """A bf16 Qwen3-MoE on CUDA takes torch._grouped_mm; captured greedy speculation equals eager greedy AR."""
     from conftest import OpLog
 
-    kw = dict(max_batch_size=4, max_model_len=96, device="cuda", dtype=torch.bfloat16)
+    kw = dict(max_num_seqs=4, max_model_len=96, device="cuda", dtype=torch.bfloat16)
     prompts = _prompts(12)
     ar = Engine(qwen3_moe, backend="eager", **kw)
     assert ar.model.cfg.ops.routed_experts == "grouped_mm"

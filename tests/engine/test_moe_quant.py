@@ -30,7 +30,7 @@ CASES = {  # name -> (family, writer, options, the experts' format name)
 }
 OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}  # whole groups of 32 in the shared expert
 TOKENS = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
-ENGINE = dict(max_batch_size=4, max_model_len=96, backend="eager")
+ENGINE = dict(max_num_seqs=4, max_model_len=96, backend="eager")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_two_ranks_of_a_quantized_moe_emit_one_ranks_greedy_tokens(tmp_path, exp
     make_moe(tmp_path / "src", "qwen3_moe", moe_intermediate_size=64, intermediate_size=128)
     path = qw.write_gptq(tmp_path / "src", tmp_path / "gptq", group=32)
     prompts = _prompts(2, seed=3)
-    args = dict(max_batch_size=2, max_model_len=64, backend="eager")
+    args = dict(max_num_seqs=2, max_model_len=64, backend="eager")
     want = _ids(Engine(str(path), **args).generate(prompts, GREEDY))
     eng = Engine(str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **args)
     try:

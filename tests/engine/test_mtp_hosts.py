@@ -127,7 +127,7 @@ def host(request, tmp_path_factory):
         config["num_nextn_predict_layers"] = 1
         (path / "config.json").write_text(json.dumps(config))
     assert config["num_nextn_predict_layers"] == 1  # as transformers writes it for GLM-4.5 and DeepSeek-V3
-    ar = _ids(Engine(str(path), max_batch_size=4, max_model_len=96, enforce_eager=True).generate(PROMPTS, GREEDY))
+    ar = _ids(Engine(str(path), max_num_seqs=4, max_model_len=96, enforce_eager=True).generate(PROMPTS, GREEDY))
     n = hf.config.num_hidden_layers
     step = vllm_mtp_step(hf, tensors, block, f"model.layers.{n}.")
 
@@ -150,7 +150,7 @@ def test_mtp_layer_loads_from_the_targets_own_files(host):
     mla = host["name"].startswith("deepseek")
     assert cfg.model.mla == target.cfg.mla and (cfg.model.mla.kv_lora_rank > 0) == mla
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    kv = Engine(host["path"], spec, max_batch_size=1, max_model_len=32, enforce_eager=True).state.proposer.kv
+    kv = Engine(host["path"], spec, max_num_seqs=1, max_model_len=32, enforce_eager=True).state.proposer.kv
     assert isinstance(kv, LatentCache) == mla
     assert (kv.index is not None) == (host["name"] == "deepseek_v32") if mla else True  # its own indexer keys
     gate_up = params["mlp"]["experts"]["gate_up_proj"]["weight"]  # [E, 2I, H]
@@ -169,7 +169,7 @@ def test_mtp_drafts_equal_vllms_module(host):
     tokens a step), equal vLLM's MTP module recomputed from scratch on the same context."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rates": [0.8, 0.6, 0.4]}
-    eng = Engine(host["path"], speculative_config=spec, max_batch_size=2, max_model_len=96, enforce_eager=True)
+    eng = Engine(host["path"], speculative_config=spec, max_num_seqs=2, max_model_len=96, enforce_eager=True)
     rec = pub.record_drafts(eng, rows=2)
     eng.generate(PROMPTS[:3], GREEDY)
     for context, drafts in rec:
@@ -179,7 +179,7 @@ def test_mtp_drafts_equal_vllms_module(host):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_greedy_speculation_equals_greedy_ar(host, k):
-    eng = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": k}, max_batch_size=4, max_model_len=96,
+    eng = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": k}, max_num_seqs=4, max_model_len=96,
                  enforce_eager=True)
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
     assert len(eng.stats()["per_position_acceptance"]) == k
@@ -190,7 +190,7 @@ def test_mtp_token_tree_equals_greedy_ar(host):
     verified in one block: greedy AR's tokens."""
     spec = {"method": "mtp", "num_speculative_tokens": 5,
             "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"}
-    eng = Engine(host["path"], spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(host["path"], spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
 
 
@@ -218,14 +218,14 @@ def test_k_defaults_to_num_nextn_predict_layers(host, tmp_path):
     second = {k.replace("model.layers.3.", "model.layers.4."): torch.zeros_like(v) for k, v in tensors.items()
               if k.startswith("model.layers.3.")}
     save_file({**tensors, **second}, str(two / "model.safetensors"))
-    eng = Engine(str(two), {"method": "mtp"}, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(str(two), {"method": "mtp"}, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert eng.spec.num_speculative_tokens == 2
     assert _ids(eng.generate(PROMPTS, GREEDY)) == host["ar"]
-    one = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=4, max_model_len=96,
+    one = Engine(host["path"], {"method": "mtp", "num_speculative_tokens": 2}, max_num_seqs=4, max_model_len=96,
                  enforce_eager=True)
     one.generate(PROMPTS, GREEDY)
     assert eng.stats()["per_position_acceptance"] == one.stats()["per_position_acceptance"]  # the second layer unread
-    assert Engine(str(two), {"method": "mtp", "num_speculative_tokens": 3}, max_batch_size=4,
+    assert Engine(str(two), {"method": "mtp", "num_speculative_tokens": 3}, max_num_seqs=4,
                   max_model_len=96, enforce_eager=True).spec.num_speculative_tokens == 3
 
 

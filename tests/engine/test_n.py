@@ -17,7 +17,7 @@ ROWS_INDEPENDENT = _OPS.stream and _OPS.decode_attention
 
 
 def test_n_above_max_num_seqs_raises_naming_n(zoo_target):
-    eng = Engine(zoo_target, max_batch_size=2, max_model_len=MAX_LEN, enforce_eager=True)
+    eng = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, enforce_eager=True)
     with pytest.raises(ValueError, match="SamplingParams.n=3 must be <= max_num_seqs=2"):
         eng.add_request([5, 6, 7], SamplingParams(n=3))
     with pytest.raises(ValueError, match="SamplingParams.n must be >= 1"):
@@ -34,7 +34,7 @@ def test_n_completions_prefill_once_and_each_is_reproducible_alone(zoo_target, z
     and drafter state (a draft model's own KV, EAGLE-3's features) are the prompt's own."""
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=1, n=3)
     for spec in [zoo.speculative_config(method, 3) if method else None]:
-        eng = Engine(zoo_target, speculative_config=spec, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True)
+        eng = Engine(zoo_target, speculative_config=spec, max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True)
         prefills = []
         real = eng.runner.prefill
         eng.runner.prefill = lambda reqs, *a: prefills.append(sum(r.index == 0 for r in reqs)) or real(reqs, *a)
@@ -51,17 +51,17 @@ def test_n_completions_prefill_once_and_each_is_reproducible_alone(zoo_target, z
 
 
 def test_n_with_a_host_drafter_keeps_one_suffix_tree_per_completion(zoo_target, zoo_prompts):
-    eng = Engine(zoo_target, speculative_config=zoo.speculative_config("suffix", 3), max_batch_size=4,
+    eng = Engine(zoo_target, speculative_config=zoo.speculative_config("suffix", 3), max_num_seqs=4,
                  max_model_len=MAX_LEN, enforce_eager=True)
     out = eng.generate(zoo_prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2))[0]
-    ar = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True).generate(
+    ar = Engine(zoo_target, max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True).generate(
         zoo_prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [ar.outputs[0].token_ids] * 2
     assert not eng.proposer.host.seen  # both completions' trees stopped
 
 
 def test_n_waits_for_its_slots_and_counts_against_max_num_seqs(zoo_target, zoo_prompts):
-    eng = Engine(zoo_target, max_batch_size=4, max_model_len=MAX_LEN, enforce_eager=True)
+    eng = Engine(zoo_target, max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True)
     eng.add_request(zoo_prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2))
     rid = eng.add_request(zoo_prompts[1], SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, n=3))
     eng.step()

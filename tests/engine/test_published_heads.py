@@ -381,7 +381,7 @@ def cases(tmp_path_factory):
 
 
 def _greedy_ar(target):
-    return [o.outputs[0].token_ids for o in Engine(target, max_batch_size=4,
+    return [o.outputs[0].token_ids for o in Engine(target, max_num_seqs=4,
                                                    enforce_eager=True).generate(PROMPTS, GREEDY)]
 
 
@@ -407,7 +407,7 @@ def test_drafts_equal_the_authors_forward(cases, name):
     tokens a step), equal the authors' module recomputed from scratch on the same context."""
     case = cases[name]
     synthetic = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.6, 0.4]}
-    eng = Engine(case.target, speculative_config=_spec(case, **synthetic), max_batch_size=2, enforce_eager=True)
+    eng = Engine(case.target, speculative_config=_spec(case, **synthetic), max_num_seqs=2, enforce_eager=True)
     rec = pub.record_drafts(eng, rows=2)
     eng.generate(PROMPTS[1:3], GREEDY)
     for context, drafts in rec:

@@ -215,10 +215,10 @@ def test_logits_match_hf_on_the_dequantized_weights_and_speculation_equals_ar(wr
     ours = forward(model.cfg, model.params, init_kv_cache(model.cfg, 1, len(tokens)), torch.tensor([tokens]), z, z)[0]
     theirs = _hf_logits(path, tokens)
     assert (ours - theirs).abs().max().item() < 0.03 * theirs.abs().max().item()
-    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_batch_size=2,
+    ar = [o.outputs[0].token_ids for o in Engine(str(path), max_num_seqs=2,
                                                  enforce_eager=True).generate(PROMPTS, GREEDY)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_batch_size=2,
+    assert [o.outputs[0].token_ids for o in Engine(str(path), spec, max_num_seqs=2,
                                                    enforce_eager=True).generate(PROMPTS, GREEDY)] == ar
 
 
@@ -227,10 +227,10 @@ def test_a_quantized_draft_model_on_inductor_compiles_once_and_equals_ar(written
     """A published quantized checkpoint as both target and draft model, on inductor (act-order's gather
     inside the graph): greedy equals AR and nothing recompiles after warm-up."""
     path = str(written(name))
-    ar = [o.outputs[0].token_ids for o in Engine(path, max_batch_size=2, backend="inductor", capture="lazy").generate(PROMPTS,
+    ar = [o.outputs[0].token_ids for o in Engine(path, max_num_seqs=2, backend="inductor", capture="lazy").generate(PROMPTS,
                                                                                                       GREEDY)]
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    eng = Engine(path, spec, max_batch_size=2, backend="inductor", capture="lazy")
+    eng = Engine(path, spec, max_num_seqs=2, backend="inductor", capture="lazy")
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar

@@ -158,7 +158,7 @@ PROMPTS = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 9, 8, 9, 9]]
 
 
 def _run(target, spec=None, **kw):
-    eng = Engine(target, spec, max_batch_size=4, **kw, enforce_eager=True)
+    eng = Engine(target, spec, max_num_seqs=4, **kw, enforce_eager=True)
     return [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)], eng
 
 
@@ -216,7 +216,7 @@ def zoo_int4_ar():
 
     prompts = [[5, 17, 300, 41, 5, 17, 300], [9, 100, 2000, 31]]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    eng = Engine(str(zoo.model_path("target")), max_batch_size=2, quantization="int4", enforce_eager=True)
+    eng = Engine(str(zoo.model_path("target")), max_num_seqs=2, quantization="int4", enforce_eager=True)
     return prompts, sp, [o.outputs[0].token_ids for o in eng.generate(prompts, sp)]
 
 
@@ -229,7 +229,7 @@ def test_every_zoo_method_on_an_int4_target_equals_its_ar(zoo_int4_ar, method, h
 
     prompts, sp, ar = zoo_int4_ar
     extra = {"quantization": head} if head else {}
-    eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 3, **extra), max_batch_size=2,
+    eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 3, **extra), max_num_seqs=2,
                  quantization="int4", enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, sp)] == ar
     assert eng.stats()["mean_acceptance_length"] > 1.0  # the trained heads still draft tokens the int4 target keeps
@@ -240,9 +240,9 @@ def test_a_quantized_head_keeps_its_state_in_the_activation_dtype(method):
     """Quantized linears hold fp16 scales; the drafter's caches and staged features still take the dtype the model
     runs in (bf16 here), not the first float tensor found."""
     from funcspec import zoo
-    from funcspec.tree import tree_leaves
+    from funcspec.pytree import tree_leaves
 
     eng = Engine(str(zoo.model_path("target")), zoo.speculative_config(method, 2, quantization="int8"),
-                 max_batch_size=1, quantization="int8", dtype=torch.bfloat16, enforce_eager=True)
+                 max_num_seqs=1, quantization="int8", dtype=torch.bfloat16, enforce_eager=True)
     floats = {x.dtype for x in tree_leaves(eng.runner.state.proposer) if x.is_floating_point()}
     assert floats == {torch.bfloat16}

@@ -31,7 +31,7 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length; then the mixed
     workload (batches 1-4, greedy / top-p / plain temperature, 5-90 tokens of context) compiles nothing, its
     plain-temperature requests run in the filtered graph, and every token equals the eager engine's."""
-    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_batch_size=4, max_model_len=96, ops=rows_free_ops)
+    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_num_seqs=4, max_model_len=96, ops=rows_free_ops)
     t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
     assert eng.plan.bucket_plan.context_buckets == (t,) and eng.startup_seconds > 0
     assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
@@ -44,13 +44,13 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     assert all(g is eng.runner.compiled[eng.plan.bucket_plan.graph_batch(key[0]), 2, t, "filtered"]
                for key, g in eng.graphs.items() if key[3] == "random")
     assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats()["buckets_used"])
-    assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_batch_size=4, max_model_len=96,
+    assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_num_seqs=4, max_model_len=96,
                                 ops=rows_free_ops))
 
 
 def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
     """``capture_logprobs`` (what ``funcspec serve`` sets): a request with logprobs then compiles nothing either."""
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, capture_logprobs=True)
+    eng = Engine(tiny_llama, backend="inductor", max_num_seqs=1, max_model_len=32, capture_logprobs=True)
     assert sorted(key[3] for key in eng.runner.compiled) == ["filtered", "filtered_logprobs", "greedy"]
     with torch.compiler.set_stance("fail_on_recompile"):
         out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
@@ -63,7 +63,7 @@ def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
     """Nothing at start-up; the first greedy request captures its one graph, not the filtered one a start-up
     capture adds. NOTE: the engine of the test above (1 slot, 32 positions), so that its greedy graph is one
     store key and this test loads it where they run in one process, instead of compiling it again."""
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, capture="lazy")
+    eng = Engine(tiny_llama, backend="inductor", max_num_seqs=1, max_model_len=32, capture="lazy")
     assert eng.runner.compiled == {} and eng.startup_seconds == 0.0
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert list(eng.runner.compiled) == [(1, 0, 33, "greedy")]
@@ -75,9 +75,9 @@ def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
 
 def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
     """One bucket above 1 stays a static graph; eager and device graphs never take a symbolic batch."""
-    one = Engine(tiny_llama, backend="inductor", max_batch_size=4, batch_buckets=[4], capture="lazy")
+    one = Engine(tiny_llama, backend="inductor", max_num_seqs=4, batch_buckets=[4], capture="lazy")
     assert not one.plan.bucket_plan.symbolic_batch and one.runner.graph_key(4, 0, 10, sampling.GREEDY)[0] == 4
-    eager = Engine(tiny_llama, backend="eager", max_batch_size=4)
+    eager = Engine(tiny_llama, backend="eager", max_num_seqs=4)
     assert not eager.plan.bucket_plan.symbolic_batch and eager.plan.bucket_plan.batch_buckets == (1, 2, 4)
 
 
@@ -93,11 +93,11 @@ def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny
     printed = capsys.readouterr().out
     assert "captured 2 graph(s)" in printed and "B1_K0_T33_greedy" in printed and out.stat().st_size > 0
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "second-machine"))
-    eng = Engine(tiny_llama, backend="inductor", max_batch_size=1, max_model_len=32, compile_cache=str(out))
+    eng = Engine(tiny_llama, backend="inductor", max_num_seqs=1, max_model_len=32, compile_cache=str(out))
     assert eng.compile_cache["bytes"] == out.stat().st_size and eng.compile_cache["steps"] == 2
     assert [(g.stats.loaded, g.stats.compiles) for g in eng.runner.compiled.values()] == [(True, 0)] * 2
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    eager = Engine(tiny_llama, backend="eager", max_batch_size=1, max_model_len=32)
+    eager = Engine(tiny_llama, backend="eager", max_num_seqs=1, max_model_len=32)
     assert _ids(eng.generate(PROMPTS[:1], greedy)) == _ids(eager.generate(PROMPTS[:1], greedy))
     with pytest.raises(ValueError, match="compile_cache: .*missing.zip is not a file written by `funcspec precompile`"):
         Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"), enforce_eager=True)
@@ -108,7 +108,7 @@ def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_lla
     """The step store: an identical engine started again loads its graphs (nothing traced), decoding the same
     tokens; another K is another key, compiled anew; ``FUNCSPEC_GRAPH_STORE=0`` compiles without the store."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    args = dict(backend="inductor", max_batch_size=3, max_model_len=32, ops=rows_free_ops)
+    args = dict(backend="inductor", max_num_seqs=3, max_model_len=32, ops=rows_free_ops)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = Engine(tiny_llama, NGRAM, **args)
     again = Engine(tiny_llama, NGRAM, **args)  # B = 1 and the symbolic batch, greedy and filtered
@@ -128,7 +128,7 @@ def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_lla
 def test_bench_runtime_splits_a_step_into_graph_and_host(tiny_llama):
     from funcspec.bench import runtime
 
-    eng = Engine(tiny_llama, backend="eager", max_batch_size=4, max_model_len=64)
+    eng = Engine(tiny_llama, backend="eager", max_num_seqs=4, max_model_len=64)
     row = runtime.host_split(eng, [5, 6, 7], batch=4, steps=16)
     assert row["batch"] == 4 and row["steps"] >= 14
     assert 0 < row["graph_ms"] <= row["step_ms"] and row["host_ms"] >= 0

@@ -293,11 +293,11 @@ def test_an_engine_on_onednn_packed_weights_speculates_losslessly(tiny_llama, ba
     ops = Ops(onednn_bf16=True, half_gemm=True)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[1, 2, 3, 1, 2], [4, 5]]
-    ar = Engine(tiny_llama, dtype=torch.bfloat16, ops=ops, max_batch_size=2,
+    ar = Engine(tiny_llama, dtype=torch.bfloat16, ops=ops, max_num_seqs=2,
                 enforce_eager=True).generate(prompts, params)
     # NOTE: lazy capture of the one padded bucket the two rows run in: what this test checks needs one graph
     eng = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-                 dtype=torch.bfloat16, ops=ops, backend=backend, max_batch_size=2, capture="lazy", batch_buckets=[2])
+                 dtype=torch.bfloat16, ops=ops, backend=backend, max_num_seqs=2, capture="lazy", batch_buckets=[2])
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, params)] == [o.outputs[0].token_ids for o in ar]
     assert eng.params["target"]["lm_head"]["packed"].is_mkldnn
 
@@ -416,10 +416,10 @@ def test_gemm_attention_keeps_speculation_equal_to_ar(tiny_llama, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [[5, 17, 33, 8, 9] * 2, [40, 41, 42, 43] * 2]
     # NOTE: every row stays below 64 live tokens, so the last buckets (the cache lengths) are never read
-    ar = Engine(tiny_llama, max_batch_size=2, max_model_len=96, context_buckets=[16, 32, 64, 97], ops=ops,
+    ar = Engine(tiny_llama, max_num_seqs=2, max_model_len=96, context_buckets=[16, 32, 64, 97], ops=ops,
                 enforce_eager=True)
     spec = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                               "prompt_lookup_max": 3}, max_batch_size=2, max_model_len=96,
+                               "prompt_lookup_max": 3}, max_num_seqs=2, max_model_len=96,
                   context_buckets=[16, 32, 64, 100], ops=ops, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
@@ -446,8 +446,8 @@ def test_context_buckets_follow_the_live_length(tiny_llama):
     assert [plan.context_bucket(n) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1000]
     with pytest.raises(ValueError, match="context_buckets must end at the cache length 1000"):
         BucketPlan.for_engine(4, 0, t_max=1000, context_buckets=[256, 512])
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=200, context_buckets=[16, 32, 201], enforce_eager=True)
-    ar = Engine(tiny_llama, max_batch_size=2, max_model_len=200, context_buckets=[201], enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=200, context_buckets=[16, 32, 201], enforce_eager=True)
+    ar = Engine(tiny_llama, max_num_seqs=2, max_model_len=200, context_buckets=[201], enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompt = [5, 17, 33, 8, 9]
     assert eng.generate([prompt], params)[0].outputs[0].token_ids == ar.generate([prompt], params)[0].outputs[0].token_ids
@@ -479,7 +479,7 @@ def test_modes_draw_the_same_tokens_as_the_general_path():
 
 
 def test_greedy_and_random_buckets_never_sort(tiny_llama):
-    eng = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     for params, sorts in ((GREEDY, False), (SamplingParams(temperature=0.8, max_tokens=4), False),
                           (SamplingParams(temperature=0.8, top_k=5, max_tokens=4), True)):
         eng.generate([[5, 6, 7]], params)  # capture the mode's bucket first
@@ -561,9 +561,9 @@ def test_bf16_speculation_equals_bf16_ar(tmp_path, tiny_llama, tiny_draft, metho
     elif method in ("eagle3", "dflash"):
         spec["model"] = str(init_draft_head(method, tiny_llama, tmp_path / method))
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12], [40, 41]]
-    ar = Engine(tiny_llama, max_batch_size=4, max_model_len=64, dtype=torch.bfloat16,
+    ar = Engine(tiny_llama, max_num_seqs=4, max_model_len=64, dtype=torch.bfloat16,
                 enforce_eager=True).generate(prompts, GREEDY)
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=64, dtype=torch.bfloat16,
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=64, dtype=torch.bfloat16,
                  enforce_eager=True)
     got = eng.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ar]
@@ -573,7 +573,7 @@ def test_bf16_speculation_equals_bf16_ar(tmp_path, tiny_llama, tiny_draft, metho
 def test_running_requests_stay_in_the_first_slots(tiny_llama, tiny_draft, monkeypatch):
     """Retirements move the last request into the freed slot; outputs are unchanged by the moves."""
     spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     seen, step = [], eng.runner.step
 
     def checked_step(live, *args):
@@ -586,7 +586,7 @@ def test_running_requests_stay_in_the_first_slots(tiny_llama, tiny_draft, monkey
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20 - 2 * i, ignore_eos=True)
               for i in range(7)]
     got = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
-    single = Engine(tiny_llama, speculative_config=spec, max_batch_size=1, max_model_len=96, enforce_eager=True)
+    single = Engine(tiny_llama, speculative_config=spec, max_num_seqs=1, max_model_len=96, enforce_eager=True)
     assert got == [single.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert {len(s) for s in seen} >= {1, 2, 3, 4}
 
@@ -595,7 +595,7 @@ def test_synthetic_rates_change_without_recapture(tiny_llama):
     """echo always drafts; new synthetic rates reach the same graph as a tensor and set τ."""
     spec = {"method": "echo", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rates": [1.0, 1.0, 1.0]}
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=2, max_model_len=128, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=2, max_model_len=128, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
     eng.generate([[5, 6, 7]], params)
     assert eng.stats()["mean_acceptance_length"] == 4.0  # every draft accepted: 40 tokens in 10 steps
@@ -607,4 +607,4 @@ def test_synthetic_rates_change_without_recapture(tiny_llama):
     with pytest.raises(ValueError, match=r"synthetic_acceptance_rates must have length K=3"):
         eng.set_synthetic_acceptance_rates([0.5])
     with pytest.raises(ValueError, match="not 'synthetic'"):
-        Engine(tiny_llama, max_batch_size=1, enforce_eager=True).set_synthetic_acceptance_rates([0.5])
+        Engine(tiny_llama, max_num_seqs=1, enforce_eager=True).set_synthetic_acceptance_rates([0.5])

@@ -62,7 +62,7 @@ def _tokens(out) -> list[list[int]]:
 def test_engine_soak_loses_nothing_matches_solo_runs_never_recompiles(traced_codegen):
     eng = Engine(zoo.model_path("target"), {"method": "eagle3", "model": zoo.model_path("eagle3"),
                                              "num_speculative_tokens": 3},
-                 backend="inductor", max_batch_size=SLOTS, max_model_len=128)
+                 backend="inductor", max_num_seqs=SLOTS, max_model_len=128)
     tok, vocab = eng.model.tokenizer, eng.model.cfg.vocab_size
     pool, rng = _pool(tok), random.Random(0)
     graphs = set(eng.runner.compiled)  # the compiled graphs (buckets of a symbolic batch share one)

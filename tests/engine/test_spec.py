@@ -15,7 +15,7 @@ from spec_cases import GREEDY, _ids, _prompts, _spec, assert_captured_lossless
 def reference(tiny_llama):
     """Autoregressive greedy outputs of 30 prompts (the ground truth)."""
     prompts = _prompts(30)
-    return prompts, _ids(Engine(tiny_llama, max_batch_size=8, max_model_len=96,
+    return prompts, _ids(Engine(tiny_llama, max_num_seqs=8, max_model_len=96,
                                 enforce_eager=True).generate(prompts, GREEDY))
 
 
@@ -23,11 +23,11 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_lossless_eager(tiny_llama, tiny_draft, reference, method, k):
     prompts, want = reference
-    eng = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_batch_size=8, max_model_len=96,
+    eng = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_num_seqs=8, max_model_len=96,
                  enforce_eager=True)
     for n in (1, 3, 8):  # buckets 1, 4 and 8
         assert _ids(eng.generate(prompts[:n], GREEDY)) == want[:n]
-    slots4 = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_batch_size=4, max_model_len=96,
+    slots4 = Engine(tiny_llama, speculative_config=_spec(method, k, tiny_draft), max_num_seqs=4, max_model_len=96,
                     enforce_eager=True)
     assert _ids(slots4.generate(prompts, GREEDY)) == want  # 30 requests through 4 slots
     st = slots4.stats()
@@ -50,7 +50,7 @@ def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):
     """vLLM's num_speculative_tokens_per_batch_size: K=3 for 1-2 requests, K=1 for 3+, on inductor."""
     prompts, want = reference
     spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 4, 1]])
-    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_batch_size=4, batch_buckets=[4],
+    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
                  max_model_len=96, capture="lazy")
     assert _ids(eng.generate(prompts[:6], GREEDY)) == want[:6]  # captures K=1 and K=3
     used = set(eng.stats()["buckets_used"])
@@ -64,7 +64,7 @@ def test_acceptance_is_zero_beyond_active_k(tiny_llama, reference):
     """With a K table capping K at 1 for every batch size, positions 2.. of K_max = 3 never accept."""
     prompts, want = reference
     spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 8, 1]])
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts[:8], GREEDY)) == want[:8]
     acc = eng.stats()["per_position_acceptance"]
     assert acc[0] > 0 and acc[1] == 0 and acc[2] == 0
@@ -75,7 +75,7 @@ def test_k_zero_rows_of_the_table_decode_autoregressively(tiny_llama, tiny_draft
     """K = 0 means no drafting; the draft model still keeps its KV in step."""
     prompts, want = reference
     spec = _spec("draft_model", 2, tiny_draft, num_speculative_tokens_per_batch_size=[[1, 1, 2], [2, 8, 0]])
-    eng = Engine(tiny_llama, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    eng = Engine(tiny_llama, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
     assert _ids(eng.generate(prompts[:7], params)) == [w[:4 + 2 * i] for i, w in enumerate(want[:7])]
     assert {"B4_K0", "B1_K2"} <= set(eng.stats()["buckets_used"])
@@ -83,7 +83,7 @@ def test_k_zero_rows_of_the_table_decode_autoregressively(tiny_llama, tiny_draft
 
 def test_request_metrics(tiny_llama, reference):
     prompts, _ = reference
-    eng = Engine(tiny_llama, speculative_config=_spec("ngram", 3), max_batch_size=4, max_model_len=96,
+    eng = Engine(tiny_llama, speculative_config=_spec("ngram", 3), max_num_seqs=4, max_model_len=96,
                  enforce_eager=True)
     out = eng.generate(prompts[:4], GREEDY)
     for o in out:
@@ -93,7 +93,7 @@ def test_request_metrics(tiny_llama, reference):
 
 
 def _first_two(eng_kwargs, tiny_llama, n_seeds, prompt):
-    eng = Engine(tiny_llama, max_batch_size=16, max_model_len=16, **eng_kwargs, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=16, max_model_len=16, **eng_kwargs, enforce_eager=True)
     params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=2, ignore_eos=True) for s in range(n_seeds)]
     outs = eng.generate([prompt] * n_seeds, params)
     return [tuple(o.outputs[0].token_ids) for o in outs], eng
@@ -128,7 +128,7 @@ def test_dynamic_verify_length_is_lossless(tiny_llama, tmp_path, reference):
     spec = {"method": "dspark", "model": str(head), "num_speculative_tokens": 4}
     extra = {"dynamic_spec_config": {"method": "dspark", "method_params": {
         "initial_verify_budget_per_req": 2, "budget_update_interval": 2, "budget_threshold": 0.3}}}
-    eng = Engine(tiny_llama, speculative_config=spec, additional_config=extra, max_batch_size=4, max_model_len=96,
+    eng = Engine(tiny_llama, speculative_config=spec, additional_config=extra, max_num_seqs=4, max_model_len=96,
                  enforce_eager=True)
     assert _ids(eng.generate(prompts[:8], GREEDY)) == want[:8]
     ks = {int(b.split("_K")[1]) for b in eng.stats()["buckets_used"]}
@@ -140,12 +140,12 @@ def test_draft_model_tree_greedy_lossless(tiny_llama, tiny_draft, reference):
     prompts, want = reference
     tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
     eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 5, tiny_draft, speculative_token_tree=tree),
-                 max_batch_size=4, max_model_len=96, enforce_eager=True)
+                 max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
     assert len(eng.stats()["per_position_acceptance"]) == 3 and eng.stats()["mean_acceptance_length"] > 1.0
     dyn = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 7}
     eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_draft, **dyn),
-                 max_batch_size=4, max_model_len=96, enforce_eager=True)
+                 max_num_seqs=4, max_model_len=96, enforce_eager=True)
     assert _ids(eng.generate(prompts, GREEDY)) == want
     assert len(eng.stats()["per_position_acceptance"]) == 3 and eng.stats()["mean_acceptance_length"] > 1.0
 
@@ -163,7 +163,7 @@ def test_draft_model_tree_moves_its_kv_along_the_accepted_path(tiny_llama, shape
     from funcspec.nn import forward, init_kv_cache
 
     eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_llama, **DRAFT_MODEL_TREES[shape]),
-                 max_batch_size=1, max_model_len=96, enforce_eager=True)
+                 max_num_seqs=1, max_model_len=96, enforce_eager=True)
     prompt = _prompts(1)[0]
     seq = prompt + eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
     # deep paths were accepted (static: (0,), (0, 0), (0, 0, 0) sit at tree slots 1, 3, 5, not at depths
@@ -190,7 +190,7 @@ def test_draft_model_dynamic_tree_leaves_each_run_node_kv_at_its_node_slot(tiny_
     from funcspec.types import Sampling
 
     dyn = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 15}
-    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_draft, **dyn), max_batch_size=1,
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", None, tiny_draft, **dyn), max_num_seqs=1,
                  max_model_len=96, enforce_eager=True)
     h, params, tree = eng.proposer, eng.params["draft"], eng.spec.tree
     prompt = [5, 17, 42, 8, 61, 23, 9]
@@ -232,6 +232,6 @@ def test_sampled_tree_lossless_draft_model(tiny_llama):
 
 
 def test_draft_model_state_declares_its_slot_axes(tiny_llama, tiny_draft, check_slot_declarations):
-    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 2, tiny_draft), max_batch_size=2, max_model_len=96,
+    eng = Engine(tiny_llama, speculative_config=_spec("draft_model", 2, tiny_draft), max_num_seqs=2, max_model_len=96,
                  enforce_eager=True)
     check_slot_declarations(eng)

@@ -34,7 +34,7 @@ PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
 # One greedy and one sampled row in the same batch: one random-mode graph serves both.
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
           SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=7)]
-ENGINE = dict(max_batch_size=2, batch_buckets=[2], max_model_len=40)
+ENGINE = dict(max_num_seqs=2, batch_buckets=[2], max_model_len=40)
 # NOTE: inductor compiles take most of this file's time (two ranks compile at once on two cores,
 # about 2 minutes cold for the four methods); the sharded draft model runs eager only.
 # NOTE: compiled under TP: the target's all-reduces inside the graph (ar) and a replicated drafter's graph beside
@@ -388,7 +388,7 @@ def test_a_collected_engine_stops_its_ranks_and_its_group(tp_models, tp1_tokens)
 
 
 def test_a_with_block_closes_the_engine_and_its_ranks(tp_models, tp1_tokens):
-    with funcspec.Engine(tp_models["target"], tensor_parallel_size=2, max_batch_size=2, max_model_len=40,
+    with funcspec.Engine(tp_models["target"], tensor_parallel_size=2, max_num_seqs=2, max_model_len=40,
                          enforce_eager=True) as eng:
         procs, group = eng.followers.procs, eng.tp.group
         out = eng.generate([[3, 4, 5]], funcspec.SamplingParams(max_tokens=2))

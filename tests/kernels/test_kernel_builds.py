@@ -297,7 +297,8 @@ def test_greedy_speculation_equals_ar_on_every_build(kernel_build, tmp_path, dty
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     runs = []
     for s in (None, spec):
-        eng = Engine(str(tmp_path), speculative_config=s, max_batch_size=8, max_model_len=64, dtype=dtype)
+        eng = Engine(str(tmp_path), speculative_config=s, max_num_seqs=8, max_model_len=64, dtype=dtype,
+                     enforce_eager=True)
         assert eng.model.cfg.ops.stream and eng.model.cfg.ops.decode_attention
         with OpLog() as log:
             runs.append(eng.generate(prompts, params))

@@ -111,7 +111,7 @@ def test_greedy_speculation_equals_ar_bit_for_bit_at_batch_16_and_k_4(tmp_path, 
     prompts = [torch.randint(3, 96, (6,), generator=g).tolist() * 3 for _ in range(16)]  # ngram finds drafts
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    runs = [Engine(str(tmp_path), speculative_config=s, max_batch_size=16, max_model_len=64, dtype=dtype,
+    runs = [Engine(str(tmp_path), speculative_config=s, max_num_seqs=16, max_model_len=64, dtype=dtype,
                    enforce_eager=True)
             .generate(prompts, params) for s in (None, spec)]
     ar, sd = ([(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
@@ -132,7 +132,7 @@ def test_cpu_kernels_turn_off_by_environment_and_by_engine_option(tiny_llama, mo
     assert not (off.stream or off.decode_attention or off.quantized)
     monkeypatch.undo()
     assert kernels.resolve("cpu", cpu_kernels=False) == off
-    eng = Engine(tiny_llama, max_batch_size=1, max_model_len=64, cpu_kernels=False, enforce_eager=True)
+    eng = Engine(tiny_llama, max_num_seqs=1, max_model_len=64, cpu_kernels=False, enforce_eager=True)
     assert eng.model.cfg.ops == off
     with OpLog() as log:
         out = eng.generate([[1, 5, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))

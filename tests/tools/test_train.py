@@ -135,7 +135,7 @@ def test_greedy_continue_equals_the_engines_greedy_decoding(target4):
     prompts = torch.randint(3, 95, (3, 12), generator=torch.Generator().manual_seed(2))
     rows = data.greedy_continue(target4, prompts, 9)
     assert rows.shape == (3, 21) and torch.equal(rows[:, :12], prompts)
-    eng = Engine(target4.path, max_batch_size=3, max_model_len=32, enforce_eager=True)
+    eng = Engine(target4.path, max_num_seqs=3, max_model_len=32, enforce_eager=True)
     outs = eng.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     assert rows[:, 12:].tolist() == [o.outputs[0].token_ids for o in outs]
 

@@ -100,7 +100,7 @@ def test_moe_recipe_writes_a_checkpoint_funcspec_runs_as_transformers(tiny_recip
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, min_new_tokens=10)[0, len(p):].tolist()
             for p in prompts]
-    outs = Engine(str(out), max_batch_size=2, max_model_len=64, enforce_eager=True).generate(prompts, GREEDY)
+    outs = Engine(str(out), max_num_seqs=2, max_model_len=64, enforce_eager=True).generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
@@ -122,9 +122,9 @@ def test_the_moe_pair_trains_from_a_prepared_folder_on_the_device_given(prepared
     assert json.loads((models / "moe_eagle3" / "train.json").read_text())["distilled_from"] == "moe_target"
     spec = {"method": "eagle3", "model": str(models / "moe_eagle3"), "num_speculative_tokens": 2}
     prompts = [[1, 40, 41, 42, 43], [1, 99, 7, 300]]
-    ar = Engine(str(models / "moe_target"), max_batch_size=2, max_model_len=64,
+    ar = Engine(str(models / "moe_target"), max_num_seqs=2, max_model_len=64,
                 enforce_eager=True).generate(prompts, GREEDY)
-    sd = Engine(str(models / "moe_target"), spec, max_batch_size=2, max_model_len=64,
+    sd = Engine(str(models / "moe_target"), spec, max_num_seqs=2, max_model_len=64,
                 enforce_eager=True).generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in sd] == [o.outputs[0].token_ids for o in ar]
 

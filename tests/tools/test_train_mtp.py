@@ -141,9 +141,9 @@ def test_funcspec_drafts_with_the_trained_module_and_stays_lossless(trained):
     out, _, _, fixed = trained
     prompts = [row[:12].tolist() for row in fixed]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ar = Engine(str(out), max_batch_size=2, max_model_len=64, enforce_eager=True).generate(prompts, greedy)
+    ar = Engine(str(out), max_num_seqs=2, max_model_len=64, enforce_eager=True).generate(prompts, greedy)
     ar = [o.outputs[0].token_ids for o in ar]
-    eng = Engine(str(out), {"method": "mtp"}, max_batch_size=2, max_model_len=64, enforce_eager=True)
+    eng = Engine(str(out), {"method": "mtp"}, max_num_seqs=2, max_model_len=64, enforce_eager=True)
     assert eng.spec.num_speculative_tokens == 1
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, greedy)] == ar
     assert eng.stats()["per_position_acceptance"][0] > 0.5

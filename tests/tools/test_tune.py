@@ -194,7 +194,7 @@ def test_exported_file_drives_the_engine(tiny_llama, tmp_path, monkeypatch):
     # Finishing at different lengths walks the active batch down 4 -> 3 -> 2 -> 1.
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 10, 14, 40)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    ar = Engine(tiny_llama, max_batch_size=4, max_model_len=96, enforce_eager=True)
+    ar = Engine(tiny_llama, max_num_seqs=4, max_model_len=96, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     assert got == want
     table_k = {n: k for start, end, k in table for n in range(start, end + 1)}

@@ -169,7 +169,7 @@ def test_exported_tree_file_drives_the_engine(zoo, tmp_path, monkeypatch):
     # Finishing at different lengths walks the active batch down 4 -> 3 -> 2 -> 1.
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 10, 14, 30)]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    want = [o.outputs[0].token_ids for o in Engine(zoo.target, max_batch_size=4, max_model_len=96,
+    want = [o.outputs[0].token_ids for o in Engine(zoo.target, max_num_seqs=4, max_model_len=96,
                                                    enforce_eager=True).generate(
         PROMPTS, params)]
     assert got == want
@@ -206,5 +206,5 @@ def test_bench_results_of_a_tree_tune_into_a_working_engine(tiny_llama, tmp_path
     prompts = spec.repetitive_prompts(2)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = LLM(tiny_llama, backend="eager", max_model_len=64, **tune.load(out)).generate(prompts, greedy)
-    want = Engine(tiny_llama, max_batch_size=2, max_model_len=64, enforce_eager=True).generate(prompts, greedy)
+    want = Engine(tiny_llama, max_num_seqs=2, max_model_len=64, enforce_eager=True).generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -32,7 +32,7 @@ def prompts(target):
 
 @pytest.fixture(scope="module")
 def ar(target, prompts):
-    return [o.outputs[0].token_ids for o in Engine(target, max_batch_size=4, max_model_len=96,
+    return [o.outputs[0].token_ids for o in Engine(target, max_num_seqs=4, max_model_len=96,
                                                    enforce_eager=True).generate(prompts, GREEDY)]
 
 
@@ -85,11 +85,11 @@ def test_heads_are_saved_in_their_published_layouts(role, keys):
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_lossless_on_trained_heads(method, target, prompts, ar):
     """K = 3 on 4 slots and on 1; trained heads must also be accepted often (random ones are not)."""
-    eng = Engine(target, speculative_config=zoo.speculative_config(method, 3), max_batch_size=4, max_model_len=96,
+    eng = Engine(target, speculative_config=zoo.speculative_config(method, 3), max_num_seqs=4, max_model_len=96,
                  enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
     tau = eng.stats()["mean_acceptance_length"]
-    one = Engine(target, speculative_config=zoo.speculative_config(method, 1), max_batch_size=1, max_model_len=96,
+    one = Engine(target, speculative_config=zoo.speculative_config(method, 1), max_num_seqs=1, max_model_len=96,
                  enforce_eager=True)
     assert [o.outputs[0].token_ids for o in one.generate(prompts[:1], GREEDY)] == ar[:1]
     assert tau > 1.5, f"{method}: tau {tau:.2f} - the trained head is barely accepted"
@@ -112,7 +112,7 @@ def test_static_tree_on_trained_heads_is_lossless_and_accepts_more(method, targe
     tree = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
     taus = []
     for spec in (zoo.speculative_config(method, 3), zoo.speculative_config(method, 7, speculative_token_tree=tree)):
-        eng = Engine(target, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+        eng = Engine(target, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
         assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
         taus.append(eng.stats()["mean_acceptance_length"])
         assert len(eng.stats()["per_position_acceptance"]) == 3
@@ -125,7 +125,7 @@ def test_dynamic_tree_on_trained_eagle3_is_lossless_and_beats_the_chain(target, 
     taus = []
     dyn = dict(speculative_eagle_topk=3, speculative_num_steps=5, speculative_num_draft_tokens=17)
     for spec in (zoo.speculative_config("eagle3", 4), zoo.speculative_config("eagle3", 16, **dyn)):
-        eng = Engine(target, speculative_config=spec, max_batch_size=4, max_model_len=96, enforce_eager=True)
+        eng = Engine(target, speculative_config=spec, max_num_seqs=4, max_model_len=96, enforce_eager=True)
         assert [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)] == ar
         taus.append(eng.stats()["mean_acceptance_length"])
     assert taus[1] > 1.15 * taus[0], taus

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from funcspec.capture import backends
 from funcspec.capture.backends import CaptureStats, DeviceGraph, capture, declare_donation
-from funcspec.tree import pytree_dataclass, replace, slot_field
+from funcspec.pytree import pytree_dataclass, replace, slot_field
 
 
 @pytree_dataclass

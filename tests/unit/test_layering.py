@@ -37,7 +37,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "funcspec"
 LAYERS: list[tuple[str, set[str]]] = [
     # pytrees, token-tree shapes, keys, sentinels, outputs, the method registry, the host suffix tree,
     # the tensor-parallel group and its all-reduce, host-made constant tables
-    ("base", {"tree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel", "constants"}),
+    ("base", {"pytree", "token_tree", "rng", "types", "outputs", "methods", "suffix_tree", "parallel", "constants"}),
     ("kernels", {"kernels"}),  # every device- and ISA-specific piece, and Ops
     ("nn", {"nn"}),  # math only, over cfg.ops
     ("formats", {"checkpoints", "quant"}),  # HF formats: config, weight files, layouts; prepare_params
@@ -190,11 +190,11 @@ def test_allow_list_is_not_stale(graph):
 
 
 def test_nn_is_math_only(graph):
-    """nn imports only nn, tree, rng, types, parallel and the kernels' ``Ops`` and ``QuantFormat`` (and their
+    """nn imports only nn, pytree, rng, types, parallel and the kernels' ``Ops`` and ``QuantFormat`` (and their
     huge-page memory): a head shares math through nn.llama, not another head, and no nn module loads or builds a
     kernel."""
     for src in (m for m in graph if unit(m) == "nn"):
-        allowed = ("nn", "tree", "rng", "types", "parallel")
+        allowed = ("nn", "pytree", "rng", "types", "parallel")
         assert all(unit(d) in allowed or d in ("funcspec.kernels", "funcspec.kernels.cpu") for d in graph[src]), \
             (src, sorted(graph[src]))
         heads = {d for d in graph[src] if unit(d) == "nn"} - NN_SHARED

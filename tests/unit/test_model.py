@@ -9,7 +9,7 @@ from conftest import make_hf_model
 from funcspec import load_model
 from funcspec.checkpoints import flatten
 from funcspec.nn import forward, init_kv_cache
-from funcspec.tree import tree_signature
+from funcspec.pytree import tree_signature
 
 CASES = {
     "llama-gqa-untied": ("llama", {}),

@@ -108,7 +108,7 @@ def cache_bytes_per_token(eng) -> int:
     """Bytes the engine's target cache holds per position of one slot, measured on its state: every declared
     per-slot tensor of the cache ([..., slots, ..., T, ...]), whatever the model keeps there (K and V, or a
     latent), over its slots and ``t_max`` positions; the per-slot lengths left out."""
-    from funcspec.tree import slot_leaves
+    from funcspec.pytree import slot_leaves
 
     leaves = [(x, axis) for x, axis in slot_leaves(eng.state.kv) if x.dim() > 1]
     return sum(x.numel() * x.element_size() // x.shape[axis] for x, axis in leaves) // eng.t_max

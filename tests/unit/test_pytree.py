@@ -8,7 +8,7 @@ import torch
 
 import torch.utils._pytree as pytree
 
-from funcspec.tree import (clone_state, move_slot, pytree_dataclass, replace, slot_field, slot_leaves, static_field,
+from funcspec.pytree import (clone_state, move_slot, pytree_dataclass, replace, slot_field, slot_leaves, static_field,
                            tree_map, tree_signature)
 
 
