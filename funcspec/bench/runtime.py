@@ -47,6 +47,7 @@ from pathlib import Path
 
 from funcspec.bench.capture import write_result
 from funcspec.bench.timing import new_replays
+from funcspec.bench.scale.machine import kernel_line
 
 WORKLOAD_PROMPTS = ["def parse(x):\n    ", "import os\nclass A:\n", "for i in range(10):\n", "x = [1, 2, 3]\n"]
 LONG_PROMPT = "def f(a, b):\n    return a + b\n" * 40
@@ -293,7 +294,9 @@ def run(args) -> Path:
                      "cold": cold, "warm": warm})
         print(f"{name}: cold start {cold['startup_s']:.1f}s, warm {warm['startup_s']:.1f}s; workload first/second "
               f"{warm['first_over_second']:.2f}x", flush=True)
-    result = {"bench": "runtime", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine_info(),
+    machine = machine_info()
+    print(kernel_line(machine)[2:], flush=True)  # what ran, before any figure
+    result = {"bench": "runtime", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine,
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
     if args.contention != "none":
         names = list(CONTENTION_SETTINGS) if args.contention == "all" else ["funcspec", "libgomp"]
@@ -352,7 +355,8 @@ def markdown(result: dict) -> str:
                          f"({r['slowdown_range'][0]:.1f}-{r['slowdown_range'][1]:.1f}) | {r['others_median']:.0%} |")
     isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
     lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)", "- ISA: " + isa,
-              f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", ""]
+              f"- torch {m['torch']}, CPU capability {m['cpu_capability']}",
+              *[line for line in (kernel_line(m),) if line], ""]
     return "\n".join(lines)
 
 

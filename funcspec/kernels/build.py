@@ -29,6 +29,7 @@ import functools
 import hashlib
 import math
 import os
+import platform
 import shlex
 import shutil
 import signal
@@ -284,3 +285,33 @@ def available() -> bool:
     """Whether the kernels run here and are not turned off (:func:`enabled`): built on first call; a failed
     build warns once. Turned off, nothing is built."""
     return enabled() and lib() is not None
+
+
+def cpu_kind() -> str:
+    """This CPU's kind as the kernels see it: ``x86 AMX``, ``x86 AVX-512 BF16``, ``x86 AVX-512``, ``x86 AVX2``,
+    ``x86`` (none of those) or the machine name off x86 (``aarch64``, ...)."""
+    if not cpu.is_x86():
+        return platform.machine() or "unknown"
+    have = cpu.x86_flags()
+    for flag, kind in (("amx_tile", "x86 AMX"), ("avx512_bf16", "x86 AVX-512 BF16"), ("avx512f", "x86 AVX-512"),
+                       ("avx2", "x86 AVX2")):
+        if flag in have:
+            return kind
+    return "x86"
+
+
+def explain() -> dict[str, object]:
+    """Which build the kernels take here and why, for benchmark reports: ``{"cpu_kind", "runs" (the builds this
+    CPU runs, best first), "build" (``None``: off or unavailable), "why"}``. Reads :data:`SWITCH` as it is now,
+    so a bad value is its ``ValueError``."""
+    runs, value = builds(), os.environ.get(SWITCH, "").strip()
+    if value == "0":
+        build, why = None, f"{SWITCH}=0 turns the kernels off"
+    else:
+        build = choice()
+        why = (f"{SWITCH}={value} names it" if value not in ("", "1")
+               else f"the best of the builds this CPU runs ({', '.join(runs)})")
+        if not available():
+            why = f"{build} was chosen ({why}) but did not build here (no compiler, or the compile failed)"
+            build = None
+    return {"cpu_kind": cpu_kind(), "runs": runs, "build": build, "why": why}

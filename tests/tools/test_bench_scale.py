@@ -91,6 +91,23 @@ def test_machine_info_and_llamacpp_note(result):
         assert res["llamacpp"] == {"status": "skipped", "note": "skipped: llama-cpp-python not installed"}
 
 
+def test_reports_name_the_cpu_kind_and_the_kernels_chosen(result, monkeypatch):
+    """A result records what ran: the CPU's kind, the kernel build and why, the paths ``resolve`` took."""
+    from funcspec.kernels import build
+
+    k = result[0]["machine"]["kernels"]
+    assert k["cpu_kind"] == build.cpu_kind() and k["runs"] == build.builds()
+    assert k["build"] == (build.builds()[0] if build.available() else None) and k["why"]
+    assert set(k["ops"]) >= {"stream", "decode_attention", "quantized", "routed_experts"}
+    line = scale.kernel_line(result[0]["machine"])
+    assert line.startswith(f"- Kernels: CPU kind {k['cpu_kind']}; build ") and line in scale.markdown(result[0])
+    monkeypatch.setenv(build.SWITCH, "0")
+    assert build.explain()["build"] is None and build.explain()["why"] == f"{build.SWITCH}=0 turns the kernels off"
+    if "portable" in build.builds():
+        monkeypatch.setenv(build.SWITCH, "portable")
+        assert build.explain()["why"] == f"{build.SWITCH}=portable names it"
+
+
 def test_checkpoint_is_cached_and_reused(result):
     _, cache, _ = result
     path = scale.checkpoint_dir("tiny", "float32", cache)

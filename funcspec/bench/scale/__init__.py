@@ -57,7 +57,7 @@ from funcspec.bench.scale.checkpoint import (DTYPES, EMBED_SCALE, SHAPES, Shape,
 from funcspec.bench.scale.context import ScaleContext
 from funcspec.bench.scale.hf import first_mismatch, hf_greedy
 from funcspec.bench.scale.llamacpp import LLAMACPP_SKIPPED, llamacpp_phase, write_gguf
-from funcspec.bench.scale.machine import ISA_FLAGS, copy_bandwidth, default_copy_mb, llc_mib, machine_info
+from funcspec.bench.scale.machine import ISA_FLAGS, copy_bandwidth, default_copy_mb, kernel_line, llc_mib, machine_info
 from funcspec.bench.scale.options import DEFAULT_PHASES, DEFAULTS, PHASES, parse_options
 from funcspec.bench.scale.phases import ENGINELESS, PHASE_FNS, compare
 from funcspec.bench.scale.plot import plot
@@ -66,7 +66,7 @@ from funcspec.bench.scale.report import markdown, write
 __all__ = ["DEFAULTS", "DEFAULT_PHASES", "DTYPES", "EMBED_SCALE", "ISA_FLAGS", "LLAMACPP_SKIPPED", "PHASES", "SHAPES",
            "ScaleContext", "Shape", "add_parser", "build_checkpoint", "checkpoint_dir", "copy_bandwidth",
            "default_copy_mb", "first_mismatch", "hf_greedy", "llamacpp_phase", "llc_mib", "machine_info",
-           "make_prompts", "markdown", "plot", "run", "weight_bytes", "write_gguf"]
+           "kernel_line", "make_prompts", "markdown", "plot", "run", "weight_bytes", "write_gguf"]
 
 
 def run(args=None, **kwargs) -> dict:
@@ -105,6 +105,7 @@ def _run(o: dict) -> dict:
               "config": SHAPES[o["shape"]].config, "checkpoint": str(path), "params": params, "weight_bytes": nbytes,
               "prompt_tokens": o["prompt_tokens"], "new_tokens": o["new_tokens"], "phases": o["phases"],
               "reps": o["reps"], "device": device_name("cpu"), "machine": machine_info(), "embed_scale": EMBED_SCALE}
+    print(kernel_line(result["machine"])[2:], flush=True)  # what ran, before any figure
     bar = tqdm(o["phases"], desc="bench scale")
     for phase in bar:
         bar.set_postfix_str(phase)

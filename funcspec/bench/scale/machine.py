@@ -28,7 +28,28 @@ def machine_info() -> dict:
         pass
     return {"cpu": model, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "llc_mib": llc_mib(),
             "flags": {f: f in flags for f in ISA_FLAGS}, "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average": list(os.getloadavg())}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average": list(os.getloadavg()),
+            "kernels": kernel_choice()}
+
+
+def kernel_choice() -> dict:
+    """The CPU's kind, the kernel build ``Ops`` takes here and why, and the paths :func:`funcspec.kernels.resolve`
+    chose (``ops``): machines differ, and a result is read against what ran."""
+    import dataclasses
+
+    from funcspec.kernels import build, resolve
+
+    return {**build.explain(), "ops": dataclasses.asdict(resolve("cpu"))}
+
+
+def kernel_line(m: dict) -> str:
+    """A report's markdown line for :func:`kernel_choice` (empty for a result recorded before it existed)."""
+    k = m.get("kernels")
+    if not k:
+        return ""
+    paths = ", ".join(name for name, on in k["ops"].items() if on is True) or "none"
+    return (f"- Kernels: CPU kind {k['cpu_kind']}; build {k['build'] or 'none'} ({k['why']}); "
+            f"paths: {paths}; routed experts: {k['ops']['routed_experts']}")
 
 
 def llc_mib() -> int:

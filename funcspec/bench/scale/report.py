@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from funcspec.bench.scale.machine import kernel_line
+
 
 def _f(x, spec: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
@@ -154,7 +156,8 @@ def _md_machine(r: dict) -> list[str]:
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items())
     llc = f", last-level cache {m['llc_mib']} MiB" if m.get("llc_mib") else ""
     return ["## Machine\n", f"- CPU: {m['cpu']} ({m['cores']} logical cores{llc}), torch threads: {m['threads']}",
-            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}", *_md_load(m), ""]
+            f"- ISA: {flags}", f"- torch {m['torch']}, CPU capability {m['cpu_capability']}",
+            *[line for line in (kernel_line(m),) if line], *_md_load(m), ""]
 
 
 def _md_load(m: dict) -> list[str]:
