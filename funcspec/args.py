@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from funcspec import methods
 from funcspec.capture.backends import BACKENDS, auto_backend
 from funcspec.checkpoints import Model
 from funcspec.checkpoints.files import FLOAT_DTYPES, TOKENIZER_FILES, has_tokenizer

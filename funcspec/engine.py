@@ -104,7 +104,7 @@ class Engine:
         self.scheduler, self.runner = built.scheduler, built.runner
         self.startup_seconds = built.startup_seconds  # spent capturing graphs while the engine was built
         self.compile_cache: Optional[dict] = built.compile_cache  # what a loaded compile cache held, by kind
-        self._stats = collections.Counter()
+        self._stats: collections.Counter[str] = collections.Counter()
         # a tree accepts at most one node per depth: its per-position acceptance is per depth
         # (of the whole tree: a tree cut to N nodes may be shallower, its deeper counts stay 0)
         self._accepted_per_pos = [0] * (plan.tree.depth if plan.tree else plan.max_k)
@@ -280,8 +280,9 @@ class Engine:
                 for req, first, lp, plp in zip(group, firsts, first_lps, prompt_lps):
                     req.t_first = time.perf_counter()
                     if plp is not None:
-                        req.prompt_logprobs = [None] + logprobs.dicts(req.prompt_ids[1:], plp,
-                                                                      req.params.prompt_logprobs, self._decode)
+                        k = req.params.prompt_logprobs
+                        assert k is not None, "prompt logprobs come back only for rows that asked for them"
+                        req.prompt_logprobs = [None, *logprobs.dicts(req.prompt_ids[1:], plp, k, self._decode)]
                     self._append(req, [first], lp)
             except Exception as err:  # noqa: BLE001 (one request's failure is its own)
                 self._fail(group, err)
@@ -296,7 +297,9 @@ class Engine:
         before = len(req.output_ids)
         self.scheduler.append(req, new)
         if req.logprobs is not None:  # NOTE: only the tokens the stop rules kept
-            req.logprobs += logprobs.dicts(req.output_ids[before:], lps, req.params.logprobs, self._decode)
+            k = req.params.logprobs
+            assert lps is not None and k is not None, "a request with logprobs asked for them: its row has them"
+            req.logprobs += logprobs.dicts(req.output_ids[before:], lps, k, self._decode)
         return len(req.output_ids) - before
 
     @staticmethod

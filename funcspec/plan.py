@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Optional, Sequence
 
 import torch
@@ -66,7 +66,7 @@ class EnginePlan:
         return self.bucket_plan.startup
 
     @property
-    def tree(self):
+    def tree(self) -> Optional[TokenTree | DynamicTree]:
         """The engine's token tree (``TokenTree`` or ``DynamicTree``), or ``None`` for chains."""
         return self.spec.tree if self.spec is not None else None
 
@@ -126,7 +126,7 @@ class EnginePlan:
         return cls(**{**d, "spec": spec, "bucket_plan": buckets})
 
 
-def bucket_shape(tree: Optional[Shape], k: int, frontiers: bool = True) -> Shape:
+def bucket_shape(tree: Optional[TokenTree | DynamicTree], k: int, frontiers: bool = True) -> Shape:
     """The shape a bucket of K = N drafts proposes: ``tree`` cut to N nodes, or the ``Chain`` of K (no tree,
     or K = 0). ``frontiers``: a draft network expands the tree's frontiers (``token_tree.truncate``)."""
     return truncate(tree, k, frontiers) if tree is not None and k > 0 else Chain(k)
@@ -141,15 +141,15 @@ def verify_rule(spec: Optional[SpecConfig], k: int, shape: Optional[Shape] = Non
     by the standard rule, whose keyed draw of its one token is decoding's own; a token tree by ``"tree"``;
     a chain by the configured rule. ``mode`` sets ``filters`` and ``greedy`` (the rows' sampling).
     """
-    modal = {"filters": mode.filters, "greedy": mode.greedy}
+    modal = functools.partial(VerifyConfig, filters=mode.filters, greedy=mode.greedy)
     if k == 0 or spec is None:
-        return VerifyConfig(**modal)
+        return modal()
     if shape is not None and not isinstance(shape, Chain):
-        return VerifyConfig(method="tree", depth=shape.depth, **modal)
+        return modal(method="tree", depth=shape.depth)
     rs, rates = spec.rejection_sampler, spec.synthetic_acceptance_rates
-    return VerifyConfig(method=spec.verifier_method, posterior_threshold=rs.posterior_threshold,
-                        posterior_alpha=rs.posterior_alpha, entropy=spec.verify_entropy,
-                        synthetic_rates=None if rates is None else tuple(rates)[:k], **modal)
+    return modal(method=spec.verifier_method, posterior_threshold=rs.posterior_threshold,
+                 posterior_alpha=rs.posterior_alpha, entropy=spec.verify_entropy,
+                 synthetic_rates=None if rates is None else tuple(rates)[:k])
 
 
 def graph_modes(startup: bool) -> dict[str, Mode]:
@@ -190,7 +190,7 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _fields(cls: type, d: Any, name: str, nested: Sequence[str] = ()) -> dict[str, Any]:
+def _fields(cls: type, d: Any, name: str, nested: Collection[str] = ()) -> dict[str, Any]:
     """``d``'s entries once they are exactly ``cls``'s fields, lists as tuples (except in the ``nested``
     configs, which the caller reads with their own fields)."""
     if not isinstance(d, Mapping):
@@ -256,7 +256,7 @@ def plan_engine(spec: Optional[SpecConfig], cfg: ModelConfig, ops: Ops, *, backe
     tree = spec is not None and spec.tree is not None
     # a tree with a batch-size table drafts N(n) of its nodes at n active rows: bucket (B, N)
     sizes = [spec.k_for_batch_size(n) for n in range(1, max_batch_size + 1)] \
-        if tree and spec.num_speculative_tokens_per_batch_size else None
+        if spec is not None and tree and spec.num_speculative_tokens_per_batch_size else None
     if context_buckets is None and not cfg.mla.kv_lora_rank and ops.reads_live_only(dtype, cfg.head_dim, device):
         context_buckets = (t_max,)  # the decode kernel reads only live positions: one context bucket
         # NOTE: latent attention (MLA) takes the reference attention, which reads the whole bucket

@@ -213,7 +213,8 @@ class Runner:
             if gkey not in self.compiled:
                 # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
                 bucket = self.bucket(b, k, t, self.plan.graph_modes[mode.name])  # example rows: the scratch slot
-                self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend, name=f"spec_step_{graph_name(gkey)}",
+                self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend,
+                                              name=f"spec_step_{graph_name(gkey)}",
                                               symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else (),
                                               donated=(1,), pool=self.pool)  # donated: the state, updated in place
             self.graphs[key] = self.compiled[gkey]

@@ -46,7 +46,8 @@ class Mode:
         return base + "_logprobs" if self.logprobs else base
 
     def with_logprobs(self, on: bool = True) -> "Mode":
-        """The same sampling with (or without) logprobs (``self`` when unchanged, so the named modes stay singletons)."""
+        """The same sampling with (or without) logprobs (``self`` when unchanged, so the named modes stay
+        singletons)."""
         return self if self.logprobs == on else dataclasses.replace(self, logprobs=on)
 
 

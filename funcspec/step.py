@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from funcspec import dynamic, rng, sampling, verifiers
+from funcspec import dynamic, rng, verifiers
 from funcspec.logprobs import TokenLogprobs, token_logprobs
 from funcspec.nn import KVCache, ModelConfig, forward
 from funcspec.nn.llama import FULL_READ, KVRead, TreeMask, commit_path
 from funcspec.token_tree import Chain, Shape, ancestors, depths, tree_parents
 from funcspec.pytree import pytree_dataclass, replace, slot_field, static_field
+from funcspec.sampling import FILTERED, Mode
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class StepContext:
     drafts: Optional[torch.Tensor] = None
     draft_parents: Optional[torch.Tensor] = None
     read: KVRead = static_field(default=FULL_READ)
-    mode: sampling.Mode = static_field(default=sampling.FILTERED)
+    mode: Mode = static_field(default=FILTERED)
     tree: Optional[Shape] = static_field(default=None)
 
 
@@ -154,7 +155,7 @@ class StepConfig:
     hidden_layers: tuple[int, ...] = ()
     dynamic_min_k: Optional[int] = None  # min_verify_tokens when the verify length is confidence-based
     read: KVRead = FULL_READ  # the context bucket: cache positions read, rows are slots
-    mode: sampling.Mode = sampling.FILTERED  # what the rows' sampling needs (greedy / random / filtered)
+    mode: Mode = FILTERED  # what the rows' sampling needs (greedy / random / filtered)
     tree: Shape = Chain(0)  # the bucket's shape: the Chain of K, or the engine's tree cut to K nodes
 
 
@@ -185,6 +186,10 @@ def verify_prefix(sc: StepConfig, state: EngineState, proposal: Proposal, slots,
     """Drafts [B, K] cut to each row's confidence-allocated verify length (vLLM-Ascend's
     DynamicSpecScheduler); the cut positions become ``PLACEHOLDER``, which every verifier
     rejects, so verification stays lossless."""
+    assert sc.dynamic_min_k is not None, "verify_prefix runs only for dynamic speculation"  # static config
+    if proposal.confidence is None:  # static: raised while tracing
+        raise ValueError("the proposal carries no confidence, which dynamic speculation (dynamic_min_k) needs "
+                         "to allocate verify lengths")
     real = slots < state.kv.lens.shape[0] - 1  # [B]
     verify_len = dynamic.allocate(dynamic.survival(proposal.confidence), budget_k, sc.dynamic_min_k, real)
     return mask_beyond(proposal.tokens, verify_len)
@@ -267,6 +272,7 @@ def spec_step(sc: StepConfig, params: dict, state: EngineState, inputs: StepInpu
     # with them makes a seeded sampled request emit the same tokens with and without speculation.
     keys = row_keys(state, slots, lens.unsqueeze(1) + torch.arange(sc.tree.depth + 1, device=lens.device))  # [B, D+1]
     proposal, pstate = propose(sc, params, state, inputs, keys[:, 0], samp)
+    assert proposal.parents is not None, "propose() raised for a proposal without parents"  # static: traced once
     # NOTE: PLACEHOLDER cannot be embedded; feed token 0 there. The
     # verifier rejects PLACEHOLDER, so that position's logits are unused.
     tokens = torch.cat([pending.unsqueeze(1), proposal.tokens.clamp(min=0)], dim=1)  # [B, K+1]

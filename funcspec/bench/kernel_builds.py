@@ -15,7 +15,9 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,12 +41,12 @@ def cpu_flags() -> str:
 def cases(g: torch.Generator) -> dict:
     """name -> (bytes streamed, fn(x rows) -> out, x [16, K]): weights of 128 MB (bf16, fp32: 256 MB) and
     64 MB (q8, q4 with their fp16 scales)."""
-    out = {}
+    out: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
     for name, dtype, n, k in (("bf16", torch.bfloat16, 8192, 8192), ("fp32", torch.float32, 8192, 8192)):
         w = torch.randn(n, k, generator=g).to(dtype)
         packed = stream.pack_weight(w)
         del w
-        out[name] = (packed.numel() * packed.element_size(), lambda x, p=packed, n=n: stream.stream_op(x, p, None, n),
+        out[name] = (packed.numel() * packed.element_size(), partial(stream.stream_op, packed=packed, bias=None, n=n),
                      torch.randn(16, k, generator=g).to(dtype))
     for name, bits, n, k in (("q8_0", 8, 8192, 8192), ("q4_0", 4, 16384, 8192)):
         q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
@@ -52,7 +54,7 @@ def cases(g: torch.Generator) -> dict:
         del q
         fmt = QuantFormat(bits, 32, n, k, False, name)
         p = {"qweight": qw, "scales": s, "format": fmt}
-        out[name] = (fmt.bytes, lambda x, p=p: quant.qlinear(x, p), torch.randn(16, k, generator=g).to(torch.bfloat16))
+        out[name] = (fmt.bytes, partial(quant.qlinear, p=p), torch.randn(16, k, generator=g).to(torch.bfloat16))
     return out
 
 
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
     builds = build.builds()
     before = os.environ.get(build.SWITCH)
     work = cases(torch.Generator().manual_seed(0))
-    times = {(b, c, r): [] for b in builds for c in work for r in ROWS}
+    times: dict[tuple[str, str, int], list[float]] = {(b, c, r): [] for b in builds for c in work for r in ROWS}
     try:
         for b in builds:  # built and loaded before any timing
             os.environ[build.SWITCH] = b

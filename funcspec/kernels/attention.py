@@ -66,7 +66,7 @@ def _decode_attention(q, keys, vals, visible) -> torch.Tensor:
     vals = vals if vals.stride(-1) == 1 else vals.contiguous()
     visible = visible.contiguous()
     out = q.new_empty((b, t, h * d))  # [B, T, H·D]
-    lib = build.lib()
+    lib = build.loaded()
     fn = lib.funcspec_attend_bf16 if q.dtype == torch.bfloat16 else lib.funcspec_attend_f32
     threads = 1 if b * t * h * tr * d < SERIAL_MACS else torch.get_num_threads()
     fn(q.data_ptr(), keys.data_ptr(), vals.data_ptr(), visible.data_ptr(), out.data_ptr(), b, t, h, hkv, d, tr,

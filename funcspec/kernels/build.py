@@ -261,6 +261,15 @@ def lib(name: str | None = None) -> ctypes.CDLL | None:
     return None if name is None else load(name)
 
 
+def loaded() -> ctypes.CDLL:
+    """:func:`lib`, for a kernel op: the ops run only where :func:`available` said yes, so a missing library
+    is a caller's error, raised here rather than as an attribute error on ``None``."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError("funcspec: a CPU kernel was called where the kernels are unavailable or turned off")
+    return handle
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """Build ``name``'s library, built on first call, or ``None`` where this CPU cannot run it or it cannot be

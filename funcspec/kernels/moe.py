@@ -33,6 +33,7 @@ independence (a GEMM may tile by group size).
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -116,7 +117,7 @@ def _experts(x, ids, weights, gate_up, down) -> torch.Tensor:
     w = weights.to(torch.float32).contiguous()  # [T, k]
     out = torch.empty_like(x)  # [T, H]
     (t, k), h, units = ids.shape, x.shape[1], gate_up.shape[1] * HALF
-    lib = build.lib()
+    lib = build.loaded()
     fn = lib.funcspec_experts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_experts_f32
     threads = 1 if t * k * 3 * units * h < stream.SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), t, k, h,
@@ -253,10 +254,13 @@ def _qexperts(x, ids, weights, gu_q, gu_s, gu_o, dn_q, dn_s, dn_o, gu_bits: int,
     w = weights.to(torch.float32).contiguous()  # [T, k]
     out = torch.empty_like(x)  # [T, H]
     (t, k), h, e, units = ids.shape, x.shape[1], gu_q.shape[0], gu_q.shape[1] * quant.QB // 2
-    lib = build.lib()
+    lib = build.loaded()
     fn = lib.funcspec_qexperts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qexperts_f32
     threads = 1 if t * k * 3 * units * h < quant.SERIAL_MACS else torch.get_num_threads()
-    ptr = (lambda a: None if a is None else a.data_ptr())
+
+    def ptr(a):
+        return None if a is None else a.data_ptr()
+
     fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), gu_q.data_ptr(), gu_s.data_ptr(), ptr(gu_o), dn_q.data_ptr(),
        dn_s.data_ptr(), ptr(dn_o), out.data_ptr(), t, k, h, e, units, gu_bits, gu_group, dn_bits, dn_group, threads)
     return out
@@ -355,7 +359,7 @@ def npu_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     weighs the slots back into token order. ``npu`` is torch_npu (imported here by default; tests pass a stand-in).
     Ids must lie in [0, E)."""
     if npu is None:
-        import torch_npu as npu  # NOTE: lazily: importing torch_npu without CANN breaks torch itself
+        npu = importlib.import_module("torch_npu")  # NOTE: lazily: importing torch_npu without CANN breaks torch
     t, k = ids.shape
     row_idx = torch.arange(t * k, dtype=torch.int32, device=x.device).view(k, t).t().contiguous()  # [T, k]: j·T + t
     ids32 = ids.to(torch.int32)  # [T, k]

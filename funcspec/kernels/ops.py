@@ -188,8 +188,8 @@ class Ops:
         """A MoE layer's routed experts (:mod:`funcspec.kernels.moe`): x [T, H] routed to ``ids`` [T, k] int64
         with ``weights`` [T, k]; ``p`` holds the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
         [E, H, I] (each ``{"weight": ...}``, and the ``packed`` copy ``prepare_params`` made for the CPU
-        kernel), or the same experts quantized (:func:`moe.stack_quantized`). Returns [T, H]; x [..., H] with ids and weights [..., k] gives [..., H]. The path is
-        :meth:`routed_path`'s."""
+        kernel), or the same experts quantized (:func:`moe.stack_quantized`). Returns [T, H]; x [..., H] with
+        ids and weights [..., k] gives [..., H]. The path is :meth:`routed_path`'s."""
         gate_up, down = p["gate_up_proj"], p["down_proj"]
         path = self.routed_path(x, gate_up, down)
         if torch.is_grad_enabled() and weights.requires_grad:  # the kernels pass no gradient to the router

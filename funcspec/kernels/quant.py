@@ -161,7 +161,7 @@ def _qlinear(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group
         bias = bias.to(x.dtype)
     out = x.new_empty((*x.shape[:-1], n))
     rows = x.numel() // k
-    lib = build.lib()
+    lib = build.loaded()
     fn = lib.funcspec_qlinear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qlinear_f32
     threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),

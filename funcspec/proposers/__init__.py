@@ -99,6 +99,8 @@ class BoundProposer:
     def host_drafts(self, rows, b: int, k: int, tree):
         """Host drafts (tokens, parents), [B, K] each, for the running rows in the bucket's shape ``tree``
         (``EnginePlan.bucket_tree``); host proposers only."""
+        if self.host is None:
+            raise ValueError(f"{self.module.__name__} has no host drafter: host_drafts is for runs_on_host proposers")
         return self.host.drafts(rows, b, k, tree)
 
     def on_finish(self, req) -> None:
@@ -109,7 +111,10 @@ class BoundProposer:
     def shard(self, tp, quantization=None) -> "BoundProposer":
         """This proposer split across tensor-parallel group ``tp`` (``draft_tensor_parallel_size`` > 1), its layers
         quantized to ``quantization`` on load first (``speculative_config["quantization"]``)."""
-        cfg, params = self.module.shard(self.cfg, self.params, tp, quantization)
+        shard = getattr(self.module, "shard", None)  # NOTE: optional, not in the Proposer contract
+        if shard is None:
+            raise ValueError(f"{self.module.__name__} has no shard: it cannot be split across tensor-parallel ranks")
+        cfg, params = shard(self.cfg, self.params, tp, quantization)
         return dataclasses.replace(self, cfg=cfg, params=params)
 
 

@@ -48,6 +48,9 @@ class Proposer(Protocol):
     ``prefill`` run eagerly, outside any graph.
     """
 
+    __name__: str
+    """The module's dotted name (every module has one), for messages."""
+
     runs_on_host: bool
     """Whether drafts come from a host-side ``HostDrafter`` (fed in as ``ctx.drafts``)."""
 

@@ -21,9 +21,10 @@ Every rule, chain or tree, has the signature
     #  -> tokens [B, D+1] int64 (PLACEHOLDER after the emitted ones) · num_emitted [B] int32
     #     · path [B, D+1] the tree indices of the accepted root path (a chain's: 0..K)
 
-(a chain of K is the tree of depth D = K whose node i's parent is i - 1), and is a pure function: no host syncs, randomness only from ``funcspec.rng``
-(sub-streams in ``common``), so it captures with ``fullgraph=True`` and gives
-the same tokens eager and compiled. ``p`` is always
+(a chain of K is the tree of depth D = K whose node i's parent is i - 1), and is
+a pure function: no host syncs, randomness only from ``funcspec.rng`` (sub-streams
+in ``common``), so it captures with ``fullgraph=True`` and gives the same tokens
+eager and compiled. ``p`` is always
 ``funcspec.sampling.target_probs(target_logits, temperature, top_k, top_p)``;
 ``q`` is ``proposal.probs``, or one-hot at the draft when that is ``None``.
 Rows with temperature 0 reduce to greedy verification under every rule except
@@ -51,7 +52,6 @@ from typing import Callable, Optional
 import torch
 
 from funcspec import rng
-from funcspec.token_tree import Chain
 from funcspec.types import Proposal, Sampling
 from funcspec.verifiers import block, common, entropy, greedy, magicmtp, standard, synthetic, tree
 from funcspec.verifiers.common import Verdict, VerifyInput
