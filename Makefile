@@ -22,9 +22,10 @@ run: setup
 	$(BIN)/python -m funcspec.cli run-default
 
 # NOTE: one pytest worker per core (-n auto): the tests pin torch to one thread each, and most of the
-# suite's time is inductor compiling graphs, one process at a time
+# suite's time is inductor compiling graphs, one process at a time; a worker that finishes its share
+# takes tests from the other (worksteal), so one long compile at the end does not leave a core idle
 test: setup lint
-	@start=$$(date +%s); $(BIN)/python -m pytest -x -n auto -p no:cacheprovider tests; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -x -n auto --dist worksteal -p no:cacheprovider tests; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s (pytest exit status $$rc)"; exit $$rc
 
 # ruff, then mypy (both configured in pyproject.toml); make test runs them before the suite
