@@ -56,6 +56,17 @@ def make_hf_model(path, arch: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def reference_attention(q, keys, vals, visible, dtype=torch.float64):
+    """Masked softmax attention computed in ``dtype``, GQA by repeating the KV heads: q [B, T, H, D], keys and
+    vals [B, H_kv, T_read, D], visible [B, T, T_read] -> [B, T, H·D]; a row that sees nothing gets zeros."""
+    b, t, h, d = q.shape
+    rep = h // keys.shape[1]
+    k, v = keys.to(dtype).repeat_interleave(rep, 1), vals.to(dtype).repeat_interleave(rep, 1)
+    s = torch.einsum("bthd,bhjd->bhtj", q.to(dtype), k) / d ** 0.5
+    s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    return torch.einsum("bhtj,bhjd->bthd", torch.softmax(s, -1), v).nan_to_num(0.0).reshape(b, t, h * d)
+
+
 @pytest.fixture(scope="session")
 def check_slot_declarations():
     """``check(engine)``: every tensor of the engine's state declares its slot axis, sized slots + scratch."""

@@ -28,6 +28,42 @@
 #include "bf16.h"
 #include "simd.h"
 
+namespace {
+
+// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
+// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time:
+// rows(q rows, R, K, V, visible row, out rows, scratch) with one scratch per thread, made by make().
+template <int RG, class T, class Make, class Rows>
+void for_head_groups(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq,
+                     int64_t H, int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3],
+                     int threads, Make make, Rows rows) {
+  const int64_t G = H / HKV;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    auto scratch = make();
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * HKV; ++bh) {
+      const int64_t b = bh / HKV, hk = bh % HKV;
+      const T* kb = k + b * kst[0] + hk * kst[1];
+      const T* vb = v + b * vst[0] + hk * vst[1];
+      for (int64_t t = 0; t < Tq; ++t)
+        for (int64_t g0 = 0; g0 < G; g0 += RG) {
+          const int R = (int)(G - g0 < RG ? G - g0 : RG);
+          const T* qs[RG];
+          T* os[RG];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = (b * Tq + t) * H + hk * G + g0 + r;
+            qs[r] = q + i * D;
+            os[r] = out + i * D;
+          }
+          rows(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, scratch);
+        }
+    }
+  }
+}
+
+}  // namespace
+
 #if defined(FUNCSPEC_ISA_AVX512BF16)
 #include <immintrin.h>
 
@@ -255,36 +291,17 @@ RowsFn<T> rows_for(int64_t chunks, std::integer_sequence<int, CH...>) {
   return fns[chunks - 1];
 }
 
-// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
-// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time.
+// The kernel for D's chunk count, over for_head_groups.
 template <class T>
 void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
             int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
             int threads) {
-  const int64_t G = H / HKV;
   const RowsFn<T> rows = rows_for<T>((D + 15) / 16, std::make_integer_sequence<int, MAX_CHUNKS>{});
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    std::vector<float> s(RG * (TR + 16));  // interleaved scores, padded to whole 16-key steps
-#pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < B * HKV; ++bh) {
-      const int64_t b = bh / HKV, hk = bh % HKV;
-      const T* kb = k + b * kst[0] + hk * kst[1];
-      const T* vb = v + b * vst[0] + hk * vst[1];
-      for (int64_t t = 0; t < Tq; ++t)
-        for (int64_t g0 = 0; g0 < G; g0 += RG) {
-          const int R = (int)(G - g0 < RG ? G - g0 : RG);
-          const T* qs[RG];
-          T* os[RG];
-          for (int r = 0; r < R; ++r) {
-            const int64_t row = (b * Tq + t) * H + hk * G + g0 + r;
-            qs[r] = q + row * D;
-            os[r] = out + row * D;
-          }
-          rows(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, D, TR, kst[2], vst[2], scale, s.data());
-        }
-    }
-  }
+  for_head_groups<RG>(
+      q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
+      [&] { return std::vector<float>(RG * (TR + 16)); },  // interleaved scores, padded to whole 16-key steps
+      [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os,
+          std::vector<float>& s) { rows(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, s.data()); });
 }
 
 }  // namespace
@@ -351,36 +368,25 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     for (int64_t c = 0; c < D; ++c) out[r][c] = funcspec::from_float<T>(acc[r * DP + c] * inv[r]);
 }
 
-// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
-// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time.
+// attend_rows over for_head_groups, each thread with its fp32 buffers.
 template <class T>
 void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
             int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
             int threads) {
-  const int64_t G = H / HKV, DP = (D + W - 1) / W * W;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    std::vector<float> qf(RG * DP, 0.0f), row(DP, 0.0f), s(RG * (TR + W)), acc(RG * DP);
-#pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < B * HKV; ++bh) {
-      const int64_t b = bh / HKV, hk = bh % HKV;
-      const T* kb = k + b * kst[0] + hk * kst[1];
-      const T* vb = v + b * vst[0] + hk * vst[1];
-      for (int64_t t = 0; t < Tq; ++t)
-        for (int64_t g0 = 0; g0 < G; g0 += RG) {
-          const int R = (int)(G - g0 < RG ? G - g0 : RG);
-          const T* qs[RG];
-          T* os[RG];
-          for (int r = 0; r < R; ++r) {
-            const int64_t i = (b * Tq + t) * H + hk * G + g0 + r;
-            qs[r] = q + i * D;
-            os[r] = out + i * D;
-          }
-          attend_rows<T>(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, D, TR, kst[2], vst[2], scale, qf.data(),
-                         row.data(), s.data(), acc.data());
-        }
-    }
-  }
+  const int64_t DP = (D + W - 1) / W * W;
+  struct Scratch {
+    std::vector<float> qf, row, s, acc;
+  };
+  for_head_groups<RG>(
+      q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
+      [&] {
+        return Scratch{std::vector<float>(RG * DP, 0.0f), std::vector<float>(DP, 0.0f),
+                       std::vector<float>(RG * (TR + W)), std::vector<float>(RG * DP)};
+      },
+      [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os, Scratch& sc) {
+        attend_rows<T>(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, sc.qf.data(), sc.row.data(),
+                       sc.s.data(), sc.acc.data());
+      });
 }
 
 }  // namespace

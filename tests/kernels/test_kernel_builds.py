@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import OpLog, make_hf_model
+from conftest import OpLog, make_hf_model, reference_attention
 
 from funcspec import Engine, SamplingParams, kernels
 from funcspec.kernels import Ops, QuantFormat, attention, build, cpu, moe, quant, stream
@@ -209,14 +209,6 @@ def test_quantized_products(kernel_build, fmt, dtype, two_threads):
         assert torch.equal(got, alone[s:s + r]), f"{r} rows"
 
 
-def reference_attention(q, keys, vals, visible):
-    """Masked softmax attention in float64, GQA by repetition."""
-    b, t, h, d = q.shape
-    rep = h // keys.shape[1]
-    k, v = keys.double().repeat_interleave(rep, 1), vals.double().repeat_interleave(rep, 1)
-    s = torch.einsum("bthd,bhjd->bhtj", q.double(), k) / d ** 0.5
-    s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    return torch.einsum("bhtj,bhjd->bthd", torch.softmax(s, -1), v).reshape(b, t, h * d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import OpLog, make_hf_model
+from conftest import OpLog, make_hf_model, reference_attention
 from funcspec import LLM, Engine, SamplingParams, kernels
 from funcspec.kernels import Ops, attention, build, stream
 from funcspec.nn.llama import attend
@@ -279,14 +279,6 @@ def test_a_linear_of_no_inputs_is_its_bias(ops, dtype):
 # ----------------------------------------------------------------------------- 7. attention's paths
 
 
-def reference_attention(q, keys, vals, visible):
-    """Masked softmax attention in float64, GQA by repetition; a row that sees nothing gets zeros."""
-    b, t, h, d = q.shape
-    rep = h // keys.shape[1]
-    k, v = keys.double().repeat_interleave(rep, 1), vals.double().repeat_interleave(rep, 1)
-    s = torch.einsum("bthd,bhjd->bhtj", q.double(), k) / d ** 0.5
-    s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    return torch.einsum("bhtj,bhjd->bthd", torch.softmax(s, -1), v).nan_to_num(0.0).reshape(b, t, h * d)
 
 
 @needs_kernels
