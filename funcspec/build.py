@@ -37,7 +37,7 @@ from funcspec.config import SpecConfig
 from funcspec.nn import ModelConfig
 from funcspec.parallel import TPGroup
 from funcspec.plan import EnginePlan, plan_engine
-from funcspec.plan import startup_modes as plan_startup_modes
+from funcspec.plan import startup_modes
 from funcspec.quant import prepare_params
 from funcspec.quant.formats import on_load
 from funcspec.runner import Runner, graph_name
@@ -93,6 +93,7 @@ class Captured:
     runner: Runner
     compile_cache: Optional[dict]  # what a loaded compile cache held, by kind
     startup_seconds: float  # spent capturing graphs
+    startup_modes: tuple[sampling.Mode, ...]  # the modes a start-up capture compiles
 
 
 def plan(args: EngineArgs, followed: Optional[dict] = None) -> Planned:
@@ -222,11 +223,11 @@ def capture(args: EngineArgs, planned: Planned, prepared: Prepared, dist: Distri
         runner = Runner(plan=plan, model=dist.model, proposer=dist.proposer, device=planned.device,
                         dtype=args.torch_dtype, dyn=prepared.dyn, prefill_hooks=prepared.hooks)
         loaded = cache.load(cc.compile_cache) if cc.compile_cache is not None else None  # before any capture
-        seconds = capture_all(runner, startup_graphs(plan, runner, prepared.dyn, startup_modes(args))) \
-            if plan.startup else 0.0
+        modes = startup_modes(cc.capture_logprobs)
+        seconds = capture_all(runner, startup_graphs(plan, runner, prepared.dyn, modes)) if plan.startup else 0.0
         if dist.followers is not None:
             dist.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
-    return Captured(scheduler, runner, loaded, seconds)
+    return Captured(scheduler, runner, loaded, seconds, modes)
 
 
 @contextlib.contextmanager
@@ -238,13 +239,6 @@ def failing(followers: Optional[distributed.Followers]):
         if followers is not None:
             followers.fail(e)
         raise
-
-
-def startup_modes(args: EngineArgs) -> tuple[sampling.Mode, ...]:
-    """The sampling modes a start-up capture compiles (:func:`funcspec.plan.startup_modes`): those of
-    :data:`~funcspec.capture.STARTUP_SAMPLING`, and the general mode with logprobs under
-    ``compilation_config.capture_logprobs``."""
-    return plan_startup_modes(args.compilation_config.capture_logprobs)
 
 
 def startup_graphs(plan: EnginePlan, runner: Runner, dyn,

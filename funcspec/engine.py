@@ -97,7 +97,7 @@ class Engine:
         self.backend, self.max_model_len, self.t_max, self.num_slots = (plan.backend, plan.max_model_len,
                                                                          plan.t_max, plan.num_slots)
         self.device, self.seed, self.quantization = torch.device(args.device), args.seed, prepared.quantization
-        self.startup_modes = build.startup_modes(args)
+        self.startup_modes = built.startup_modes
         self.dyn, self.tp = prepared.dyn, group.tp
         if self.dyn is not None:
             self._dyn_k = self.dyn.budget_k
