@@ -129,6 +129,15 @@ def _init_group(device, rank: int, size: int, init_method: Optional[str] = None)
     """torchrun: initialise torch's default group (every rank runs the script; its engines share the group)."""
     dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    """At exit, destroy the default group this module initialised (if the script has not): left to interpreter
+    teardown, gloo's threads were destroyed still running and the rank aborted ("terminate called without an
+    active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _store(port: int, size: int, master: bool) -> dist.TCPStore:
