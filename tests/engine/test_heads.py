@@ -286,19 +286,15 @@ def test_chain_shaped_tree_drafts_what_the_chain_drafts(zoo):
 DYNAMIC = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
 
 
-@pytest.mark.parametrize("tree, codegen", [(DYNAMIC, "traced"),
-                                           pytest.param(TREE, "inductor", marks=pytest.mark.slow)])
-def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, tree, codegen, request):
+@pytest.mark.parametrize("tree", [DYNAMIC, TREE], ids=["dynamic", "static"])
+def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles(zoo, tree, traced_codegen):
     """Bucket (B, N) = (4, 7), static and dynamic (both depth 3): the step keeps the state's
     structure, emits [B, D+1] tokens, and one
     fullgraph serves every step greedy-losslessly with 0 recompiles after warm-up.
 
-    NOTE: "traced" swaps inductor's codegen for the Dynamo graph (as the test above does); the
-    real inductor compile of the tree step took 141 s on CI's 2 cores, so it is marked slow. The static
-    tree runs on real inductor only: its compile traces the same Dynamo graph, and every assertion of a
-    traced run holds of it, so a traced run of it too would check nothing more."""
-    if codegen == "traced":
-        request.getfixturevalue("traced_codegen")
+    NOTE: inductor's codegen is swapped for the Dynamo graph (as the test above does): the graph, its guards and
+    its recompiles are Dynamo's. EAGLE-3's static tree is compiled by real inductor in
+    tests/engine/test_logprobs.py's inductor matrix (tokens and logprobs equal AR's there)."""
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
     eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
     assert eng.plan.bucket_plan.ks == (0, 7) and eng.plan.bucket_plan.capture_sizes()[7] == [32]

@@ -27,15 +27,24 @@ def _mixed(eng):
             + _ids(eng.generate([LONG] * 3, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))))
 
 
-def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_llama, rows_free_ops):
+def test_after_startup_a_mixed_workload_compiles_nothing_and_a_second_start_loads_it(tiny_llama, tmp_path, monkeypatch,
+                                                                                  rows_free_ops):
     """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length; then the mixed
     workload (batches 1-4, greedy / top-p / plain temperature, 5-90 tokens of context) compiles nothing, its
-    plain-temperature requests run in the filtered graph, and every token equals the eager engine's."""
-    eng = Engine(tiny_llama, NGRAM, backend="inductor", max_num_seqs=4, max_model_len=96, ops=rows_free_ops)
+    plain-temperature requests run in the filtered graph, and every token equals the eager engine's.
+
+    Then the step store: an identical engine started again loads its graphs (nothing traced) and runs the same
+    workload to the same tokens, compiling nothing; another K is another key, compiled anew;
+    ``FUNCSPEC_GRAPH_STORE=0`` compiles without the store. NOTE: one test, so that the four graphs are compiled
+    once, in an inductor cache of its own (nothing of the rest of the suite's is loaded)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = dict(backend="inductor", max_num_seqs=4, max_model_len=96, ops=rows_free_ops)
+    eng = Engine(tiny_llama, NGRAM, **args)
     t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
     assert eng.plan.bucket_plan.context_buckets == (t,) and eng.startup_seconds > 0
     assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
                                            (1, 2, t, "filtered"), (1, 2, t, "greedy")]
+    assert [g.stats.loaded for g in eng.runner.compiled.values()] == [False] * 4
     with torch.compiler.set_stance("fail_on_recompile"):
         out = _mixed(eng)
     assert len(eng.runner.compiled) == 4 and eng.stats()["recompiles"] == 0
@@ -46,6 +55,20 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_equals_eager(tiny_l
     assert {"B1_K2", "B2_K2", "B3_K2", "B4_K2"} <= set(eng.stats()["buckets_used"])
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_num_seqs=4, max_model_len=96,
                                 ops=rows_free_ops))
+
+    again = Engine(tiny_llama, NGRAM, **args)
+    assert [g.stats.loaded for g in again.runner.compiled.values()] == [True] * 4
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert _mixed(again) == out
+    assert again.stats()["recompiles"] == 0
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    other = Engine(tiny_llama, {**NGRAM, "num_speculative_tokens": 1}, capture="lazy", **args)
+    other.generate(PROMPTS[:1], greedy)
+    assert [g.stats.loaded for g in other.runner.compiled.values()] == [False]
+    monkeypatch.setenv("FUNCSPEC_GRAPH_STORE", "0")
+    plain = Engine(tiny_llama, NGRAM, capture="lazy", **args)
+    assert _ids(plain.generate(PROMPTS, greedy)) == _ids(eng.generate(PROMPTS, greedy))
+    assert all(g.stats.compiles == 1 and not g.stats.loaded for g in plain.runner.compiled.values())
 
 
 def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
@@ -101,28 +124,6 @@ def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny
     assert _ids(eng.generate(PROMPTS[:1], greedy)) == _ids(eager.generate(PROMPTS[:1], greedy))
     with pytest.raises(ValueError, match="compile_cache: .*missing.zip is not a file written by `funcspec precompile`"):
         Engine(tiny_llama, compile_cache=str(tmp_path / "missing.zip"), enforce_eager=True)
-
-
-def test_a_second_start_loads_every_graph_and_a_changed_config_compiles(tiny_llama, tmp_path, monkeypatch,
-                                                                        rows_free_ops):
-    """The step store: an identical engine started again loads its graphs (nothing traced), decoding the same
-    tokens; another K is another key, compiled anew; ``FUNCSPEC_GRAPH_STORE=0`` compiles without the store."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    args = dict(backend="inductor", max_num_seqs=3, max_model_len=32, ops=rows_free_ops)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first = Engine(tiny_llama, NGRAM, **args)
-    again = Engine(tiny_llama, NGRAM, **args)  # B = 1 and the symbolic batch, greedy and filtered
-    assert [g.stats.loaded for g in first.runner.compiled.values()] == [False] * 4
-    assert [g.stats.loaded for g in again.runner.compiled.values()] == [True] * 4
-    ragged = [greedy, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), greedy, greedy]
-    assert _ids(again.generate(PROMPTS, ragged)) == _ids(first.generate(PROMPTS, ragged))  # batches 3, 2 and 1
-    other = Engine(tiny_llama, {**NGRAM, "num_speculative_tokens": 1}, capture="lazy", **args)
-    other.generate(PROMPTS[:1], greedy)
-    assert [g.stats.loaded for g in other.runner.compiled.values()] == [False]
-    monkeypatch.setenv("FUNCSPEC_GRAPH_STORE", "0")
-    plain = Engine(tiny_llama, NGRAM, capture="lazy", **args)
-    assert _ids(plain.generate(PROMPTS, greedy)) == _ids(first.generate(PROMPTS, greedy))
-    assert all(g.stats.compiles == 1 and not g.stats.loaded for g in plain.runner.compiled.values())
 
 
 def test_bench_runtime_splits_a_step_into_graph_and_host(tiny_llama):
