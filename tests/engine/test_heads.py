@@ -10,19 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from heads_cases import HEADS, K_MAX, METHODS, PROMPTS, TREE, greedy, spec_engine
 from safetensors.torch import save_file
 
 from funcspec import Engine, SamplingParams, sampling
-from funcspec.checkpoints import flatten, layouts, read_weights
-from funcspec.checkpoints import eagle, medusa, mtp
+from funcspec.capture.backends import INDUCTOR_OPTIONS
+from funcspec.checkpoints import eagle, flatten, layouts, medusa, mtp, read_weights
 from funcspec.nn import medusa as medusa_net
 from funcspec.nn.llama import forward, init_kv_cache
+from funcspec.pytree import clone_state, tree_signature
 from funcspec.step import StepContext, VerifyResult
 from funcspec.token_tree import Chain
-from funcspec.pytree import clone_state, tree_signature
 from funcspec.types import Sampling
-
-from heads_cases import HEADS, K_MAX, METHODS, PROMPTS, TREE, greedy, spec_engine
 
 
 def record_drafts(eng):
@@ -225,7 +224,7 @@ def test_propose_compiles_fullgraph(zoo):
     def step(params, pstate, ctx):  # NOTE: K = 2 keeps the cold compile short; it still has a feedback step
         return h.module.propose(h.cfg, params, pstate, ctx, 2)
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)  # the engine's options
     outs = []
     for fn in (step, compiled):
         state = clone_state(eng.state)

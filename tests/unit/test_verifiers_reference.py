@@ -14,6 +14,7 @@ import torch
 
 import funcspec.verifiers as verifiers
 from funcspec import rng
+from funcspec.capture.backends import INDUCTOR_OPTIONS
 from funcspec.sampling import target_probs
 from funcspec.types import PLACEHOLDER, Proposal, Sampling
 from funcspec.verifiers.synthetic import conditional_rates
@@ -194,11 +195,10 @@ COMPILED_CASES = [  # (rule, K, with draft probs): both q paths are exercised ac
 ]
 
 
-COMPILE_OPTIONS = {"realize_opcount_threshold": 8}
-"""NOTE: inductor inlines funcspec.rng's hash chains into every consumer and re-traces
-them at codegen; storing intermediates with more than 8 ops cuts this test's cold
-compile from ~140 s to ~40 s of CPU (2 cores). The default options were also checked
-bit-identical (same cases, two shapes); the capture backend may want the same option."""
+COMPILE_OPTIONS = INDUCTOR_OPTIONS
+"""The options the engine's graphs compile with. NOTE: inductor inlines funcspec.rng's hash chains into every
+consumer and re-traces them at codegen; storing intermediates of more than 8 ops cuts this test's cold compile
+several fold. The default options were also checked bit-identical (same cases, two shapes)."""
 
 
 @pytest.mark.slow
