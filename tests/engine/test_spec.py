@@ -39,8 +39,10 @@ def test_greedy_lossless_eager(tiny_llama, tiny_draft, reference, method, k):
     assert len(st["per_position_acceptance"]) == k and st["per_position_acceptance"][0] > 0
 
 
-def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference):
-    """vLLM's num_speculative_tokens_per_batch_size: K=3 for 1-2 requests, K=1 for 3+, on inductor."""
+def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference, traced_codegen):
+    """vLLM's num_speculative_tokens_per_batch_size: K=3 for 1-2 requests, K=1 for 3+, on inductor. NOTE: Dynamo's
+    graphs stand in for inductor's codegen (``traced_codegen``): which graphs run, and that none recompiles, is
+    Dynamo's; ngram's step is compiled by real inductor in tests/engine/test_logprobs.py."""
     prompts, want = reference
     spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 4, 1]])
     eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
