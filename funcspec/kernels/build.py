@@ -4,7 +4,9 @@ Every build (:data:`BUILDS`) compiles the same sources with its own flags and
 ``-DFUNCSPEC_ISA_<NAME>``: ``avx512bf16`` (AVX-512 intrinsics, ``vdpbf16ps``
 and VNNI), ``avx512``, ``avx2`` and ``portable`` (the same kernels written with
 GCC/Clang vector extensions, which the compiler lowers to the ISA of its flags;
-``portable`` has none, so it is SSE2 on x86-64 and NEON on AArch64). Each has
+``portable`` has none, so it is SSE2 on x86-64 and NEON on AArch64; the avx512
+and avx2 builds sum the quantized products' integer dots with AVX2's byte
+products, as llama.cpp's AVX2 kernels do). Each has
 the C ABI of :data:`_SIGNATURES`, and in each a row's result does not depend on
 the rows beside it. The build is picked at first use (:func:`selected`): the
 best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names.
@@ -68,7 +70,8 @@ BUILDS = {
     "avx2": Build(("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": Build((), (), x86=False),
 }
-"""The builds, by name; ``avx512bf16`` is the only one written with intrinsics (simd.h says how the others are)."""
+"""The builds, by name; ``avx512bf16`` is written with AVX-512 intrinsics, the others with simd.h's vectors (and
+AVX2's byte products for the quantized integer dots, quant.h's unit_dots)."""
 ORDER = ("avx512bf16", "avx512", "avx2", "portable")
 """The builds from best to last: the first one a CPU runs is its default."""
 SWITCH = "FUNCSPEC_CPU_KERNELS"

@@ -3,8 +3,9 @@
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
 // one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
-// are VNNI intrinsics; the other builds' are simd.h's vectors: each block's integer sum in fp32 lanes (exact:
-// every partial sum is an integer below 2^24), then the same scaling.
+// are VNNI intrinsics; the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
+// portable build's in fp32 lanes (lane_dots; exact: every partial sum is an integer below 2^24); then all
+// scale the sums the same way, with simd.h's vectors.
 #pragma once
 
 #include <math.h>
@@ -15,7 +16,7 @@
 
 #include "bf16.h"
 #include "simd.h"
-#if defined(FUNCSPEC_ISA_AVX512BF16)
+#if defined(FUNCSPEC_ISA_AVX512BF16) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -150,9 +151,105 @@ constexpr int MAX_MB = 6;
 
 #else  // the portable builds: simd.h's vectors
 
+#if defined(__AVX2__)
+// dots [MB][32] = each row's integer sums with one column block over unit u (U k): sum_k xq q, exactly, with
+// AVX2's byte products (avx2 and avx512 builds). vpmaddubsw multiplies unsigned by signed bytes into pairs of
+// int16, which 255 * 127 * 2 would overflow, so 8-bit weights enter as q - 128 (|q - 128| times x signed as
+// q - 128), and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4.
+template <int BITS, int U, int MB>
+inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usum, const uint8_t* wb,
+                      int32_t* dots) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int g = 0; g < 4; ++g) {  // outputs 8g .. 8g + 7: 32 bytes of each step
+    __m256i ai[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) ai[m] = _mm256_setzero_si256();
+    if (BITS == 8) {
+      const uint8_t* w = wb + u * (U / 4) * STEP + 32 * g;
+#pragma GCC unroll 8
+      for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
+        const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + q * STEP)),
+                                            _mm256_set1_epi8((char)0x80));
+        const __m256i aw = _mm256_abs_epi8(ws);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t v;
+          memcpy(&v, xq + m * K + u * U + 4 * q, 4);
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(v), ws));
+          ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) ai[m] = _mm256_add_epi32(ai[m], _mm256_set1_epi32(128 * usum[m]));
+    } else {
+      const uint8_t* w = wb + u * 4 * STEP + 32 * g;
+      const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+      for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + o * STEP));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t va, vb;
+          memcpy(&va, xq + m * K + u * U + 8 * o, 4);
+          memcpy(&vb, xq + m * K + u * U + 8 * o + 4, 4);
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(va)),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vb)));
+          ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) _mm256_storeu_si256((__m256i*)(dots + m * QB + 8 * g), ai[m]);
+  }
+}
+#else
+// ai [MB][16 / W] = each row's integer sums with outputs 16h .. 16h + 15 of one column block over unit u (U k),
+// sum_k xq q, in fp32 lanes (exact: every partial sum is an integer below 2^24).
+template <int BITS, int U, int MB>
+inline void lane_dots(const int8_t* xq, int64_t K, int64_t u, int h, const uint8_t* wb,
+                      funcspec::simd::vf (*ai)[16 / funcspec::simd::W]) {
+  using namespace funcspec::simd;
+  constexpr int NV = 16 / W;
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) ai[m][j] = vf{};
+  if (BITS == 8) {
+    const uint8_t* w = wb + u * (U / 4) * STEP + 64 * h;
+    for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const vu v = load_u32(w + q * STEP + 4 * W * j);
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; ++b) {
+          const vf wk = cvt((v >> (8 * b)) & 0xffu);
+#pragma GCC unroll 8
+          for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 4 * q + b] * wk;
+        }
+      }
+    }
+  } else {
+    const uint8_t* w = wb + u * 4 * STEP + 64 * h;
+    for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const vu v = load_u32(w + o * STEP + 4 * W * j);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) {
+          const vf wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
+#pragma GCC unroll 8
+          for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+        }
+      }
+    }
+  }
+}
+#endif
+
 // acc [MB][32] (fp32) = the rows' products with one column block, as the avx512bf16 tile computes them: per
-// unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (in fp32
-// lanes: every partial sum is an integer of magnitude below 32 * 255 * 127 < 2^24), then scaled, unit after unit.
+// unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (unit_dots
+// with AVX2, else lane_dots), then scaled, unit after unit.
 template <int BITS, bool ASYM, int U, int MB>
 void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
           const uint16_t* sb, const uint16_t* ob, float* acc) {
@@ -169,41 +266,27 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       if (ASYM)
         for (int c = 0; c < QB; ++c) of[c] = half_to_float(ob[g * QB + c]);
     }
+#if defined(__AVX2__)
+    alignas(32) int32_t dots[MB * QB];
+    {
+      int32_t usum[MB];
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+        usum[m] = U == 16 ? half[0] : half[0] + half[1];
+      }
+      unit_dots<BITS, U, MB>(xq, K, u, usum, wb, dots);
+    }
+#endif
     for (int h = 0; h < 2; ++h) {  // outputs 16h .. 16h + 15
       vf ai[MB][NV];
+#if defined(__AVX2__)
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) ai[m][j] = vf{};
-      if (BITS == 8) {
-        const uint8_t* w = wb + u * (U / 4) * STEP + 64 * h;
-        for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
-#pragma GCC unroll 4
-          for (int j = 0; j < NV; ++j) {
-            const vu v = load_u32(w + q * STEP + 4 * W * j);
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; ++b) {
-              const vf wk = cvt((v >> (8 * b)) & 0xffu);
-#pragma GCC unroll 8
-              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 4 * q + b] * wk;
-            }
-          }
-        }
-      } else {
-        const uint8_t* w = wb + u * 4 * STEP + 64 * h;
-        for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
-#pragma GCC unroll 4
-          for (int j = 0; j < NV; ++j) {
-            const vu v = load_u32(w + o * STEP + 4 * W * j);
-#pragma GCC unroll 8
-            for (int b = 0; b < 8; ++b) {
-              const vf wk = cvt((v >> (8 * (b % 4) + 4 * (b / 4))) & 0xfu);
-#pragma GCC unroll 8
-              for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 8 * o + b] * wk;
-            }
-          }
-        }
-      }
+        for (int j = 0; j < NV; ++j) ai[m][j] = cvt(load_u32(dots + m * QB + 16 * h + W * j));
+#else
+      lane_dots<BITS, U, MB>(xq, K, u, h, wb, ai);
+#endif
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const float dm = d[m * blocks + u * U / AB];
