@@ -92,7 +92,7 @@ def _funcspec_run(model, prompts, method, k, backend, batch, max_tokens, head, t
     spec = None if method == "ar" else speculative_config(method, k, head, **extra)
     eng = Engine(model, speculative_config=spec, backend=backend, max_num_seqs=batch,
                  max_model_len=max(len(p) for p in prompts) + max_tokens + 8, quantization=quantization,
-                 capture="lazy")  # greedy only: the warm-up captures what it uses
+                 compilation_config={"capture": "lazy"})  # greedy only: the warm-up captures what it uses
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:batch], sp)  # warm-up: captures every bucket this run uses
     eng.reset_stats()

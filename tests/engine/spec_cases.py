@@ -37,8 +37,9 @@ def assert_captured_lossless(target, spec, prompts, want, warm: int, **engine) -
     recompiled; returns the engine."""
     from funcspec import Engine
 
-    eng = Engine(target, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
-                 max_model_len=96, capture="lazy", **engine)
+    eng = Engine(target, speculative_config=spec, backend="inductor", max_num_seqs=4,
+                 compilation_config={"batch_sizes": [4], "capture": "lazy"},
+                 max_model_len=96, **engine)
     assert _ids(eng.generate(prompts[:warm], GREEDY)) == want[:warm]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _ids(eng.generate(prompts[warm:], GREEDY)) == want[warm:]

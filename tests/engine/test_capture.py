@@ -17,7 +17,8 @@ PROMPTS = [[5, 17, 33], list(range(10, 25)), [44, 9, 71, 8], [3] * 7, [90, 12]]
 
 @pytest.fixture(scope="module")
 def inductor_engine(tiny_llama):
-    return Engine(tiny_llama, backend="inductor", max_num_seqs=8, max_model_len=64, capture="lazy")
+    return Engine(tiny_llama, backend="inductor", max_num_seqs=8, max_model_len=64,
+                  compilation_config={"capture": "lazy"})
 
 
 @pytest.fixture(scope="module")

@@ -142,10 +142,9 @@ def test_greedy_speculation_on_deepseek_equals_ar(v3, eagle3, reference, method)
         prompts, GREEDY)) == want
 
 
-def test_captured_speculation_on_deepseek_equals_ar(v3, reference, traced_codegen):
-    """One (4, 3) graph, lossless, never recompiled. NOTE: Dynamo's graph stands in for inductor's codegen
-    (``traced_codegen``); the same DeepSeek-V3 target's step is compiled by real inductor under MTP in
-    tests/engine/test_mtp_hosts.py."""
+def test_captured_speculation_on_deepseek_equals_ar(v3, reference):
+    """One (4, 3) graph compiled by inductor: latent attention and the routed experts, lossless, never
+    recompiled (the MTP layers' compiled steps: tests/engine/test_mtp_hosts.py)."""
     prompts, want = reference
     assert_captured_lossless(v3, _spec("ngram", 3), prompts, want, warm=4)
 

@@ -245,9 +245,11 @@ def test_whole_step_captures_as_one_graph(zoo, method, traced_codegen, tmp_path)
     if method in ("dflash", "dspark"):
         head = init_draft_head(method, zoo.target, tmp_path / method, markov_rank=8)
         eng = Engine(zoo.target, {"method": method, "model": str(head), "num_speculative_tokens": 2},
-                     backend="inductor", max_num_seqs=4, batch_buckets=[4], max_model_len=96, capture="lazy")
+                     backend="inductor", max_num_seqs=4,
+                     compilation_config={"batch_sizes": [4], "capture": "lazy"}, max_model_len=96)
     else:
-        eng = spec_engine(zoo, method, 2, backend="inductor", batch_buckets=[4], capture="lazy")
+        eng = spec_engine(zoo, method, 2, backend="inductor",
+                          compilation_config={"batch_sizes": [4], "capture": "lazy"})
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], greedy(24))] == zoo.ar[:2]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, greedy(24))] == zoo.ar
@@ -295,7 +297,8 @@ def test_tree_step_keeps_state_structure_and_runs_on_inductor_without_recompiles
     its recompiles are Dynamo's. EAGLE-3's static tree is compiled by real inductor in
     tests/engine/test_logprobs.py's inductor matrix (tokens and logprobs equal AR's there)."""
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
-    eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
+    eng = spec_engine(zoo, "eagle3", k=7, spec=spec, backend="inductor",
+                      compilation_config={"batch_sizes": [4], "capture": "lazy"})
     assert eng.plan.bucket_plan.ks == (0, 7) and eng.plan.bucket_plan.capture_sizes()[7] == [32]
     bucket = eng.bucket(4, 7, mode=sampling.GREEDY)
     sig = tree_signature(bucket.args[1])
@@ -322,7 +325,8 @@ def test_every_tree_method_runs_on_inductor_without_recompiles(zoo, method, tree
     """The other tree methods (eagle3's test is above; ngram and suffix: test_history_trees.py): one
     fullgraph (4, 7) bucket, greedy output equal to AR, 0 recompiles after warm-up (traced codegen)."""
     spec = {"speculative_token_tree": str(tree)} if tree is TREE else tree
-    eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor", batch_buckets=[4], capture="lazy")
+    eng = spec_engine(zoo, method, k=7, spec=spec, backend="inductor",
+                      compilation_config={"batch_sizes": [4], "capture": "lazy"})
     assert_one_lossless_graph(eng, zoo)
 
 

@@ -128,8 +128,9 @@ def test_history_tree_runs_on_inductor_without_recompiles(tiny_llama, reference,
         request.getfixturevalue("traced_codegen")
     prompts, want = reference
     spec = {**_spec(method, None), **TREES[shape]}
-    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
-                 max_model_len=96, capture="lazy")
+    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4,
+                 compilation_config={"batch_sizes": [4], "capture": "lazy"},
+                 max_model_len=96)
     n = eng.spec.tree.size
     assert _ids(eng.generate(prompts[:4], GREEDY)) == want[:4]
     with torch.compiler.set_stance("fail_on_recompile"):

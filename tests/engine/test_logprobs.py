@@ -231,8 +231,8 @@ def test_speculation_returns_autoregressive_logprobs_bitwise(zoo_target, zoo_pro
 @pytest.fixture(scope="module")
 def inductor_ar(zoo_target, zoo_prompts):
     """A greedy and a seeded sampled row in one batch, decoded without speculation on inductor (one graph)."""
-    ar = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, backend="inductor", capture="lazy",
-                batch_buckets=[2])
+    ar = Engine(zoo_target, max_num_seqs=2, max_model_len=MAX_LEN, backend="inductor",
+                compilation_config={"capture": "lazy", "batch_sizes": [2]})
     return ar.generate(zoo_prompts, MIXED)
 
 
@@ -248,7 +248,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
     # NOTE: batch_buckets=[2]: the row left when the other finishes runs padded in the same graph, so each
     # method compiles one graph (a cold inductor compile is the cost of this test)
     spec = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_num_seqs=2, max_model_len=MAX_LEN,
-                  backend="inductor", capture="lazy", batch_buckets=[2],
+                  backend="inductor", compilation_config={"capture": "lazy", "batch_sizes": [2]},
                   additional_config=DYNAMIC if name.endswith("_dynamic") else None)
     got = spec.generate(zoo_prompts, MIXED)
     rows = [1] if name in Q_DRAFTS else [0, 1]  # q-carrying drafts: the sampled row is equal in law only

@@ -186,7 +186,8 @@ def test_speculation_on_quantized_weights_equals_ar_on_the_same_weights(target, 
 def test_quantized_buckets_compile_once_and_stay_lossless_on_inductor(target, name):
     ar, _ = _run(target, quantization=name)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    out, eng = _run(target, spec, quantization=name, backend="inductor", batch_buckets=[4], capture="lazy")
+    out, eng = _run(target, spec, quantization=name, backend="inductor",
+                    compilation_config={"batch_sizes": [4], "capture": "lazy"})
     assert out == ar
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _run_again(eng) == ar

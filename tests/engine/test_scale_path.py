@@ -297,7 +297,8 @@ def test_an_engine_on_onednn_packed_weights_speculates_losslessly(tiny_llama, ba
                 enforce_eager=True).generate(prompts, params)
     # NOTE: lazy capture of the one padded bucket the two rows run in: what this test checks needs one graph
     eng = Engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-                 dtype=torch.bfloat16, ops=ops, backend=backend, max_num_seqs=2, capture="lazy", batch_buckets=[2])
+                 dtype=torch.bfloat16, ops=ops, backend=backend, max_num_seqs=2,
+                 compilation_config={"capture": "lazy", "batch_sizes": [2]})
     assert [o.outputs[0].token_ids for o in eng.generate(prompts, params)] == [o.outputs[0].token_ids for o in ar]
     assert eng.params["target"]["lm_head"]["packed"].is_mkldnn
 

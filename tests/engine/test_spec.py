@@ -45,8 +45,9 @@ def test_k_table_changes_k_mid_run_without_recompiles(tiny_llama, reference, tra
     Dynamo's; ngram's step is compiled by real inductor in tests/engine/test_logprobs.py."""
     prompts, want = reference
     spec = _spec("ngram", 3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 4, 1]])
-    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4, batch_buckets=[4],
-                 max_model_len=96, capture="lazy")
+    eng = Engine(tiny_llama, speculative_config=spec, backend="inductor", max_num_seqs=4,
+                 compilation_config={"batch_sizes": [4], "capture": "lazy"},
+                 max_model_len=96)
     assert _ids(eng.generate(prompts[:6], GREEDY)) == want[:6]  # captures K=1 and K=3
     used = set(eng.stats()["buckets_used"])
     assert used == {"B4_K1", "B4_K3"}

@@ -241,7 +241,8 @@ def test_compile_cache_members_are_checked(tmp_path, fresh):
 @pytest.mark.slow
 def test_a_symbolic_batch_is_one_key_whatever_the_first_batch(tiny_llama, fresh, rows_free_ops):
     """Lazy capture at batch 3, then (another engine) at batch 2, then 3: one file, compiled once, loaded twice."""
-    args = dict(backend="inductor", max_num_seqs=4, max_model_len=32, capture="lazy", ops=rows_free_ops)
+    args = dict(backend="inductor", max_num_seqs=4, max_model_len=32,
+                compilation_config={"capture": "lazy"}, ops=rows_free_ops)
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     loads = []
     for n in (3, 2, 3):

@@ -34,7 +34,7 @@ PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
 # One greedy and one sampled row in the same batch: one random-mode graph serves both.
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
           SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=7)]
-ENGINE = dict(max_num_seqs=2, batch_buckets=[2], max_model_len=40)
+ENGINE = dict(max_num_seqs=2, max_model_len=40, compilation_config={"batch_sizes": [2], "capture": "lazy"})
 # NOTE: inductor compiles take most of this file's time (two ranks compile at once on two cores); the sharded
 # draft model runs eager only.
 # NOTE: compiled under TP: EAGLE-3's step, which holds the target's all-reduces (its verify forward, the same
@@ -143,7 +143,7 @@ def _rank(rank: int, port: int, paths: dict, out: str) -> None:
         ref_spec = {**spec, "draft_tensor_parallel_size": 1} if name == "draft_sharded" else spec
         res[f"{name}/tp1"] = tokens(Engine(paths["target"], ref_spec, backend="eager", **ENGINE))
         for backend in ("eager", "inductor") if name in COMPILED else ("eager",):
-            eng = Engine(paths["target"], spec, backend=backend, tensor_parallel_size=2, capture="lazy", **ENGINE)
+            eng = Engine(paths["target"], spec, backend=backend, tensor_parallel_size=2, **ENGINE)
             res[f"{name}/{backend}"] = tokens(eng)
             if backend == "inductor":
                 with torch.compiler.set_stance("fail_on_recompile"):

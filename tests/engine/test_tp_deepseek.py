@@ -30,7 +30,8 @@ from spec_cases import random_moe
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
-ENGINE = dict(max_num_seqs=2, batch_buckets=[2], max_model_len=40, backend="eager", capture="lazy")
+ENGINE = dict(max_num_seqs=2,
+              compilation_config={"batch_sizes": [2], "capture": "lazy"}, max_model_len=40, backend="eager")
 # Sizes a W8A8 split keeps whole: o_proj's 4 heads x 16 inputs, the dense MLP's 128 and the shared expert's 64
 # in blocks of 32 per rank; q_lora_rank and kv_lora_rank whole blocks of 32 (the int8 kernel's).
 V3 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -31,7 +31,8 @@ from funcspec.quant import formats, prepare_params, shard
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8]]
-ENGINE = dict(max_num_seqs=2, batch_buckets=[2], max_model_len=40, backend="eager", capture="lazy")
+ENGINE = dict(max_num_seqs=2,
+              compilation_config={"batch_sizes": [2], "capture": "lazy"}, max_model_len=40, backend="eager")
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 LAYOUTS = [(8, 128, False), (8, 32, True), (8, 16, False), (4, 32, False), (4, 64, True), (4, 128, False)]
 

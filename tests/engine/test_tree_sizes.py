@@ -114,7 +114,8 @@ def test_draft_model_tree_size_per_batch_size_is_greedy_lossless(zoo):
 def test_tree_size_buckets_run_on_inductor_without_recompiles(zoo, traced_codegen):
     """Buckets (1, 3) and (4, 6) as fullgraphs (Dynamo's graph in place of inductor's codegen, as the
     heads' tree test does): greedy lossless, each compiled once, 0 recompiles after warm-up."""
-    eng = spec_engine(zoo, "eagle3", k=7, backend="inductor", batch_buckets=[1, 4], capture="lazy",
+    eng = spec_engine(zoo, "eagle3", k=7, backend="inductor",
+                      compilation_config={"batch_sizes": [1, 4], "capture": "lazy"},
                       spec={"speculative_token_tree": str(TREE), "num_speculative_tokens_per_batch_size": [[1, 1, 3],
                                                                                                            [2, 4, 6]]})
     _run(eng, zoo, [[1], [0, 1, 2, 3]])
