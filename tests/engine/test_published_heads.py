@@ -415,14 +415,15 @@ def test_drafts_equal_the_authors_forward(cases, name):
     assert len(rec) >= 8
 
 
-INDUCTOR_CASES = {"dflash_speculators": "inductor", "eagle1_bin": "inductor", "eagle3_speculators_llama": "inductor",
-                  "medusa2_whole": "inductor", "mtp_mimo": "inductor", "eagle3_narrow": "traced",
+INDUCTOR_CASES = {"eagle1_bin": "inductor", "medusa2_whole": "inductor", "mtp_mimo": "inductor",
+                  "dflash_speculators": "traced", "eagle3_speculators_llama": "traced", "eagle3_narrow": "traced",
                   "medusa_vllm_truncated": "traced"}
-"""One layout per distinct compiled head (each family, and the config flags that change its graph), by codegen:
-each family's head is compiled by real inductor once; a flag's variant of it (a narrow EAGLE-3, a truncated
-Medusa) runs Dynamo's graph in place of inductor's codegen (``traced_codegen``: one fullgraph, its guards, no
-recompile), because a cold compile costs tens of seconds a case on CI's 2 cores. The other layouts reach the
-same nn code with other key names, and their drafts are checked against the authors' modules above on eager."""
+"""One layout per distinct compiled head (each family, and the config flags that change its graph), by codegen.
+Each head's graph compiles by real inductor once in the suite: here EAGLE-1, Medusa-2 and MiMo's MTP, and the
+zoo's EAGLE-3 and DFlash heads in tests/engine/test_logprobs.py's inductor matrix. The other cases run Dynamo's
+graph in place of inductor's codegen (``traced_codegen``: one fullgraph, its guards, no recompile), because a
+cold compile costs tens of seconds a case on CI's 2 cores. The other layouts reach the same nn code with other
+key names, and their drafts are checked against the authors' modules above on eager."""
 
 
 @pytest.mark.parametrize("name", list(INDUCTOR_CASES))
