@@ -184,9 +184,10 @@ def test_speculation_on_quantized_weights_equals_ar_on_the_same_weights(target, 
 @needs_kernel
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_quantized_buckets_compile_once_and_stay_lossless_on_inductor(target, name, request):
-    """NOTE: the products are one custom op whatever the format, so int4's step compiles by real inductor and
-    int8's runs Dynamo's graph in place of inductor's codegen (``traced_codegen``: the fullgraph, its guards)."""
-    if name == "int8":
+    """NOTE: the products are one custom op whatever the format, and a quantized dense step compiles by real
+    inductor in tests/engine/test_published_quant.py (GPTQ, W8A8), so both run Dynamo's graph in place of
+    inductor's codegen here (``traced_codegen``: the fullgraph, its guards, no recompile)."""
+    if name in ("int8", "int4"):
         request.getfixturevalue("traced_codegen")
     ar, _ = _run(target, quantization=name)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}

@@ -71,8 +71,10 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_a_second_start_load
     assert [(g.stats.compiles, g.stats.loaded) for g in plain.runner.compiled.values()] == [(1, False)]
 
 
-def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
-    """``capture_logprobs`` (what ``funcspec serve`` sets): a request with logprobs then compiles nothing either."""
+def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama, traced_codegen):
+    """``capture_logprobs`` (what ``funcspec serve`` sets): a request with logprobs then compiles nothing either.
+    NOTE: which graphs start-up captures, and that none recompiles, is Dynamo's: its graphs stand in for inductor's
+    codegen (``traced_codegen``); logprobs graphs compile by real inductor in tests/engine/test_logprobs.py."""
     eng = Engine(tiny_llama, backend="inductor", max_num_seqs=1, max_model_len=32,
                  compilation_config={"capture_logprobs": True})
     assert sorted(key[3] for key in eng.runner.compiled) == ["filtered", "filtered_logprobs", "greedy"]
@@ -83,10 +85,9 @@ def test_capture_logprobs_compiles_the_logprobs_graph_at_startup(tiny_llama):
                compilation_config={"capture_logprobs": True}).engine.startup_modes[-1].name == "filtered_logprobs"
 
 
-def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama):
+def test_lazy_capture_compiles_each_graph_on_first_use(tiny_llama, traced_codegen):
     """Nothing at start-up; the first greedy request captures its one graph, not the filtered one a start-up
-    capture adds. NOTE: the engine of the test above (1 slot, 32 positions), so that its greedy graph is one
-    store key and this test loads it where they run in one process, instead of compiling it again."""
+    capture adds (Dynamo's graph in place of inductor's codegen, as in the test above)."""
     eng = Engine(tiny_llama, backend="inductor", max_num_seqs=1, max_model_len=32,
                  compilation_config={"capture": "lazy"})
     assert eng.runner.compiled == {} and eng.startup_seconds == 0.0
