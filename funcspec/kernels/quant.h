@@ -266,16 +266,14 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       if (ASYM)
         for (int c = 0; c < QB; ++c) of[c] = half_to_float(ob[g * QB + c]);
     }
+    int32_t usum[MB];  // each row's sum of xq over the unit
+    for (int m = 0; m < MB; ++m) {
+      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+      usum[m] = U == 16 ? half[0] : half[0] + half[1];
+    }
 #if defined(__AVX2__)
     alignas(32) int32_t dots[MB * QB];
-    {
-      int32_t usum[MB];
-      for (int m = 0; m < MB; ++m) {
-        const int32_t* half = sums + m * 2 * blocks + u * U / 16;
-        usum[m] = U == 16 ? half[0] : half[0] + half[1];
-      }
-      unit_dots<BITS, U, MB>(xq, K, u, usum, wb, dots);
-    }
+    unit_dots<BITS, U, MB>(xq, K, u, usum, wb, dots);
 #endif
     for (int h = 0; h < 2; ++h) {  // outputs 16h .. 16h + 15
       vf ai[MB][NV];
@@ -290,8 +288,7 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const float dm = d[m * blocks + u * U / AB];
-        const int32_t* half = sums + m * 2 * blocks + u * U / 16;
-        const float sum = (float)(U == 16 ? half[0] : half[0] + half[1]);
+        const float sum = (float)usum[m];
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) {
           const int c = 16 * h + W * j;

@@ -245,7 +245,7 @@ def test_inductor_speculation_returns_autoregressive_logprobs_bitwise(zoo_target
     """Every method compiled (lazy capture: the one logprobs graph the mixed batch runs in): the greedy row,
     and the sampled row of every deterministic-draft method, equal decoding without speculation on inductor,
     tokens and logprobs; a second run, under fail_on_recompile, returns the same; no recompile."""
-    # NOTE: batch_buckets=[2]: the row left when the other finishes runs padded in the same graph, so each
+    # NOTE: batch_sizes [2]: the row left when the other finishes runs padded in the same graph, so each
     # method compiles one graph (a cold inductor compile is the cost of this test)
     spec = Engine(zoo_target, speculative_config=_spec(name, eagle1), max_num_seqs=2, max_model_len=MAX_LEN,
                   backend="inductor", compilation_config={"capture": "lazy", "batch_sizes": [2]},
