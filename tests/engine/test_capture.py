@@ -17,6 +17,10 @@ PROMPTS = [[5, 17, 33], list(range(10, 25)), [44, 9, 71, 8], [3] * 7, [90, 12]]
 
 @pytest.fixture(scope="module")
 def inductor_engine(tiny_llama):
+    """Lazy capture: each test that uses it compiles its buckets under ``traced_codegen`` (Dynamo's graph in
+    place of inductor's codegen). NOTE: padded rows on real inductor are checked by the logprobs matrix
+    (tests/engine/test_logprobs.py: the row left when the other finishes runs padded in its graph), and a
+    symbolic-batch AR step compiles for real in tests/engine/test_store.py."""
     return Engine(tiny_llama, backend="inductor", max_num_seqs=8, max_model_len=64,
                   compilation_config={"capture": "lazy"})
 
@@ -31,7 +35,7 @@ def _ids(outs):
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
-def test_inductor_equals_eager_on_padded_buckets(inductor_engine, eager_engine, n):
+def test_inductor_equals_eager_on_padded_buckets(inductor_engine, eager_engine, n, traced_codegen):
     """1, 3 and 5 prompts (buckets 1, 3 and 5 of the inductor engine where its batch is symbolic, else 1, 4
     and 8, as the eager one's): greedy and seeded sampling are identical."""
     params = [GREEDY if i % 2 == 0 else SAMPLED for i in range(n)]
@@ -41,7 +45,7 @@ def test_inductor_equals_eager_on_padded_buckets(inductor_engine, eager_engine, 
     assert f"B{b}_K0" in inductor_engine.stats()["buckets_used"]
 
 
-def test_second_generate_never_recompiles(inductor_engine):
+def test_second_generate_never_recompiles(inductor_engine, traced_codegen):
     """The same workloads a second time compile nothing: every (B, K, T, mode) bucket is warm."""
     def workloads():
         inductor_engine.generate(PROMPTS[:3], GREEDY)

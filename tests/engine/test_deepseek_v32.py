@@ -126,13 +126,12 @@ def test_greedy_speculation_on_v32_equals_ar(v32, reference, tmp_path, method):
         prompts, GREEDY)) == want
 
 
-@pytest.mark.parametrize("method, codegen", [("ngram", "traced"), ("ngram-tree", "inductor")])
-def test_captured_speculation_on_v32_equals_ar(v32, reference, method, codegen, request):
-    """A chain and a tree block, one graph each, lossless, never recompiled. NOTE: the chain runs Dynamo's graph
-    in place of inductor's codegen (``traced_codegen``): the same target's chain step is compiled by real
-    inductor under MTP in tests/engine/test_mtp_hosts.py; the tree block here."""
-    if codegen == "traced":
-        request.getfixturevalue("traced_codegen")
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree"])
+def test_captured_speculation_on_v32_equals_ar(v32, reference, method, traced_codegen):
+    """A chain and a tree block, one graph each, lossless, never recompiled. NOTE: both run Dynamo's graph in
+    place of inductor's codegen (``traced_codegen``): V3.2's step (latent attention, its indexer, experts) is
+    compiled by real inductor under MTP in tests/engine/test_mtp_hosts.py, and an ngram tree's block by the
+    logprobs matrix of tests/engine/test_logprobs.py; eager runs the tree on V3.2 above."""
     prompts, want = reference
     spec = _spec("ngram", 3) if method == "ngram" else _spec("ngram", 5, speculative_token_tree=TREE)
     eng = assert_captured_lossless(v32, spec, prompts, want, warm=4)
