@@ -9,7 +9,9 @@ and avx2 builds sum the quantized products' integer dots with AVX2's byte
 products, as llama.cpp's AVX2 kernels do). Each has
 the C ABI of :data:`_SIGNATURES`, and in each a row's result does not depend on
 the rows beside it. The build is picked at first use (:func:`selected`): the
-best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names.
+best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names; the
+streaming products may take another where it streams faster on this CPU's kind
+(:func:`streaming`).
 
 The kernels are compiled with ``$CXX`` (default ``g++``, which inductor needs
 on the CPU anyway; seconds, longer on a busy machine; ``CXX`` may carry
@@ -148,8 +150,37 @@ def selected() -> str | None:
 
 
 def reset() -> None:
-    """Forget the build :func:`selected` fixed, so the next use reads :data:`SWITCH` again (tests)."""
+    """Forget the builds :func:`selected` and :func:`streaming` fixed, so the next use reads :data:`SWITCH`
+    again (tests)."""
     selected.cache_clear()
+    streaming.cache_clear()
+
+
+STREAMING_OVERRIDE = {"x86 AMX": ("avx512bf16", "avx512")}
+"""CPU kind -> (default build, the build its bf16/fp32 streaming products take instead). On Intel's AMX cores
+``vdpbf16ps`` streams bf16 weights slower than the avx512 build's widening FMAs, at 1 row and at 16 (on Zen 4 it
+is the other way round), while VNNI keeps the quantized products best on avx512bf16:
+graphs/results/cpu/kernel-builds-20261205-005240.md."""
+
+
+def _streaming_choice(base: str | None) -> tuple[str | None, str]:
+    """(the build the streaming products take, why) where the kernels take build ``base``
+    (:data:`STREAMING_OVERRIDE`)."""
+    value = os.environ.get(SWITCH, "").strip()
+    if base is None or value not in ("", "1"):
+        return base, "the build the kernels take"
+    default, other = STREAMING_OVERRIDE.get(cpu_kind(), (None, None))
+    if base != default or other is None or load(other) is None:
+        return base, "the build the kernels take"
+    return other, f"on {cpu_kind()} CPUs {other}'s streaming products outrun {default}'s"
+
+
+@functools.cache
+def streaming() -> str | None:
+    """The build of the bf16/fp32 streaming products, dense and routed experts: :func:`selected`, except where
+    :data:`STREAMING_OVERRIDE` names a faster one for this CPU's kind and :data:`SWITCH` forces none (a forced
+    build runs every kernel). A row's result stays independent of its neighbours either way."""
+    return _streaming_choice(selected())[0]
 
 
 def cache_dir() -> Path:
@@ -264,10 +295,11 @@ def lib(name: str | None = None) -> ctypes.CDLL | None:
     return None if name is None else load(name)
 
 
-def loaded() -> ctypes.CDLL:
-    """:func:`lib`, for a kernel op: the ops run only where :func:`available` said yes, so a missing library
-    is a caller's error, raised here rather than as an attribute error on ``None``."""
-    handle = lib()
+def loaded(streamed: bool = False) -> ctypes.CDLL:
+    """:func:`lib` (``streamed``: :func:`streaming`'s build), for a kernel op: the ops run only where
+    :func:`available` said yes, so a missing library is a caller's error, raised here rather than as an
+    attribute error on ``None``."""
+    handle = lib(streaming() if streamed else None)
     if handle is None:
         raise RuntimeError("funcspec: a CPU kernel was called where the kernels are unavailable or turned off")
     return handle
@@ -314,8 +346,8 @@ def cpu_kind() -> str:
 
 def explain() -> dict[str, object]:
     """Which build the kernels take here and why, for benchmark reports: ``{"cpu_kind", "runs" (the builds this
-    CPU runs, best first), "build" (``None``: off or unavailable), "why"}``. Reads :data:`SWITCH` as it is now,
-    so a bad value is its ``ValueError``."""
+    CPU runs, best first), "build" (``None``: off or unavailable), "why", "streaming_build" and "streaming_why"
+    (:func:`streaming`'s)}``. Reads :data:`SWITCH` as it is now, so a bad value is its ``ValueError``."""
     runs, value = builds(), os.environ.get(SWITCH, "").strip()
     if value == "0":
         build, why = None, f"{SWITCH}=0 turns the kernels off"
@@ -326,4 +358,6 @@ def explain() -> dict[str, object]:
         if not available():
             why = f"{build} was chosen ({why}) but did not build here (no compiler, or the compile failed)"
             build = None
-    return {"cpu_kind": cpu_kind(), "runs": runs, "build": build, "why": why}
+    stream_build, stream_why = _streaming_choice(build) if build is not None else (None, why)
+    return {"cpu_kind": cpu_kind(), "runs": runs, "build": build, "why": why, "streaming_build": stream_build,
+            "streaming_why": stream_why}

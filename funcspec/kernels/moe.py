@@ -117,7 +117,7 @@ def _experts(x, ids, weights, gate_up, down) -> torch.Tensor:
     w = weights.to(torch.float32).contiguous()  # [T, k]
     out = torch.empty_like(x)  # [T, H]
     (t, k), h, units = ids.shape, x.shape[1], gate_up.shape[1] * HALF
-    lib = build.loaded()
+    lib = build.loaded(streamed=True)
     fn = lib.funcspec_experts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_experts_f32
     threads = 1 if t * k * 3 * units * h < stream.SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), t, k, h,

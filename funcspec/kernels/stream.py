@@ -106,7 +106,7 @@ def _stream_linear(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch
     out = x.new_empty((*x.shape[:-1], n))  # [..., n]
     k = x.shape[-1]
     rows = math.prod(x.shape[:-1])  # not numel // k: a product over k = 0 (the empty sum) has rows too
-    lib = build.loaded()
+    lib = build.loaded(streamed=True)
     fn = lib.funcspec_linear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_linear_f32
     threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, threads)

@@ -200,7 +200,7 @@ def test_cli_generate_prints_text_and_speed(default_model, capsys):
 
 @pytest.mark.skipif(not (kernels.resolve("cpu").stream and kernels.resolve("cpu").decode_attention),
                     reason="batch invariance needs products and attention whose rows never depend on the row "
-                           "count: the streaming and decode-attention kernels (AVX512-BF16 CPUs without AMX); "
+                           "count: the streaming and decode-attention kernels (where funcspec's CPU kernels build); "
                            "elsewhere a batched prefill's row count picks the product's path")
 def test_a_request_prefilled_beside_others_keeps_the_bits_it_has_alone():
     """Batch invariance at admission: a seeded top-p request admitted with two longer prompts holds, after its

@@ -81,6 +81,52 @@ def test_the_best_build_a_cpu_runs_is_its_default(flags, runs, monkeypatch):
     assert build.choice() is None and not build.enabled()
 
 
+@pytest.mark.parametrize("kind_flags, streams", [({"amx_tile"}, "avx512"), (set(), "avx512bf16")],
+                         ids=["amx", "avx512bf16"])
+def test_amx_cpus_stream_weights_on_the_avx512_build(kind_flags, streams, monkeypatch):
+    """On an AMX CPU the bf16/fp32 streaming products take the avx512 build and every other kernel avx512bf16's
+    (VNNI); a build FUNCSPEC_CPU_KERNELS names runs everything, and a streaming build that does not build leaves
+    the streaming products on the default one."""
+    monkeypatch.setattr(cpu, "is_x86", lambda: True)
+    monkeypatch.setattr(cpu, "x86_flags", lambda: frozenset(ALL_FLAGS | kind_flags))
+    monkeypatch.setattr(build, "load", lambda name: object())  # every build builds (none is run here)
+    monkeypatch.delenv(build.SWITCH, raising=False)
+    build.reset()
+    try:
+        assert (build.selected(), build.streaming()) == ("avx512bf16", streams)
+        explained = build.explain()
+        assert (explained["build"], explained["streaming_build"]) == ("avx512bf16", streams)
+        assert explained["streaming_why"] == ("on x86 AMX CPUs avx512's streaming products outrun avx512bf16's"
+                                              if kind_flags else "the build the kernels take")
+        for forced in ("avx512bf16", "avx2"):
+            monkeypatch.setenv(build.SWITCH, forced)
+            build.reset()
+            assert build.selected() == build.streaming() == forced
+        monkeypatch.delenv(build.SWITCH)
+        monkeypatch.setattr(build, "load", lambda name: None if name == "avx512" else object())
+        build.reset()
+        assert build.streaming() == "avx512bf16"
+    finally:
+        build.reset()
+
+
+def test_the_streaming_op_runs_the_streaming_build():
+    """stream_op's bits by default are those of the build :func:`build.streaming` names, forced."""
+    if not build.available():
+        pytest.skip("reason: no kernel build runs on this machine")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(70, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
+    packed = stream.pack_weight(w)
+    name = build.streaming()
+    assert f"funcspec-{name}-" in build.loaded(streamed=True)._name
+    default = stream.stream_op(x, packed, None, 70)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(build.SWITCH, name)
+        build.reset()
+        assert torch.equal(stream.stream_op(x, packed, None, 70), default)
+    build.reset()
+
+
 def test_other_cpus_run_the_portable_build_and_a_bad_value_is_a_value_error(monkeypatch):
     monkeypatch.setattr(cpu, "is_x86", lambda: False)
     monkeypatch.setattr(cpu, "x86_flags", lambda: frozenset())

@@ -48,7 +48,9 @@ def kernel_line(m: dict) -> str:
     if not k:
         return ""
     paths = ", ".join(name for name, on in k["ops"].items() if on is True) or "none"
-    return (f"- Kernels: CPU kind {k['cpu_kind']}; build {k['build'] or 'none'} ({k['why']}); "
+    streaming = k.get("streaming_build")  # absent from results recorded before it existed
+    stream = f"; streaming products: {streaming} ({k['streaming_why']})" if streaming not in (None, k["build"]) else ""
+    return (f"- Kernels: CPU kind {k['cpu_kind']}; build {k['build'] or 'none'} ({k['why']}){stream}; "
             f"paths: {paths}; routed experts: {k['ops']['routed_experts']}")
 
 
