@@ -172,7 +172,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
     if gguf_path is not None and _has_llamacpp():
         lc = timing.llamacpp_session(gguf_path, ctx["prompt"], n, torch.get_num_threads(), f32_kv=False)
         theirs = timing.llamacpp_greedy(lc, reps)
-        row["llamacpp_ms_per_token"] = theirs["ms_per_token"]
+        row["llamacpp_ms_per_token"], row["llamacpp_repacked"] = theirs["ms_per_token"], lc.repacked
         row["paired"] = timing.paired_ratios(timing.decode_ms(ar_eng, [ctx["prompt"]], n), lambda: lc()[2],
                                             max(reps, 3))
     heads: dict[str, dict[str, Any]] = {"echo": {"method": "echo"}}
@@ -259,6 +259,10 @@ def markdown(r: dict) -> list[str]:
             f"{spec(row, 'eagle3-quantized')} | {spec(row, 'dflash')} | "
             f"{_f(row['speculation']['echo'].get('step_cost_vs_ar'))} | "
             f"{_f(row['batch']['tokens_per_s_ratio']) + 'x' if 'batch' in row else '-'} |")
+    plain = [row["format"] for row in q["rows"] if row.get("llamacpp_repacked") is False]
+    if plain:
+        lines.append(f"\nllama.cpp ran {', '.join(plain)} on its plain weight buffers: its repacked ones crashed "
+                     "the process on this machine (timing.llamacpp_repacks).")
     lines.append(f"\nSpeculation: synthetic acceptance alpha^(i+1), alpha = {q['alpha']}; heads of the target's "
                  "shape with random weights (their cost is real, their acceptance synthetic). funcspec / llama.cpp "
                  "< 1: funcspec faster.\n")

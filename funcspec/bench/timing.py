@@ -4,8 +4,12 @@ machine, llama.cpp sessions, and deterministic random prompts."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 from pathlib import Path
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -87,8 +91,47 @@ def step_ms(row: dict, b: int, k: int) -> float | None:
     return row["replay_ms"].get(f"B{b}_K{k}")
 
 
+_REPACK_PROBE = ("import sys, llama_cpp\n"
+                 "llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False)\n"
+                 "tokens = llm.generate([1, 2, 3, 4], top_k=1, temp=0.0)\n"
+                 "next(tokens), next(tokens)\n")
+
+
+@functools.cache
+def llamacpp_repacks(gguf_path: str) -> bool:
+    """Whether llama.cpp decodes ``gguf_path`` on its repacked weight buffers (its default, the layout its
+    fastest CPU products read) without crashing, tried in a child process: on an Intel AMX Xeon VM here that
+    decode ended the process with a segmentation fault, where the plain buffers ran."""
+    try:
+        return subprocess.run([sys.executable, "-c", _REPACK_PROBE, gguf_path], capture_output=True,
+                              timeout=600).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@contextlib.contextmanager
+def _llamacpp_buffers(repack: bool):
+    """llama.cpp's repacked weight buffers (``use_extra_bufts``) on or off for the ``Llama`` loaded inside:
+    llama-cpp-python's constructor does not take the flag, so its default parameters are wrapped meanwhile."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = repack
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f32_kv: bool = True):
-    """A loaded llama.cpp model and its greedy run (temp 0, top_k 1, no penalties) on ``prompt``.
+    """A loaded llama.cpp model and its greedy run (temp 0, top_k 1, no penalties) on ``prompt``, on its
+    repacked weight buffers where :func:`llamacpp_repacks` says they run (the run's ``repacked`` says which).
 
     The run returns ``(tokens, prefill_s, decode ms/token after the first token)``.
     ``f32_kv``: an f32 KV cache (llama.cpp defaults to f16), so f32 weights can match HF's tokens.
@@ -96,8 +139,10 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
     import llama_cpp
 
     kv = {"type_k": 0, "type_v": 0} if f32_kv else {}  # 0 = GGML_TYPE_F32
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                          n_ctx=len(prompt) + n + 16, logits_all=False, verbose=False, **kv)
+    repack = llamacpp_repacks(str(gguf_path))
+    with _llamacpp_buffers(repack):
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
+                              n_ctx=len(prompt) + n + 16, logits_all=False, verbose=False, **kv)
 
     def gen():
         llm.reset()
@@ -110,6 +155,7 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
                 break
         return toks, t_first - t0, (time.perf_counter() - t_first) / max(n - 1, 1) * 1e3
 
+    gen.repacked = repack  # type: ignore[attr-defined]  # read by the reports
     return gen
 
 

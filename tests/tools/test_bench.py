@@ -145,3 +145,28 @@ def test_bench_routing_records_every_sparse_layer(tmp_path):
     steps = r["steps"]  # AR reads top-2 in each sparse layer; a step's bytes grow with the experts it reads
     assert [x["k"] for x in steps] == [0, 1, 4] and steps[0]["experts_read"] == 4 and steps[0]["bytes_over_ar"] == 1
     assert all(x["step_ms"] > 0 and (x["bytes"] > steps[0]["bytes"]) == (x["experts_read"] > 4) for x in steps)
+
+
+def test_llama_cpp_runs_on_plain_buffers_where_its_repacked_decode_crashes(monkeypatch, tmp_path):
+    """The probe's child that dies (as llama.cpp's repacked decode did on an AMX Xeon VM) says no, one that
+    exits says yes; a Llama loaded meanwhile gets ``use_extra_bufts`` as asked, and the defaults come back."""
+    import sys
+    import types
+
+    from funcspec.bench import timing
+
+    for probe, repacks in (("import os; os.abort()", False), ("pass", True)):
+        monkeypatch.setattr(timing, "_REPACK_PROBE", probe)
+        timing.llamacpp_repacks.cache_clear()
+        assert timing.llamacpp_repacks(str(tmp_path / f"{repacks}.gguf")) is repacks
+    timing.llamacpp_repacks.cache_clear()
+    low = types.ModuleType("llama_cpp.llama_cpp")
+    low.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", low)
+    sys.modules["llama_cpp"].llama_cpp = low
+    default = low.llama_model_default_params
+    for repack in (False, True):
+        with timing._llamacpp_buffers(repack):
+            assert low.llama_model_default_params().use_extra_bufts is repack
+        assert low.llama_model_default_params is default

@@ -47,7 +47,8 @@ def llamacpp_phase(ctx: ScaleContext) -> dict:
         return {"status": "skipped", "note": note}
     n, gguf_path, threads = ctx.new_tokens, write_gguf(ctx.path, ctx.dtype), torch.get_num_threads()
     session = llamacpp_session(gguf_path, ctx.prompt, n, threads, f32_kv=ctx.dtype == "float32")
-    r = {**llamacpp_greedy(session, ctx.reps), "threads": threads, "gguf": str(gguf_path), "status": "ran"}
+    r = {**llamacpp_greedy(session, ctx.reps), "threads": threads, "gguf": str(gguf_path), "status": "ran",
+         "repacked": session.repacked}
     r.update(compare_tokens(r["tokens"], ctx.hf))
     if ctx.ar_rows:
         best = min(a["ms_per_token"] for a in ctx.ar_rows.values())

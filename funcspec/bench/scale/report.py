@@ -57,6 +57,9 @@ def _md_decode(r: dict) -> list[str]:
     if lc:
         ratio = f"funcspec AR (best backend) / llama.cpp ms/token = {_f(lc.get('funcspec_over_llamacpp'))}"
         lines.append(f"\nllama.cpp: {lc.get('note') or ratio}")
+        if lc.get("repacked") is False:
+            lines.append("\nllama.cpp ran on its plain weight buffers: its repacked ones crashed the process on "
+                         "this machine (timing.llamacpp_repacks).")
         for backend, p in lc.get("paired", {}).items():
             lines.append(f"\nPaired ({p['rounds']} alternating runs, median of the pair ratios): funcspec AR "
                          f"{backend} / llama.cpp ms/token = {p['ratio']:.2f} (funcspec "
