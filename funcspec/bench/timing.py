@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -99,12 +100,13 @@ _REPACK_PROBE = ("import sys, llama_cpp\n"
 
 @functools.cache
 def llamacpp_repacks(gguf_path: str) -> bool:
-    """Whether llama.cpp decodes ``gguf_path`` on its repacked weight buffers (its default, the layout its
-    fastest CPU products read) without crashing, tried in a child process: on an Intel AMX Xeon VM here that
-    decode ended the process with a segmentation fault, where the plain buffers ran."""
+    """Whether llama.cpp may decode ``gguf_path`` on its repacked weight buffers (its default, the layout its
+    fastest CPU products read): false where a child process trying it is killed by a signal or hangs. On an
+    Intel AMX Xeon VM here that decode ended the process with a segmentation fault, where the plain buffers
+    ran. Any other failure of the child (no binding, a bad file) is left to the real load to report."""
     try:
         return subprocess.run([sys.executable, "-c", _REPACK_PROBE, gguf_path], capture_output=True,
-                              timeout=600).returncode == 0
+                              timeout=600).returncode >= 0
     except subprocess.TimeoutExpired:
         return False
 
@@ -112,9 +114,14 @@ def llamacpp_repacks(gguf_path: str) -> bool:
 @contextlib.contextmanager
 def _llamacpp_buffers(repack: bool):
     """llama.cpp's repacked weight buffers (``use_extra_bufts``) on or off for the ``Llama`` loaded inside:
-    llama-cpp-python's constructor does not take the flag, so its default parameters are wrapped meanwhile."""
-    import llama_cpp.llama_cpp as low
+    llama-cpp-python's constructor does not take the flag, so its default parameters are wrapped meanwhile
+    (a binding without them keeps its own)."""
+    import llama_cpp
 
+    low = getattr(llama_cpp, "llama_cpp", None)  # the low-level module that Llama reads its defaults from
+    if low is None or not hasattr(low, "llama_model_default_params"):
+        yield
+        return
     default = low.llama_model_default_params
 
     def params():
@@ -138,7 +145,7 @@ def llamacpp_session(gguf_path: Path, prompt: list[int], n: int, threads: int, f
     """
     import llama_cpp
 
-    kv = {"type_k": 0, "type_v": 0} if f32_kv else {}  # 0 = GGML_TYPE_F32
+    kv: dict[str, Any] = {"type_k": 0, "type_v": 0} if f32_kv else {}  # 0 = GGML_TYPE_F32
     repack = llamacpp_repacks(str(gguf_path))
     with _llamacpp_buffers(repack):
         llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,

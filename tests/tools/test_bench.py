@@ -148,17 +148,19 @@ def test_bench_routing_records_every_sparse_layer(tmp_path):
 
 
 def test_llama_cpp_runs_on_plain_buffers_where_its_repacked_decode_crashes(monkeypatch, tmp_path):
-    """The probe's child that dies (as llama.cpp's repacked decode did on an AMX Xeon VM) says no, one that
-    exits says yes; a Llama loaded meanwhile gets ``use_extra_bufts`` as asked, and the defaults come back."""
+    """The probe's child killed by a signal (as by llama.cpp's repacked decode on an AMX Xeon VM) says no, one
+    that exits, even with an error, says yes; a Llama loaded meanwhile gets ``use_extra_bufts`` as asked, and
+    the defaults come back; a binding without those defaults is left alone."""
     import sys
     import types
 
     from funcspec.bench import timing
 
-    for probe, repacks in (("import os; os.abort()", False), ("pass", True)):
+    for i, (probe, repacks) in enumerate((("import os; os.abort()", False), ("pass", True),
+                                          ("raise SystemExit(1)", True))):
         monkeypatch.setattr(timing, "_REPACK_PROBE", probe)
         timing.llamacpp_repacks.cache_clear()
-        assert timing.llamacpp_repacks(str(tmp_path / f"{repacks}.gguf")) is repacks
+        assert timing.llamacpp_repacks(str(tmp_path / f"{i}.gguf")) is repacks
     timing.llamacpp_repacks.cache_clear()
     low = types.ModuleType("llama_cpp.llama_cpp")
     low.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
@@ -170,3 +172,6 @@ def test_llama_cpp_runs_on_plain_buffers_where_its_repacked_decode_crashes(monke
         with timing._llamacpp_buffers(repack):
             assert low.llama_model_default_params().use_extra_bufts is repack
         assert low.llama_model_default_params is default
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace())  # a stand-in without the defaults
+    with timing._llamacpp_buffers(False):
+        pass
