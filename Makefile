@@ -22,11 +22,13 @@ run: setup
 	$(BIN)/python -m funcspec.cli run-default
 
 # NOTE: one pytest worker per core (-n auto): the tests pin torch to one thread each, and most of the
-# suite's time is inductor compiling graphs, one process at a time. Tests go out a few at a time to the
-# worker that is free (--dist load): under --dist worksteal (pytest-xdist 3.8) one worker was seen to stop
-# a minute in while the other ran the rest alone, doubling the run
+# suite's time is inductor compiling graphs, one process at a time. Tests go out one at a time to the
+# worker that is free (--dist load --maxschedchunk 1), so a few long compiles never queue behind each other
+# on one worker; under --dist worksteal (pytest-xdist 3.8) one worker was seen to stop a minute in while
+# the other ran the rest alone, doubling the run
 test: setup lint
-	@start=$$(date +%s); $(BIN)/python -m pytest -x -n auto --dist load -p no:cacheprovider tests; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -x -n auto --dist load --maxschedchunk 1 -p no:cacheprovider \
+		tests; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s (pytest exit status $$rc)"; exit $$rc
 
 # ruff, then mypy (both configured in pyproject.toml); make test runs them before the suite
