@@ -131,7 +131,8 @@ class EngineArgs:
     enforce_eager: bool = dataclasses.field(default=False, metadata=_flag("bool", "the eager backend: no graph is "
                                                                                   "compiled"))
     compilation_config: Any = dataclasses.field(default=None, metadata=_flag(
-        "json", "vLLM compilation_config; funcspec's keys: batch_sizes, capture, compile_cache, capture_logprobs"))
+        "json", "vLLM compilation_config; funcspec's keys: batch_sizes, capture, compile_cache, capture_logprobs, "
+                "compile_helpers"))
     additional_config: Optional[dict] = dataclasses.field(default=None, metadata=_flag(
         "json", "vLLM-Ascend additional_config (rejection sampler, draft window, dynamic spec)"))
     kv_transfer_config: Optional[dict] = dataclasses.field(default=None, metadata=_flag(

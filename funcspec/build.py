@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -29,7 +31,8 @@ from tqdm import tqdm  # NOTE: not tqdm.auto: no ipywidgets warning in notebooks
 
 from funcspec import distributed, kernels, sampling
 from funcspec.args import EngineArgs
-from funcspec.capture import cache
+from funcspec.capture import cache, helpers, store
+from funcspec.capture.backends import probe_isa_early
 from funcspec.checkpoints import Model, load_model
 from funcspec.checkpoints.llama import load_config
 from funcspec.checkpoints.tp import check_quantized, check_size, shard_model
@@ -134,6 +137,8 @@ def configured(cfg: ModelConfig, ops: kernels.Ops, expert_parallel: bool) -> Mod
 def load(args: EngineArgs, planned: Planned) -> Loaded:
     """The whole target on this rank's device, with the planned kernels; checks that its quantized weights
     split across the ranks."""
+    if planned.plan.backend == "inductor" and planned.device.type == "cpu":
+        probe_isa_early()  # NOTE: in a thread, while the weights load
     scheme = on_load(args.quantization)
     stored = None if scheme else args.quantization  # a stored format's name: the checkpoint must be in it
     model = args.model if isinstance(args.model, Model) else load_model(
@@ -220,14 +225,57 @@ def capture(args: EngineArgs, planned: Planned, prepared: Prepared, dist: Distri
     with failing(dist.followers):
         scheduler = Scheduler(plan.num_slots, plan.max_model_len, dist.model,
                               max_new_tokens=1 if prepared.hooks else None)
-        runner = Runner(plan=plan, model=dist.model, proposer=dist.proposer, device=planned.device,
-                        dtype=args.torch_dtype, dyn=prepared.dyn, prefill_hooks=prepared.hooks)
+        run = runner(args, planned, prepared, dist)
         loaded = cache.load(cc.compile_cache) if cc.compile_cache is not None else None  # before any capture
         modes = startup_modes(cc.capture_logprobs)
-        seconds = capture_all(runner, startup_graphs(plan, runner, prepared.dyn, modes)) if plan.startup else 0.0
+        seconds = 0.0
+        if plan.startup:
+            todo = startup_graphs(plan, run, prepared.dyn, modes)
+            seconds = capture_all(run, todo, start_helpers(args, planned, run, todo, dist))
         if dist.followers is not None:
             dist.followers.wait_ready()  # NOTE: last: followers build (and capture) in step with rank 0
-    return Captured(scheduler, runner, loaded, seconds, modes)
+    return Captured(scheduler, run, loaded, seconds, modes)
+
+
+def runner(args: EngineArgs, planned: Planned, prepared: Prepared, dist: Distributed) -> Runner:
+    """This rank's device state and graphs (none captured yet)."""
+    return Runner(plan=planned.plan, model=dist.model, proposer=dist.proposer, device=planned.device,
+                  dtype=args.torch_dtype, dyn=prepared.dyn, prefill_hooks=prepared.hooks)
+
+
+def start_helpers(args: EngineArgs, planned: Planned, run: Runner, todo: list[tuple[int, int, int, str]],
+                  dist: Distributed) -> Optional[helpers.Helpers]:
+    """Helper processes compiling a share of the start-up graphs that the store does not hold yet
+    (:mod:`funcspec.capture.helpers`), or ``None``."""
+    if run.backend != "inductor" or dist.followers is not None or args.tensor_parallel_size != 1 \
+            or not store.enabled() or isinstance(args.model, Model) or store.open_store() is None:
+        return None
+    missing = [g for g in todo if not run.filed(*g[:3], sampling.MODES[g[3]])]
+    n = helpers.count(args.compilation_config.compile_helpers, len(missing), helpers.weight_bytes(run.params),
+                      auto=planned.device.type == "cpu")
+    if n == 0:
+        return None
+    return helpers.Helpers.start(HELPER, args.to_dict(), planned.plan.to_dict(), helpers.shares(missing, n)[1:],
+                                 torch.get_num_threads())
+
+
+HELPER = (sys.executable, "-c", "from funcspec.build import helper_main; helper_main()")
+"""The command of a start-up helper process (:func:`helper_main`)."""
+
+
+def helper_main() -> None:
+    """A start-up helper (:mod:`funcspec.capture.helpers`): read its job from stdin, build the engine's parts
+    (no follower, no start-up capture), compile and file each graph of its share, and report each on stdout."""
+    job = json.load(sys.stdin)
+    out, sys.stdout = sys.stdout, sys.stderr  # NOTE: anything else printed goes to the log, not the pipe
+    torch.set_num_threads(job["threads"])
+    args = EngineArgs.from_dict(job["args"])
+    planned = plan(args, job["plan"])
+    prepared = prepare(args, planned, load(args, planned))
+    run = runner(args, planned, prepared, distribute(args, planned, prepared, object))  # one rank: no follower
+    for b, k, t, name in job["graphs"]:
+        if run.graph(b, k, t, sampling.MODES[name]).stats.stored:
+            helpers.report((b, k, t, name), out)
 
 
 @contextlib.contextmanager
@@ -258,12 +306,26 @@ def startup_graphs(plan: EnginePlan, runner: Runner, dyn,
     return sorted(todo.values())
 
 
-def capture_all(runner: Runner, todo: list[tuple[int, int, int, str]]) -> float:
-    """Capture the graphs of ``todo`` now, with a progress bar naming each; returns the seconds it took."""
+def capture_all(runner: Runner, todo: list[tuple[int, int, int, str]],
+                helping: Optional[helpers.Helpers] = None) -> float:
+    """Capture the graphs of ``todo`` now, with a progress bar naming each; returns the seconds it took. With
+    ``helping``, this process compiles the graphs no helper has, then waits for them and loads theirs (or
+    compiles what a helper did not file)."""
     t0 = time.perf_counter()
-    with tqdm(todo, desc="capturing graphs", unit="graph") as bar:
-        for b, k, t, name in bar:
-            mode = sampling.MODES[name]
-            bar.set_postfix_str(graph_name(runner.graph_key(b, k, t, mode)))
-            runner.graph(b, k, t, mode)
+    theirs = [g for share in helping.shares for g in share] if helping else []
+    filed: Optional[dict] = None
+    try:
+        with tqdm([g for g in todo if g not in theirs] + theirs, desc="capturing graphs", unit="graph") as bar:
+            for b, k, t, name in bar:
+                mode = sampling.MODES[name]
+                if helping is not None and filed is None and (b, k, t, name) in theirs:
+                    bar.set_postfix_str(f"waiting for {len(helping.shares)} helper process(es)")
+                    filed = helping.wait()
+                bar.set_postfix_str(graph_name(runner.graph_key(b, k, t, mode)))
+                graph = runner.graph(b, k, t, mode)
+                if filed and (b, k, t, name) in filed and graph.stats.loaded:
+                    graph.stats.helper = filed[b, k, t, name]
+    finally:
+        if helping is not None:
+            helping.stop()
     return time.perf_counter() - t0

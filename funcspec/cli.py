@@ -25,10 +25,11 @@ def _generate(args) -> None:
     engine = Engine(args.model, speculative_config=spec, backend=args.backend, max_num_seqs=max(1, len(args.prompt)),
                     max_model_len=args.max_model_len, compilation_config={"capture": args.capture})
     graphs = engine.stats()["graphs"]
-    loaded = sum(g["loaded"] for g in graphs.values())
+    helped = sum(g["helper"] is not None for g in graphs.values())
+    loaded = sum(g["loaded"] for g in graphs.values()) - helped
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (backend={engine.backend}; captured {len(graphs)} "
-          f"graph(s) at start-up in {engine.startup_seconds:.1f}s, {loaded} loaded from the compiled-step store: "
-          f"{', '.join(graphs) or 'none'})")
+          f"graph(s) at start-up in {engine.startup_seconds:.1f}s, {loaded} loaded from the compiled-step store"
+          f"{f', {helped} compiled by helper processes' if helped else ''}: {', '.join(graphs) or 'none'})")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from funcspec import logprobs, rng, sampling
 from funcspec.capture import capture
-from funcspec.capture.backends import graph_pool
+from funcspec.capture.backends import filed, graph_pool
 from funcspec.capture.window import Window
 from funcspec.nn import forward, init_kv_cache
 from funcspec.nn.llama import KVRead
@@ -212,13 +212,28 @@ class Runner:
             gkey = self.graph_key(b, *key[1:3], mode)
             if gkey not in self.compiled:
                 # NOTE: built only on a miss: a bucket's config and example inputs are not per-step work.
-                bucket = self.bucket(b, k, t, self.plan.graph_modes[mode.name])  # example rows: the scratch slot
-                self.compiled[gkey] = capture(bucket.fn, bucket.args, self.backend,
-                                              name=f"spec_step_{graph_name(gkey)}",
-                                              symbolic=batch_dims(bucket.args[2]) if gkey[0] == 0 else (),
+                fn, args, name, symbolic = self._example(b, k, t, mode)
+                self.compiled[gkey] = capture(fn, args, self.backend, name=name, symbolic=symbolic,
                                               donated=(1,), pool=self.pool)  # donated: the state, updated in place
             self.graphs[key] = self.compiled[gkey]
         return self.graphs[key]
+
+    @torch.no_grad()  # NOTE: as graph(): the store's key names the grad mode
+    def filed(self, b: int, k: int, t: Optional[int] = None, mode: sampling.Mode = sampling.FILTERED) -> bool:
+        """Whether the graph of bucket (b, k, t, mode) needs no compile: captured here already, or (inductor) in
+        the compiled-step store, where :meth:`graph` will load it from."""
+        gkey = self.graph_key(b, k, self.t_max if t is None else t, mode)
+        if gkey in self.compiled:
+            return True
+        return self.backend == "inductor" and filed(*self._example(b, k, t, mode))
+
+    def _example(self, b: int, k: int, t: Optional[int], mode: sampling.Mode):
+        """(function, example arguments, name, symbolic sizes) that bucket (b, k, t, mode)'s graph is captured
+        from: its graph's mode, its rows on the scratch slot, the batch symbolic in a shared graph."""
+        gkey = self.graph_key(b, k, self.t_max if t is None else t, mode)
+        bucket = self.bucket(b, k, t, self.plan.graph_modes[mode.name])
+        symbolic = batch_dims(bucket.args[2]) if gkey[0] == 0 else ()
+        return bucket.fn, bucket.args, f"spec_step_{graph_name(gkey)}", symbolic
 
     def set_synthetic_acceptance_rates(self, rates: Sequence[float]) -> None:
         """See :meth:`funcspec.Engine.set_synthetic_acceptance_rates`."""

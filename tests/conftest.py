@@ -21,6 +21,9 @@ if _OWN_INDUCTOR_DIR:
 
     os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"] = tempfile.mkdtemp(prefix="funcspec-tests-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["FUNCSPEC_TEST_INDUCTOR_DIR"]
+# NOTE: no start-up helper processes unless a test asks for them: xdist already runs one worker per core, and
+# a helper per engine would only queue behind them (test_runtime's first test starts one).
+os.environ.setdefault("FUNCSPEC_COMPILE_HELPERS", "0")
 
 
 def pytest_sessionstart(session):

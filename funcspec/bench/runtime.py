@@ -7,7 +7,8 @@ child process is started twice on one fresh inductor cache directory
 second a warm one. Each child
 
 1. builds ``LLM(model, speculative_config)`` with the default start-up
-   capture and records how long that took and which graphs it compiled;
+   capture and records how long that took, which graphs it compiled, and how
+   many of them its start-up helper processes compiled;
 2. runs a fixed mixed workload twice (4 greedy prompts, one sampled request
    with top-p, two with plain temperature, 3 long prompts), recording each
    run's wall time and the compiles it caused: a compile stall shows as a first
@@ -108,7 +109,8 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     t0 = time.perf_counter()
     llm = LLM(model=model, speculative_config=json.loads(spec) if spec else None, dtype=dtype)
     out: dict = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
-           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()}}
+           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()},
+           "helper_graphs": sum(g["helper"] is not None for g in llm.engine.stats()["graphs"].values())}
     runs = []
     for _ in range(2):
         compiled, t0 = llm.engine.stats()["graphs"], time.perf_counter()
@@ -323,7 +325,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         c, w = r["cold"], r["warm"]
         h1, h8 = w["host"][0], w["host"][-1]
-        lines.append(f"| {r['model']} | {c['startup_s']:.1f} ({len(c['graphs'])}) | {w['startup_s']:.1f} | "
+        helped = f", {c['helper_graphs']} by helper processes" if c.get("helper_graphs") else ""
+        lines.append(f"| {r['model']} | {c['startup_s']:.1f} ({len(c['graphs'])}{helped}) | {w['startup_s']:.1f} | "
                      f"{c['workload'][0]['seconds']:.2f} / {c['workload'][1]['seconds']:.2f} "
                      f"({c['first_over_second']:.2f}x) | {c['compiles_after_startup']} | "
                      f"{h1['host_ms']:.3f} of {h1['step_ms']:.2f} ({h1['host_fraction']:.0%}) | "

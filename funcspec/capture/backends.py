@@ -16,6 +16,7 @@ import inspect
 import statistics
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -38,6 +39,7 @@ class CaptureStats:
     capture_seconds: float = 0.0
     compiles: int = 0
     loaded: bool = False  # inductor: the compiled function came from the store (nothing traced or compiled)
+    helper: Optional[int] = None  # inductor: the start-up helper process that compiled and filed it (then loaded)
     stored: Optional[str] = None  # inductor: its file in the store (what a compile cache bundles), if filed
     graph_breaks: int = 0
     graph_memory_bytes: int | None = None
@@ -58,6 +60,7 @@ class CaptureStats:
             "calls": self.replay_ms.total,
             "recompiles": self.recompiles,
             "loaded": self.loaded,
+            "helper": self.helper,
             "stored": self.stored,
             "graph_breaks": self.graph_breaks,
             "graph_memory_bytes": self.graph_memory_bytes,
@@ -279,6 +282,19 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+@functools.cache
+def probe_isa_early() -> None:
+    """Start inductor's probe of this CPU's vector ISAs in a thread, once per process. On an empty cache it builds
+    and loads a test library per ISA (seconds), which the first compile would otherwise wait for; in a thread
+    it overlaps loading the weights and tracing the first graph. A compile that asks meanwhile waits on the
+    probe's file locks and reuses its libraries, so the ISA it picks is the same."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="funcspec-isa-probe", daemon=True).start()
+
+
 def wrap_int64_overflow() -> None:
     """Compile inductor's C++ kernels with ``-fwrapv`` (idempotent).
 
@@ -337,13 +353,29 @@ def _with_symbolic(args: tuple, at: tuple[tuple[int, int], ...]) -> tuple[tuple,
     return pytree.tree_unflatten(leaves, spec), [(leaves[i], d) for i, d in at]
 
 
-def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at: tuple) -> Optional[Callable]:
-    """The ahead-of-time function of ``fn`` for ``args``: loaded from the store, else compiled and filed;
-    ``None`` (with one warning) where it cannot be compiled ahead of time."""
+def _filing(fn: Callable, name: str, args: tuple, at: tuple) -> tuple[tuple, list, Optional[Path], Optional[str],
+                                                                      Optional[Path]]:
+    """Where ``fn``'s graph for ``args`` is filed: ``args`` with their symbolic leaves copied
+    (:func:`_with_symbolic`), those copies' (tensor, dim), the store's directory, the key and the file (``None``
+    each where the store is off or no key names the graph)."""
     args, symbolic = _with_symbolic(args, at) if at else (args, [])
     where = store.open_store() if store.enabled() else None
     key = store.key(fn, args, tuple(symbolic), INDUCTOR_OPTIONS, where) if where is not None else None
     path = store.path_for(where, name, key) if where is not None and key else None  # (a key: a store)
+    return args, symbolic, where, key, path
+
+
+def filed(fn: Callable, example_args: tuple, name: str, symbolic: Sequence[tuple[torch.Tensor, int]] = ()) -> bool:
+    """Whether :func:`compile_inductor` would load ``fn``'s graph for ``example_args`` from the store (a file
+    under its key exists; its guards are checked only when it loads)."""
+    path = _filing(fn, name, example_args, _leaf_positions(example_args, symbolic))[4]
+    return path is not None and path.is_file()
+
+
+def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at: tuple) -> Optional[Callable]:
+    """The ahead-of-time function of ``fn`` for ``args``: loaded from the store, else compiled and filed;
+    ``None`` (with one warning) where it cannot be compiled ahead of time."""
+    args, symbolic, where, key, path = _filing(fn, name, args, at)
     loaded = store.load(path) if path else None
     if loaded is not None:
         reason = guard_failure(loaded, args)

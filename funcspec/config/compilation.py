@@ -3,7 +3,7 @@
 funcspec compiles each (batch, K) bucket's whole step as one static graph with
 its backend (``LLM(backend=...)``, ``enforce_eager``), so of vLLM's keys only
 ``cudagraph_capture_sizes`` has an effect (the batch buckets); funcspec adds
-``capture``, ``capture_logprobs`` and ``compile_cache``. Every other key, vLLM's
+``capture``, ``capture_logprobs``, ``compile_cache`` and ``compile_helpers``. Every other key, vLLM's
 or one neither knows, is kept unread and named in ``LLM``'s one warning about
 arguments with no effect, with the reason (:attr:`CompilationConfig.ignored`).
 """
@@ -51,6 +51,8 @@ class CompilationConfig:
         capture: funcspec's: ``"startup"`` captures every graph while ``LLM(...)`` starts, ``"lazy"`` each on first use.
         capture_logprobs: funcspec's: also capture the logprobs graphs at start-up.
         compile_cache: funcspec's: a ``funcspec precompile`` file to load first.
+        compile_helpers: funcspec's: processes that compile a share of the start-up graphs beside the engine
+            (:mod:`funcspec.capture.helpers`); ``None``: one per idle core, ``0``: none.
         mode, level, backend, cudagraph_mode, custom_ops, splitting_ops, compile_sizes, inductor_compile_config,
         pass_config, max_cudagraph_capture_size, cudagraph_num_of_warmups, use_inductor_graph_partition,
         cache_dir: vLLM's, with no effect here (:data:`NO_EFFECT` says why); ``cudagraph_mode`` and
@@ -63,6 +65,7 @@ class CompilationConfig:
     capture: str = "startup"
     capture_logprobs: bool = False
     compile_cache: Optional[str] = None
+    compile_helpers: Optional[int] = None
     mode: Any = None
     level: Any = None
     backend: Any = None
@@ -84,6 +87,8 @@ class CompilationConfig:
         check_bool(CC + "capture_logprobs", self.capture_logprobs)
         if self.compile_cache is not None and not isinstance(self.compile_cache, (str, os.PathLike)):
             raise ValueError(f"{CC}compile_cache must be a file path, got {self.compile_cache!r}")
+        if self.compile_helpers is not None and not (is_int(self.compile_helpers) and self.compile_helpers >= 0):
+            raise ValueError(f"{CC}compile_helpers must be a number of processes >= 0, got {self.compile_helpers!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) \

@@ -29,9 +29,11 @@ def _mixed(eng):
 
 def test_after_startup_a_mixed_workload_compiles_nothing_and_a_second_start_loads_it(tiny_llama, tmp_path, monkeypatch,
                                                                                   rows_free_ops):
-    """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length; then the mixed
-    workload (batches 1-4, greedy / top-p / plain temperature, 5-90 tokens of context) compiles nothing, its
-    plain-temperature requests run in the filtered graph, and every token equals the eager engine's.
+    """The engine compiles B = 1 and a symbolic batch, greedy and filtered, at one context length, with one
+    helper process: it compiles two of the four graphs (one per batch bucket, dealt in turn) and files them, and
+    the engine loads them; then the mixed workload (batches 1-4, greedy / top-p / plain temperature, 5-90
+    tokens of context) compiles nothing, its plain-temperature requests run in the filtered graph, and every
+    token equals the eager engine's.
 
     Then the step store: an identical engine started again loads its graphs (nothing traced) and runs the same
     workload to the same tokens, compiling nothing; another K is another key, compiled anew;
@@ -39,12 +41,14 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_a_second_start_load
     once, in an inductor cache of its own (nothing of the rest of the suite's is loaded)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     args = dict(backend="inductor", max_num_seqs=4, max_model_len=96, ops=rows_free_ops)
-    eng = Engine(tiny_llama, NGRAM, **args)
+    eng = Engine(tiny_llama, NGRAM, compilation_config={"compile_helpers": 1}, **args)
     t = 96 + 2 + 1  # max_model_len + K + 1: the one context bucket
     assert eng.plan.bucket_plan.context_buckets == (t,) and eng.startup_seconds > 0
     assert sorted(eng.runner.compiled) == [(0, 2, t, "filtered"), (0, 2, t, "greedy"),
                                            (1, 2, t, "filtered"), (1, 2, t, "greedy")]
-    assert [g.stats.loaded for g in eng.runner.compiled.values()] == [False] * 4
+    made = [(g.stats.compiles, g.stats.loaded, g.stats.helper) for _, g in sorted(eng.runner.compiled.items())]
+    assert made == [(1, False, None), (0, True, 1), (1, False, None), (0, True, 1)]
+    assert [g["helper"] for g in eng.stats()["graphs"].values()].count(1) == 2
     with torch.compiler.set_stance("fail_on_recompile"):
         out = _mixed(eng)
     assert len(eng.runner.compiled) == 4 and eng.stats()["recompiles"] == 0
@@ -56,8 +60,8 @@ def test_after_startup_a_mixed_workload_compiles_nothing_and_a_second_start_load
     assert out == _mixed(Engine(tiny_llama, NGRAM, backend="eager", max_num_seqs=4, max_model_len=96,
                                 ops=rows_free_ops))
 
-    again = Engine(tiny_llama, NGRAM, **args)
-    assert [g.stats.loaded for g in again.runner.compiled.values()] == [True] * 4
+    again = Engine(tiny_llama, NGRAM, compilation_config={"compile_helpers": 1}, **args)  # all filed: no helper
+    assert [(g.stats.loaded, g.stats.helper) for g in again.runner.compiled.values()] == [(True, None)] * 4
     with torch.compiler.set_stance("fail_on_recompile"):
         assert _mixed(again) == out
     assert again.stats()["recompiles"] == 0
