@@ -11,8 +11,8 @@ checkpoints written in published layouts (``gptq-int4``, ``gptq-int8``, ``awq-in
   bandwidth (the ``bandwidth`` phase's), and llama.cpp paired in alternating runs (the median of the pair
   ratios): on a GGUF format the same file, on a published format llama.cpp's file of its bits (Q4_0, Q8_0);
 - speculation with synthetic acceptance alpha^(i+1) at K: the free ``echo`` drafter, and random EAGLE-3 and
-  DFlash heads of the target's own shape (bf16, and the EAGLE-3 head quantized like the target), so the drafter's
-  cost is real; each against funcspec AR and llama.cpp's AR;
+  DFlash heads of the target's own shape (bf16, and the EAGLE-3 head quantized like the target:
+  :func:`head_scheme`), so the drafter's cost is real; each against funcspec AR and llama.cpp's AR;
 - batch ``B`` over batch 1 tokens/s, paired.
 
 Quality (:func:`quality`): held-out cross-entropy (nats/token, teacher-forced) and greedy agreement with the
@@ -141,6 +141,16 @@ def target_of(ctx: dict, fmt: str):
     return str(path), None, path
 
 
+def head_scheme(fmt: str) -> str:
+    """The on-load scheme a draft head takes beside a target of format ``fmt``: the target's own where it is
+    quantized on load, else funcspec's of the same bits (8: ``int8``; 4: ``int4-g128``, grouped as the 4-bit
+    files are)."""
+    where, q = FORMATS[fmt]
+    if where == "load":
+        return q
+    return "int8" if "8" in fmt else "int4-g128"
+
+
 def _engine(model, quantization, backend: str, batch: int, max_len: int, spec=None):
     from funcspec import Engine
 
@@ -184,8 +194,8 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
             if not (path / "config.json").exists():
                 init_draft_head(method, ctx["model"], path, **({"num_layers": 1} if method == "dflash" else {}))
             heads[method] = {"method": method, "model": str(path)}
-            if method == "eagle3" and FORMATS[fmt][0] == "load":  # the head quantized by the target's scheme
-                heads["eagle3-quantized"] = {**heads[method], "quantization": q}
+            if method == "eagle3":  # the head quantized like the target: its scheme, or one of its bits
+                heads["eagle3-quantized"] = {**heads[method], "quantization": head_scheme(fmt)}
     row["speculation"] = {}
     for name, spec in heads.items():
         spec = {**spec, "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
@@ -194,7 +204,8 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
         r = timing.timed_generate(eng, [ctx["prompt"]], n, reps)
         step = timing.step_ms(r, 1, k)
         row["speculation"][name] = {
-            "alpha": alpha, "k": k, "tau": r["tau"], "ms_per_token": r["ms_per_token_pooled"],
+            "alpha": alpha, "k": k, "head_quantization": spec.get("quantization"), "tau": r["tau"],
+            "ms_per_token": r["ms_per_token_pooled"],
             "speedup_vs_ar": ar["ms_per_token"] / r["ms_per_token_pooled"], "step_ms": step,
             "step_cost_vs_ar": step / row["step_ms"] if step and row["step_ms"] else None,
             "vs_llamacpp_ar": theirs["ms_per_token"] / r["ms_per_token_pooled"] if lc else None,

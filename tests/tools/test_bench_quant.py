@@ -42,11 +42,14 @@ def test_quant_phase_rows_per_format(result):
     for r in q["rows"]:
         assert r["ms_per_token"] > 0 and r["bound_ms"] > 0 and r["pct_of_bound"] > 0
         assert "llamacpp_ms_per_token" not in r  # no llama.cpp here: no pairing
-        assert set(r["speculation"]) == {"echo", "eagle3", "eagle3-quantized", "dflash"} if r["source"] == "load" \
-            else set(r["speculation"]) == {"echo", "eagle3", "dflash"}
+        assert set(r["speculation"]) == {"echo", "eagle3", "eagle3-quantized", "dflash"}
         for s in r["speculation"].values():
             assert s["k"] == 2 and 0 < s["tau"] <= 3 and s["speedup_vs_ar"] > 0 and s["vs_llamacpp_ar"] is None
         assert r["batch"]["batch"] == 2 and r["batch"]["tokens_per_s_ratio"] > 0
+    # the EAGLE-3 head quantized like the target: its own scheme, else funcspec's of the same bits
+    assert {f: by[f]["speculation"]["eagle3-quantized"]["head_quantization"] for f in by} == {
+        "int8": "int8", "int4": "int4", "q8_0": "int8", "q4_0": "int4-g128", "ct-w8a8": "int8"}
+    assert by["q4_0"]["speculation"]["eagle3"]["head_quantization"] is None
     md = next(out.glob("*.md")).read_text()
     assert "## Quantized formats (eager, batch 1)" in md and "| q4_0 |" in md and "EAGLE-3 (quantized) K=2" in md
 
