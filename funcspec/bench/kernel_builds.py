@@ -1,5 +1,5 @@
 """GB/s of each CPU kernel build this machine runs (funcspec/kernels/build.py's BUILDS): bf16 and fp32
-streaming products and 8- and 4-bit quantized products, at 1 and 16 rows, on weights beyond the caches.
+streaming products and 8- and 4-bit quantized products, at 1, 5 and 16 rows, on weights beyond the caches.
 
     python -m funcspec.bench.kernel_builds [--out graphs/results/cpu] [--reps 15]
 
@@ -24,7 +24,8 @@ import torch
 from funcspec.bench.scale.machine import machine_info
 from funcspec.kernels import QuantFormat, build, quant, stream
 
-ROWS = (1, 16)
+ROWS = (1, 5, 16)
+"""Row counts timed: a decode step, a K = 4 verify block, 16 rows."""
 
 
 def cpu_flags() -> str:
