@@ -3,7 +3,7 @@
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
 // one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
-// are VNNI intrinsics; the amx build's (tile_amx) take 16 rows a pass and sum each unit with AMX tiles; the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
+// are VNNI intrinsics, and the amx build's sum each unit of 2 rows or more with AMX tiles (amx_dots); the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
 // portable build's in fp32 lanes (lane_dots; exact: every partial sum is an integer below 2^24); then all
 // scale the sums the same way, with simd.h's vectors.
 #pragma once
@@ -56,6 +56,60 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
+#if defined(FUNCSPEC_ISA_AMX)
+// The tile configuration (palette 1) of amx_dots: tiles 0, 1 the sums C [rows][16] int32 of outputs 0..15 and
+// 16..31, tile 2 the rows' int8 activations A [rows][U], tiles 3, 4 the weights B [U/4][16 outputs x 4 bytes].
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure(int rows, int U) {
+  AmxConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)rows;
+  cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.colsb[2] = (uint16_t)U;
+  cfg.rows[3] = cfg.rows[4] = (uint8_t)(U / 4);
+  cfg.colsb[3] = cfg.colsb[4] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// dots [rows][32] = the configured rows' exact integer sums sum_k xq q with one column block over unit u (U k),
+// by AMX tiles (signed activations times unsigned weights): vpdpbusd's sums, in one tile product per 16 outputs.
+// 8-bit weights load as B straight from their packed layout (a step of 4 k is one B row of 32 outputs); 4-bit
+// ones are unpacked first (low nibbles: k = 8s + 0..3, high: 8s + 4..7).
+template <int BITS, int U>
+inline void amx_dots(const int8_t* xq, int64_t K, int64_t u, const uint8_t* wb, int32_t* dots) {
+  alignas(64) uint8_t unpacked[8 * STEP];
+  const uint8_t* b = wb + u * (U / 4) * STEP;
+  if (BITS == 4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const uint8_t* w = wb + u * 4 * STEP;
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
+      _mm512_store_si512(unpacked + 2 * o * STEP, _mm512_and_si512(v0, low));
+      _mm512_store_si512(unpacked + 2 * o * STEP + 64, _mm512_and_si512(v1, low));
+      _mm512_store_si512(unpacked + (2 * o + 1) * STEP, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low));
+      _mm512_store_si512(unpacked + (2 * o + 1) * STEP + 64, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low));
+    }
+    b = unpacked;
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, xq + u * U, K);
+  _tile_loadd(3, b, STEP);
+  _tile_loadd(4, b + 64, STEP);
+  _tile_dpbsud(0, 2, 3);
+  _tile_dpbsud(1, 2, 4);
+  _tile_stored(0, dots, QB * sizeof(int32_t));
+  _tile_stored(1, dots + 16, QB * sizeof(int32_t));
+}
+
+constexpr int AMX_MIN_ROWS = 2;  // fewer rows take vpdpbusd: a tile product's fixed cost outweighs one row's dots
+#endif
+
 // acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
 // for 8-bit weights in groups of 16: GGUF's Q6_K), each one integer sum per row and output.
 template <int BITS, bool ASYM, int U, int MB>
@@ -68,6 +122,9 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+#if defined(FUNCSPEC_ISA_AMX)
+  if constexpr (MB >= AMX_MIN_ROWS) amx_configure(MB, U);  // NOTE: per call: oneDNN may use tiles between calls
+#endif
   for (int64_t u = 0; u < units; ++u) {
     if (u % per_group == 0) {
       const int64_t g = u / per_group;
@@ -79,6 +136,18 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       }
     }
     __m512i ai[MB][2];
+#if defined(FUNCSPEC_ISA_AMX)
+    if constexpr (MB >= AMX_MIN_ROWS) {
+      alignas(64) int32_t dots[MB * QB];
+      amx_dots<BITS, U>(xq, K, u, wb, dots);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        ai[m][0] = _mm512_load_si512(dots + m * QB);
+        ai[m][1] = _mm512_load_si512(dots + m * QB + 16);
+      }
+    } else
+#endif
+    {
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) ai[m][0] = ai[m][1] = _mm512_setzero_si512();
     if (BITS == 8) {
@@ -113,6 +182,7 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
         }
       }
     }
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const float dm = d[m * blocks + u * U / AB];
@@ -134,6 +204,9 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       }
     }
   }
+#if defined(FUNCSPEC_ISA_AMX)
+  if constexpr (MB >= AMX_MIN_ROWS) _tile_release();
+#endif
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) {
     _mm512_storeu_ps(acc + m * QB, af[m][0]);
@@ -141,100 +214,6 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
   }
 }
 
-#if defined(FUNCSPEC_ISA_AMX)
-// The amx build: up to 16 rows a pass, each unit's integer sums by AMX tiles (tile_amx); the same sums and the
-// same fp32 scaling as tile's, so the same bits.
-template <int BITS, bool ASYM>
-constexpr int max_rows() {
-  return 16;
-}
-constexpr int MAX_MB = 16;
-
-// The tile configuration (palette 1) of tile_amx: tiles 0, 1 the sums C [mb][16] int32 of outputs 0..15 and
-// 16..31, tile 2 the rows' int8 activations A [mb][U], tiles 3, 4 the weights B [U/4][16 x 4 bytes].
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// acc [mb][32] (fp32) = tile's result for mb <= 16 rows at run time: per unit of U k, C = A B with vpdpbsud's
-// tile form (signed activations times unsigned weights, exact int32 sums), stored and scaled as tile scales
-// its VNNI sums. 8-bit weights load as B straight from their packed layout (a step of 4 k is one B row of 32
-// outputs); 4-bit ones are unpacked per unit first (low nibbles: k = 8s + 0..3, high: 8s + 4..7).
-template <int BITS, bool ASYM, int U>
-void tile_amx(int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G,
-              const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
-  AmxConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)mb;
-  cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.colsb[2] = U;
-  cfg.rows[3] = cfg.rows[4] = U / 4;
-  cfg.colsb[3] = cfg.colsb[4] = 64;
-  _tile_loadconfig(&cfg);
-  const int64_t units = K / U, per_group = G / U, blocks = K / AB;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  constexpr int32_t zero = BITS == 8 ? 128 : 8;
-  alignas(64) int32_t dots[MAX_MB * QB];
-  alignas(64) uint8_t unpacked[8 * STEP];
-  for (int64_t i = 0; i < mb * QB; ++i) acc[i] = 0.0f;
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
-  for (int64_t u = 0; u < units; ++u) {
-    if (u % per_group == 0) {
-      const int64_t g = u / per_group;
-      s0 = load_half(sb + g * QB);
-      s1 = load_half(sb + g * QB + 16);
-      if (ASYM) {
-        o0 = load_half(ob + g * QB);
-        o1 = load_half(ob + g * QB + 16);
-      }
-    }
-    const uint8_t* b = wb + u * (U / 4) * STEP;
-    if (BITS == 4) {
-      const uint8_t* w = wb + u * 4 * STEP;
-      for (int o = 0; o < 4; ++o) {
-        const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
-        _mm512_store_si512(unpacked + 2 * o * STEP, _mm512_and_si512(v0, low));
-        _mm512_store_si512(unpacked + 2 * o * STEP + 64, _mm512_and_si512(v1, low));
-        _mm512_store_si512(unpacked + (2 * o + 1) * STEP, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low));
-        _mm512_store_si512(unpacked + (2 * o + 1) * STEP + 64, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low));
-      }
-      b = unpacked;
-    }
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, xq + u * U, K);
-    _tile_loadd(3, b, STEP);
-    _tile_loadd(4, b + 64, STEP);
-    _tile_dpbsud(0, 2, 3);
-    _tile_dpbsud(1, 2, 4);
-    _tile_stored(0, dots, QB * sizeof(int32_t));
-    _tile_stored(1, dots + 16, QB * sizeof(int32_t));
-    for (int64_t m = 0; m < mb; ++m) {
-      const __m512i a0 = _mm512_load_si512(dots + m * QB), a1 = _mm512_load_si512(dots + m * QB + 16);
-      float* am = acc + m * QB;
-      const float dm = d[m * blocks + u * U / AB];
-      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
-      const int32_t sum = U == 16 ? half[0] : half[0] + half[1];
-      const __m512 dv = _mm512_set1_ps(dm);
-      if (ASYM) {
-        const __m512 sx = _mm512_set1_ps((float)sum);
-        const __m512 t0 = _mm512_fnmadd_ps(o0, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), s0));
-        const __m512 t1 = _mm512_fnmadd_ps(o1, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(a1), s1));
-        _mm512_storeu_ps(am, _mm512_fmadd_ps(t0, dv, _mm512_loadu_ps(am)));
-        _mm512_storeu_ps(am + 16, _mm512_fmadd_ps(t1, dv, _mm512_loadu_ps(am + 16)));
-      } else {
-        const __m512i corr = _mm512_set1_epi32(zero * sum);
-        _mm512_storeu_ps(am, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0, corr)), _mm512_mul_ps(s0, dv),
-                                             _mm512_loadu_ps(am)));
-        _mm512_storeu_ps(am + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, corr)),
-                                                  _mm512_mul_ps(s1, dv), _mm512_loadu_ps(am + 16)));
-      }
-    }
-  }
-  _tile_release();  // NOTE: configured per call: other code (oneDNN) may configure tiles on this thread between
-}
-#else
 // Rows per pass: 6 x (2 int32 + 2 fp32) accumulators + weights and scales; 4-bit asymmetric weights also hold
 // their unpacked nibbles and offsets, so 4 rows. 5 rows (a K = 4 verify) then take one pass, faster than 3 + 2.
 template <int BITS, bool ASYM>
@@ -242,7 +221,6 @@ constexpr int max_rows() {
   return BITS == 4 && ASYM ? 4 : 6;
 }
 constexpr int MAX_MB = 6;
-#endif
 
 #else  // the portable builds: simd.h's vectors
 
@@ -411,18 +389,14 @@ constexpr int MAX_MB = 6;
 
 #endif
 
-// tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB] (the amx build: tile_amx).
+// tile<BITS, ASYM, U, mb> for a runtime mb in [1, MB].
 template <int BITS, bool ASYM, int U, int MB = max_rows<BITS, ASYM>()>
 inline void tile_rows(int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G,
                       const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
-#if defined(FUNCSPEC_ISA_AMX)
-  tile_amx<BITS, ASYM, U>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
-#else
   if constexpr (MB > 1) {
     if (mb < MB) return tile_rows<BITS, ASYM, U, MB - 1>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
   }
   tile<BITS, ASYM, U, MB>(xq, d, sums, K, G, wb, sb, ob, acc);
-#endif
 }
 
 // Rows per pass of a weight of `bits` (asym: with offsets), at run time.
