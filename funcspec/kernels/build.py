@@ -64,21 +64,17 @@ class Build:
     x86: bool = True
 
 
-_AVX512BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
-               ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"))
 BUILDS = {
-    "amx": Build((*_AVX512BF16[0], "-mamx-tile", "-mamx-int8", "-DFUNCSPEC_ISA_AVX512BF16"),
-                 (*_AVX512BF16[1], "amx_tile", "amx_int8")),
-    "avx512bf16": Build(*_AVX512BF16),
+    "avx512bf16": Build(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
+                        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")),
     "avx512": Build(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
                     ("avx512f", "avx512bw", "avx512vl", "fma", "f16c")),
     "avx2": Build(("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": Build((), (), x86=False),
 }
-"""The builds, by name; ``avx512bf16`` is written with AVX-512 intrinsics, ``amx`` is it with the quantized
-products' integer sums on AMX tiles (quant.h's tile_amx: the same sums, so the same bits), the others with
-simd.h's vectors (and AVX2's byte products for the quantized integer dots, quant.h's unit_dots)."""
-ORDER = ("amx", "avx512bf16", "avx512", "avx2", "portable")
+"""The builds, by name; ``avx512bf16`` is written with AVX-512 intrinsics, the others with simd.h's vectors (and
+AVX2's byte products for the quantized integer dots, quant.h's unit_dots)."""
+ORDER = ("avx512bf16", "avx512", "avx2", "portable")
 """The builds from best to last: the first one a CPU runs is its default."""
 SWITCH = "FUNCSPEC_CPU_KERNELS"
 """The environment variable that picks the kernels: ``0`` off; unset, empty or ``1``: the best build this CPU
@@ -110,10 +106,7 @@ def missing(name: str) -> list[str]:
     if b.x86 and not cpu.is_x86():
         return ["x86-64"]
     have = cpu.x86_flags()
-    lacks = [f for f in b.needs if f not in have]
-    if name == "amx" and not lacks and not cpu.amx_permitted():
-        lacks.append("the OS's permission to use AMX tiles (arch_prctl)")
-    return lacks
+    return [f for f in b.needs if f not in have]
 
 
 def supported(name: str | None = None) -> bool:
@@ -134,7 +127,7 @@ def choice() -> str | None:
     if value == "0":
         return None
     if value in ("", "1"):
-        return next(n for n in builds() if n != "amx" or _compiles(n))
+        return builds()[0]
     if value not in BUILDS:
         raise ValueError(f"{SWITCH} must be 0 (the CPU kernels off), 1 (on: the best build for this CPU) or a "
                          f"build's name, one of {', '.join(ORDER)}; got {value!r}")
@@ -143,16 +136,6 @@ def choice() -> str | None:
         raise ValueError(f"{SWITCH}={value}: this CPU cannot run the {value} kernels, it lacks "
                          f"{', '.join(lacks)} (it runs {', '.join(builds())})")
     return value
-
-
-@functools.cache
-def _compiles(name: str) -> bool:
-    """Whether build ``name`` compiles here (a compiler too old for its flags: the next build is the default)."""
-    try:
-        build(name=name)
-    except RuntimeError:
-        return False
-    return True
 
 
 def enabled() -> bool:
@@ -173,11 +156,12 @@ def reset() -> None:
     streaming.cache_clear()
 
 
-STREAMING_OVERRIDE = {"x86 AMX": (("amx", "avx512bf16"), "avx512")}
-"""CPU kind -> (default builds, the build its bf16/fp32 streaming products take instead). On Intel's AMX cores
+STREAMING_OVERRIDE = {"x86 AMX": ("avx512bf16", "avx512")}
+"""CPU kind -> (default build, the build its bf16/fp32 streaming products take instead). On Intel's AMX cores
 ``vdpbf16ps`` streams bf16 weights slower than the avx512 build's widening FMAs, at 1 row and at 16 (on Zen 4 it
-is the other way round), while AMX tiles and VNNI keep the quantized products best on the amx build:
-graphs/results/cpu/kernel-builds-20261205-005240.md."""
+is the other way round), while VNNI keeps the quantized products best on avx512bf16:
+graphs/results/cpu/kernel-builds-20261205-005240.md. AMX tiles did not beat VNNI's quantized products at 1-16
+rows (graphs/results/cpu/kernel-builds-20261205-064844.md), so no build uses them."""
 
 
 def _streaming_choice(base: str | None) -> tuple[str | None, str]:
@@ -186,10 +170,10 @@ def _streaming_choice(base: str | None) -> tuple[str | None, str]:
     value = os.environ.get(SWITCH, "").strip()
     if base is None or value not in ("", "1"):
         return base, "the build the kernels take"
-    defaults, other = STREAMING_OVERRIDE.get(cpu_kind(), ((), None))
-    if base not in defaults or other is None or load(other) is None:
+    default, other = STREAMING_OVERRIDE.get(cpu_kind(), (None, None))
+    if base != default or other is None or load(other) is None:
         return base, "the build the kernels take"
-    return other, f"on {cpu_kind()} CPUs {other}'s streaming products outrun {base}'s"
+    return other, f"on {cpu_kind()} CPUs {other}'s streaming products outrun {default}'s"
 
 
 @functools.cache

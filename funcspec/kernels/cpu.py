@@ -63,22 +63,6 @@ def amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
-_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
-
-
-@functools.cache
-def amx_permitted() -> bool:
-    """Whether this process may use AMX tiles: Linux grants their 8 KB of register state only on request
-    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, once for every thread); asked here, once. False off Linux x86-64."""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 @functools.cache
 def vnni() -> bool:
     """VNNI (``vpdpbusd``: u8 x s8 dot products into int32)."""

@@ -3,7 +3,7 @@
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
 // one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
-// are VNNI intrinsics, and the amx build's sum each unit of 2 rows or more with AMX tiles (amx_dots); the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
+// are VNNI intrinsics; the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
 // portable build's in fp32 lanes (lane_dots; exact: every partial sum is an integer below 2^24); then all
 // scale the sums the same way, with simd.h's vectors.
 #pragma once
@@ -56,60 +56,6 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
-#if defined(FUNCSPEC_ISA_AMX)
-// The tile configuration (palette 1) of amx_dots: tiles 0, 1 the sums C [rows][16] int32 of outputs 0..15 and
-// 16..31, tile 2 the rows' int8 activations A [rows][U], tiles 3, 4 the weights B [U/4][16 outputs x 4 bytes].
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_configure(int rows, int U) {
-  AmxConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)rows;
-  cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.colsb[2] = (uint16_t)U;
-  cfg.rows[3] = cfg.rows[4] = (uint8_t)(U / 4);
-  cfg.colsb[3] = cfg.colsb[4] = 64;
-  _tile_loadconfig(&cfg);
-}
-
-// dots [rows][32] = the configured rows' exact integer sums sum_k xq q with one column block over unit u (U k),
-// by AMX tiles (signed activations times unsigned weights): vpdpbusd's sums, in one tile product per 16 outputs.
-// 8-bit weights load as B straight from their packed layout (a step of 4 k is one B row of 32 outputs); 4-bit
-// ones are unpacked first (low nibbles: k = 8s + 0..3, high: 8s + 4..7).
-template <int BITS, int U>
-inline void amx_dots(const int8_t* xq, int64_t K, int64_t u, const uint8_t* wb, int32_t* dots) {
-  alignas(64) uint8_t unpacked[8 * STEP];
-  const uint8_t* b = wb + u * (U / 4) * STEP;
-  if (BITS == 4) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const uint8_t* w = wb + u * 4 * STEP;
-#pragma GCC unroll 4
-    for (int o = 0; o < 4; ++o) {
-      const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
-      _mm512_store_si512(unpacked + 2 * o * STEP, _mm512_and_si512(v0, low));
-      _mm512_store_si512(unpacked + 2 * o * STEP + 64, _mm512_and_si512(v1, low));
-      _mm512_store_si512(unpacked + (2 * o + 1) * STEP, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low));
-      _mm512_store_si512(unpacked + (2 * o + 1) * STEP + 64, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low));
-    }
-    b = unpacked;
-  }
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_loadd(2, xq + u * U, K);
-  _tile_loadd(3, b, STEP);
-  _tile_loadd(4, b + 64, STEP);
-  _tile_dpbsud(0, 2, 3);
-  _tile_dpbsud(1, 2, 4);
-  _tile_stored(0, dots, QB * sizeof(int32_t));
-  _tile_stored(1, dots + 16, QB * sizeof(int32_t));
-}
-
-constexpr int AMX_MIN_ROWS = 2;  // fewer rows take vpdpbusd: a tile product's fixed cost outweighs one row's dots
-#endif
-
 // acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
 // for 8-bit weights in groups of 16: GGUF's Q6_K), each one integer sum per row and output.
 template <int BITS, bool ASYM, int U, int MB>
@@ -122,9 +68,6 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
-#if defined(FUNCSPEC_ISA_AMX)
-  if constexpr (MB >= AMX_MIN_ROWS) amx_configure(MB, U);  // NOTE: per call: oneDNN may use tiles between calls
-#endif
   for (int64_t u = 0; u < units; ++u) {
     if (u % per_group == 0) {
       const int64_t g = u / per_group;
@@ -136,18 +79,6 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       }
     }
     __m512i ai[MB][2];
-#if defined(FUNCSPEC_ISA_AMX)
-    if constexpr (MB >= AMX_MIN_ROWS) {
-      alignas(64) int32_t dots[MB * QB];
-      amx_dots<BITS, U>(xq, K, u, wb, dots);
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        ai[m][0] = _mm512_load_si512(dots + m * QB);
-        ai[m][1] = _mm512_load_si512(dots + m * QB + 16);
-      }
-    } else
-#endif
-    {
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) ai[m][0] = ai[m][1] = _mm512_setzero_si512();
     if (BITS == 8) {
@@ -182,7 +113,6 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
         }
       }
     }
-    }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const float dm = d[m * blocks + u * U / AB];
@@ -204,9 +134,6 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
       }
     }
   }
-#if defined(FUNCSPEC_ISA_AMX)
-  if constexpr (MB >= AMX_MIN_ROWS) _tile_release();
-#endif
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) {
     _mm512_storeu_ps(acc + m * QB, af[m][0]);
