@@ -64,12 +64,14 @@ def _precompile(args) -> None:
     import tempfile
 
     from funcspec import LLM
-    from funcspec.capture import cache
+    from funcspec.capture import cache, helpers
     from funcspec.serve.args import engine_kwargs
 
-    # NOTE: an empty inductor cache, so that every entry is created (and recorded) in this process.
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # NOTE: an empty inductor cache, so that every entry is created (and recorded) in this process; and so no
+    # start-up helper process either (torch records only this process's entries), unless the arguments ask.
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get(helpers.ENV)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch = tempfile.mkdtemp(prefix="funcspec-precompile-")
+    os.environ[helpers.ENV] = "0"
     try:
         llm = LLM(args.model, **engine_kwargs(args, {}))
         graphs = llm.engine.stats()["graphs"]
@@ -77,10 +79,11 @@ def _precompile(args) -> None:
         held = cache.save(args.out, steps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if before is None:
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        for name, value in zip(("TORCHINDUCTOR_CACHE_DIR", helpers.ENV), before):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     print(f"captured {len(graphs)} graph(s) in {llm.engine.startup_seconds:.1f}s: {', '.join(graphs)}")
     print(f"wrote {args.out} ({held})")
     missing = len(graphs) - len(steps)

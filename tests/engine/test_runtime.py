@@ -1,5 +1,7 @@
 """The runtime: every graph compiled while the engine starts, none afterwards; lazy capture; the compile cache."""
 
+import os
+
 import pytest
 import torch
 
@@ -115,12 +117,18 @@ def test_symbolic_batch_only_where_two_buckets_share_it(tiny_llama):
 def test_precompile_writes_a_compile_cache_that_a_fresh_machine_starts_from(tiny_llama, tmp_path, monkeypatch,
                                                                            capsys):
     """`funcspec precompile` writes torch's cache entries and the compiled steps; an engine on an empty
-    inductor cache (a second machine) given that file traces and compiles nothing, and decodes as eager does."""
+    inductor cache (a second machine) given that file traces and compiles nothing, and decodes as eager does.
+    It compiles in its own process, whatever FUNCSPEC_COMPILE_HELPERS says: torch records only that process's
+    cache entries."""
+    from funcspec.capture import helpers
     from funcspec.cli import main
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # restored after the test
+    monkeypatch.setenv(helpers.ENV, "1")
+    monkeypatch.setattr(helpers.Helpers, "start", lambda *a: pytest.fail("precompile started a helper"))
     out = tmp_path / "cache.zip"
     main(["precompile", tiny_llama, "--max-num-seqs", "1", "--max-model-len", "32", "--out", str(out)])
+    assert os.environ[helpers.ENV] == "1"
     printed = capsys.readouterr().out
     assert "captured 2 graph(s)" in printed and "B1_K0_T33_greedy" in printed and out.stat().st_size > 0
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "second-machine"))
