@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -250,9 +251,12 @@ def start_helpers(args: EngineArgs, planned: Planned, run: Runner, todo: list[tu
     if run.backend != "inductor" or dist.followers is not None or args.tensor_parallel_size != 1 \
             or not store.enabled() or isinstance(args.model, Model) or store.open_store() is None:
         return None
+    count = functools.partial(helpers.count, args.compilation_config.compile_helpers,
+                              weight_bytes=helpers.weight_bytes(run.params), auto=planned.device.type == "cpu")
+    if count(len(todo)) == 0:  # NOTE: first, so that no helper wanted costs no store key
+        return None
     missing = [g for g in todo if not run.filed(*g[:3], sampling.MODES[g[3]])]
-    n = helpers.count(args.compilation_config.compile_helpers, len(missing), helpers.weight_bytes(run.params),
-                      auto=planned.device.type == "cpu")
+    n = count(len(missing))
     if n == 0:
         return None
     return helpers.Helpers.start(HELPER, args.to_dict(), planned.plan.to_dict(), helpers.shares(missing, n)[1:],
