@@ -421,8 +421,9 @@ class Engine:
 
         ``waiting`` and ``running`` count sequences (a request with ``n`` completions counts ``n``): those that
         wait for a slot, and those in one. ``graphs`` maps each captured step's :func:`graph_name` to its
-        capture stats (``stored``: its file in the compiled-step store, else ``None``; ``key``: its bucket
-        key, batch 0 where the batch is symbolic). ``bucket_timings`` maps each bucket that ran a step to
+        capture stats (``stored``: its file in the compiled-step store, else ``None``; ``helper``: the start-up
+        helper process that compiled it, else ``None``; ``key``: its bucket key, batch 0 where the batch is
+        symbolic). ``bucket_timings`` maps each bucket that ran a step to
         ``key``, ``calls`` (every step so far) and ``replay_ms``, the wall ms of its recent steps, oldest
         first (at most :data:`~funcspec.capture.window.WINDOW`), and their median. A read of this rank's
         engine: tensor-parallel followers do not replay it.
