@@ -376,31 +376,33 @@ def _ahead_of_time(fn: Callable, name: str, stats: CaptureStats, args: tuple, at
     """The ahead-of-time function of ``fn`` for ``args``: loaded from the store, else compiled and filed;
     ``None`` (with one warning) where it cannot be compiled ahead of time."""
     args, symbolic, where, key, path = _filing(fn, name, args, at)
-    loaded = store.load(path) if path else None
-    if loaded is not None:
-        reason = guard_failure(loaded, args)
-        if reason is None:
-            stats.loaded, stats.stored = True, str(path)
-            return loaded
-        store.discard(path, f"its guards fail in this process: {reason}")  # type: ignore[arg-type]  # loaded: a path
-    if where is not None and key is None:
-        store.warn(f"{name}'s static config holds an object no key can name; it compiles without the store")
-    # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
-    # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
-    for tensor, dim in symbolic:
-        torch._dynamo.mark_dynamic(tensor, dim)
-    options: dict[str, Any] = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
-    compiled: Any = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False, options=options)
-    try:
-        aot = compiled.aot_compile((args, {}))
-    except Exception as e:  # noqa: BLE001 (a real error in the function raises again from the plain compile)
-        store.warn(f"{name} cannot be compiled ahead of time, so it is compiled at its first call and not "
-                   f"filed ({type(e).__name__}: {str(e)[:200]})")
-        return None
-    stats.compiles += 1
-    if path is not None and store.save(aot, path):
-        stats.stored = str(path)
-    return aot
+    # NOTE: under the graph's lock, so a process that wants the same graph meanwhile loads this one's
+    with store.compiling(path):
+        loaded = store.load(path) if path else None
+        if loaded is not None:
+            reason = guard_failure(loaded, args)
+            if reason is None:
+                stats.loaded, stats.stored = True, str(path)
+                return loaded
+            store.discard(path, f"its guards fail in this process: {reason}")  # type: ignore[arg-type]  # loaded: a path
+        if where is not None and key is None:
+            store.warn(f"{name}'s static config holds an object no key can name; it compiles without the store")
+        # NOTE: sizes are marked only for a compile: a loaded function's guards were rebuilt without the marks
+        # (torch 2.13), so a marked argument would fail them; the steps' own inputs are never marked.
+        for tensor, dim in symbolic:
+            torch._dynamo.mark_dynamic(tensor, dim)
+        options: dict[str, Any] = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+        compiled: Any = torch.compile(fresh_code_copy(fn, name), fullgraph=True, dynamic=False, options=options)
+        try:
+            aot = compiled.aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 (a real error in the function raises again from the plain compile)
+            store.warn(f"{name} cannot be compiled ahead of time, so it is compiled at its first call and not "
+                       f"filed ({type(e).__name__}: {str(e)[:200]})")
+            return None
+        stats.compiles += 1
+        if path is not None and store.save(aot, path):
+            stats.stored = str(path)
+        return aot
 
 
 def guard_failure(compiled, args: tuple) -> Optional[str]:

@@ -21,6 +21,11 @@ output depends on:
   comment or docstring does not invalidate), torch and Python, and the CPU's
   flags.
 
+Concurrency: a process holds a graph's lock file while it looks that graph up,
+compiles and files it (:func:`compiling`), so another process that wants the
+same graph at the same time (two replicas or notebook kernels starting at
+once) waits and loads it instead of compiling it too.
+
 NOTE: the functions are saved with Dynamo's portable guards only: the key
 stands in for the guards on the closure and on globals, which cannot be
 serialized. A loaded function whose guards still fail is not used (the caller
@@ -42,6 +47,7 @@ replaced by a private one when another user created it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -397,6 +403,27 @@ def path_for(store: Path, name: str, key_: str) -> Path:
     return store / f"{name}-{key_}.bin"
 
 
+def lock_path(path: Path) -> Path:
+    """The lock file that :func:`compiling` holds for stored function ``path``."""
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def compiling(path: Optional[Path]):
+    """Held while this process looks up, compiles and files the graph of ``path``: another process that wants
+    the same graph meanwhile (two replicas or notebook kernels starting at once, two test workers) waits, then
+    loads what this one filed instead of compiling it again. Graphs of other keys are never held up. No-op for
+    ``None`` (no store)."""
+    if path is None:
+        yield
+        return
+    from filelock import FileLock  # NOTE: torch's own dependency (its compile caches lock the same way)
+
+    lock = lock_path(path)
+    with FileLock(str(lock), mode=0o600):
+        yield
+
+
 def load(path: Path) -> Optional[Callable]:
     """The compiled function in ``path``, or ``None`` when there is none. A file that is not this user's, or
     no longer loads (another torch, a truncated file), is removed with one warning saying why: the caller
@@ -490,8 +517,9 @@ def entries(store: Path) -> list[Entry]:
 
 
 def prune(store: Path, older_than_s: Optional[float] = None, now: Optional[float] = None) -> list[Path]:
-    """Remove the stored functions unused for ``older_than_s`` seconds (every one when ``None``) and every
-    leftover temporary file of an interrupted write; returns what was removed."""
+    """Remove the stored functions unused for ``older_than_s`` seconds (every one when ``None``), every
+    leftover temporary file of an interrupted write, and the lock file (:func:`compiling`) of every graph no
+    longer filed that no process is compiling; returns what was removed."""
     now = time.time() if now is None else now
     removed = [e.path for e in entries(store) if older_than_s is None or now - e.last_used > older_than_s]
     removed += [p for p in store.glob(TEMP_PREFIX + "*") if now - p.stat().st_mtime > 60]
@@ -500,4 +528,22 @@ def prune(store: Path, older_than_s: Optional[float] = None, now: Optional[float
             path.unlink()
         except FileNotFoundError:
             pass
+    return removed + _prune_locks(store)
+
+
+def _prune_locks(store: Path) -> list[Path]:
+    """Remove the lock files whose graph is not filed and that no process holds (each taken without waiting,
+    then removed while held)."""
+    from filelock import FileLock, Timeout
+
+    removed = []
+    for path in store.glob(".*.bin.lock"):
+        if (store / path.name[1:-len(".lock")]).exists():
+            continue
+        try:
+            with FileLock(str(path), timeout=0):
+                path.unlink()
+        except (Timeout, FileNotFoundError):
+            continue
+        removed.append(path)
     return removed

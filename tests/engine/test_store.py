@@ -216,10 +216,53 @@ def test_prune_and_info(fresh, capsys):
     out = capsys.readouterr().out
     assert "2 compiled step(s)" in out and "private to this user" in out
     main(["cache", "prune", "--older-than", "1"])
-    assert "removed 2 file(s)" in capsys.readouterr().out  # the old step and the leftover temporary file
+    assert "removed 3 file(s)" in capsys.readouterr().out  # the old step, its lock file, the temporary file
     assert len(_stored(fresh)) == 1 and not (fresh / (store.TEMP_PREFIX + "left")).exists()
+    assert not store.lock_path(old).exists() and store.lock_path(fresh / _stored(fresh)[0]).exists()
     main(["cache", "prune"])
-    assert _stored(fresh) == []
+    assert _stored(fresh) == [] and not list(fresh.glob("*.lock")) and not list(fresh.glob(".*.lock"))
+
+
+def test_prune_keeps_the_lock_of_a_graph_being_compiled(fresh):
+    """A lock file that a process holds (it is compiling that graph) stays; one nobody holds goes."""
+    fresh.mkdir(parents=True)
+    held, free = fresh / "a-1.bin", fresh / "b-2.bin"
+    store.lock_path(free).touch()
+    with store.compiling(held):
+        assert store.prune(fresh) == [store.lock_path(free)]
+        assert store.lock_path(held).exists()
+
+
+_RACER = """
+import json, os, sys, time, torch
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_store import _args, affine
+from funcspec.capture import capture
+Path(sys.argv[1]).touch()
+while len(list(Path(sys.argv[1]).parent.glob("ready-*"))) < 2:  # both processes capture at the same moment
+    time.sleep(0.01)
+got = capture(affine, _args(False), "inductor", name="affine")
+assert torch.equal(got(*_args(False)), affine(*_args(False)))
+print(json.dumps({{"compiles": got.stats.compiles, "loaded": got.stats.loaded}}))
+"""
+
+
+def test_two_processes_wanting_one_graph_at_once_compile_it_once(fresh, tmp_path):
+    """Two processes (two replicas, two notebook kernels) that capture the same graph at the same moment on one
+    store: one compiles and files it, the other waits for it and loads it, and both compute the same."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    script = _RACER.format(tests=os.path.dirname(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"ready-{i}")], env=env,
+                              stdout=subprocess.PIPE, text=True) for i in range(2)]
+    got = sorted(((json.loads(p.communicate(timeout=300)[0]), p.returncode) for p in procs),
+                 key=lambda r: r[0]["compiles"])
+    assert got == [({"compiles": 0, "loaded": True}, 0), ({"compiles": 1, "loaded": False}, 0)]
+    assert len(_stored(fresh)) == 1
 
 
 def test_compile_cache_members_are_checked(tmp_path, fresh):
