@@ -78,17 +78,25 @@ def speculative_config(method: str, k: int = 4, model=None, **extra) -> dict:
 
 def build_default(out: Path | None = None, seed: int = 0) -> Path:
     """Build the random stand-in Llama (about 1M params) and its tokenizer (tests use it)."""
+    out = out or RANDOM_DEFAULT
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock  # NOTE: torch's own dependency
+
+    # NOTE: one process builds it; a concurrent one (two test workers, two `make run`s) waits and reads it
+    with FileLock(str(out.parent / f".{out.name}.lock"), mode=0o600):
+        return out if (out / "model.safetensors").exists() else _build_default(out, seed)
+
+
+def _build_default(out: Path, seed: int) -> Path:
+    """:func:`build_default`'s checkpoint, built in a private directory and renamed into place (a killed build
+    leaves no half-written checkpoint)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from funcspec.train.target import train_tokenizer
 
-    out = out or RANDOM_DEFAULT
-    if (out / "model.safetensors").exists():
-        return out
-    # NOTE: built in a private directory and renamed into place, so a concurrent builder (two test workers,
-    # two `make run`s) never reads a half-written checkpoint; the first rename wins, the other copy is dropped.
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         train_tokenizer(tmp, 2048, stdlib_files()[:60])

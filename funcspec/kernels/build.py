@@ -276,16 +276,21 @@ def build(cache: Path | None = None, timeout: float | None = None, name: str = "
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
-    # NOTE: built under a temporary name and renamed, so a concurrent process
-    # never loads a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        _compile([*cmd, *args, *map(str, SOURCES), "-o", tmp], timeout)
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from filelock import FileLock  # NOTE: torch's own dependency
+
+    # NOTE: one process builds it; another that wants it meanwhile (a test worker, a second notebook) waits
+    # and loads it. Built under a temporary name and renamed, so nothing ever loads a half-written library.
+    with FileLock(str(lib.with_suffix(".lock")), mode=0o600):
+        if lib.exists():
+            return lib
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            _compile([*cmd, *args, *map(str, SOURCES), "-o", tmp], timeout)
+            os.replace(tmp, lib)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return lib
 
 

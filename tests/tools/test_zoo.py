@@ -137,7 +137,7 @@ def _build_default(out: str) -> None:
 
 def test_concurrent_default_builds_leave_one_complete_checkpoint(tmp_path):
     """Two processes building the default model at once (two test workers, two `make run`s): both succeed,
-    the checkpoint is whole, and no private build directory is left behind."""
+    the checkpoint is whole, and no private build directory is left behind (the second waits for the first)."""
     out = tmp_path / "default"
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_build_default, args=(str(out),)) for _ in range(2)]
@@ -146,5 +146,5 @@ def test_concurrent_default_builds_leave_one_complete_checkpoint(tmp_path):
     for p in procs:
         p.join(300)
     assert [p.exitcode for p in procs] == [0, 0]
-    assert [x.name for x in tmp_path.iterdir()] == ["default"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".default.lock", "default"]  # the builders' lock
     assert load_model(out).cfg.num_layers == 2
