@@ -339,3 +339,15 @@ def test_decode_attention_takes_every_head_size_up_to_256_and_attend_falls_back_
             got = attend(ops, q, keys, keys, visible)
         assert "decode_attention" not in log.names
         torch.testing.assert_close(got.double(), reference_attention(q, keys, keys, visible), **ATTEND_TOL[dtype])
+
+
+def test_two_processes_wanting_one_build_at_once_compile_it_once(tmp_path, monkeypatch):
+    """Two callers (two test workers, two notebooks) that need the same library at the same moment: one runs the
+    compiler, the other waits for it and gets the same library."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("CXX", fake_compiler(tmp_path, f"echo run >> {tmp_path}/runs; sleep 1"))
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda _: build.build(tmp_path / "cache", name="portable"), range(2)))
+    assert libs[0] == libs[1] and libs[0].read_text() == "fake\n"
+    assert (tmp_path / "runs").read_text() == "run\n"
