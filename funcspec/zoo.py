@@ -82,7 +82,7 @@ def build_default(out: Path | None = None, seed: int = 0) -> Path:
     if (out / "model.safetensors").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock  # NOTE: torch's own dependency
+    from filelock import FileLock
 
     # NOTE: one process builds it; a concurrent one (two test workers, two `make run`s) waits and reads it
     with FileLock(str(out.parent / f".{out.name}.lock"), mode=0o600):

@@ -417,7 +417,7 @@ def compiling(path: Optional[Path]):
     if path is None:
         yield
         return
-    from filelock import FileLock  # NOTE: torch's own dependency (its compile caches lock the same way)
+    from filelock import FileLock
 
     lock = lock_path(path)
     with FileLock(str(lock), mode=0o600):

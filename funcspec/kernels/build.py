@@ -276,7 +276,7 @@ def build(cache: Path | None = None, timeout: float | None = None, name: str = "
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock  # NOTE: torch's own dependency
+    from filelock import FileLock
 
     # NOTE: one process builds it; another that wants it meanwhile (a test worker, a second notebook) waits
     # and loads it. Built under a temporary name and renamed, so nothing ever loads a half-written library.
