@@ -20,6 +20,10 @@ second a warm one. Each child
    (weight bytes over measured copy bandwidth) and HF ``generate`` on the same
    prompt (same tokens required).
 
+``--replicas N`` also starts N children cold at the same moment on one
+empty cache (start-up only), as replicas or notebook kernels do: one compiles
+each graph, the others wait for its lock and load it (``loaded_graphs``).
+
 ``--contention`` then measures ``make run``'s decode (the zoo target with its
 EAGLE-3 head, K = 4, its three prompts, greedy) on a quiet machine and beside
 ``--busy`` processes that spin on the cores, for each OpenMP setting of
@@ -99,8 +103,9 @@ def host_split(engine, prompt_ids: list[int], batch: int, steps: int) -> dict:
             "host_fraction": host / step}
 
 
-def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: int) -> dict:
-    """One process's measurements (see the module docstring); run by :func:`run` in a subprocess."""
+def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: int, startup_only: bool = False) -> dict:
+    """One process's measurements (see the module docstring); run by :func:`run` in a subprocess.
+    ``startup_only``: step 1 alone (a replica of ``--replicas``)."""
     import torch
 
     from funcspec import LLM
@@ -108,9 +113,13 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     llm = LLM(model=model, speculative_config=json.loads(spec) if spec else None, dtype=dtype)
+    graphs = llm.engine.stats()["graphs"]
     out: dict = {"startup_s": time.perf_counter() - t0, "capture_s": llm.engine.startup_seconds,
-           "graphs": {k: round(g["capture_seconds"], 2) for k, g in llm.engine.stats()["graphs"].items()},
-           "helper_graphs": sum(g["helper"] is not None for g in llm.engine.stats()["graphs"].values())}
+                 "graphs": {k: round(g["capture_seconds"], 2) for k, g in graphs.items()},
+                 "helper_graphs": sum(g["helper"] is not None for g in graphs.values()),
+                 "loaded_graphs": sum(g["loaded"] and g["helper"] is None for g in graphs.values())}
+    if startup_only:
+        return out
     runs = []
     for _ in range(2):
         compiled, t0 = llm.engine.stats()["graphs"], time.perf_counter()
@@ -249,6 +258,11 @@ def _contention_row(name: str, env: dict, children: list[dict]) -> dict:
 
 def _spawn(args: list[str], cache: str | None, threads: int | None, omp: dict | None = None) -> dict:
     """Run this module's child with ``args``; ``omp``: the OpenMP variables it starts with (others unset)."""
+    return _spawn_all([args], cache, threads, omp)[0]
+
+
+def _spawn_all(many: list[list[str]], cache: str | None, threads: int | None, omp: dict | None = None) -> list[dict]:
+    """Run one child per argument list of ``many``, all at once (as :func:`_spawn` each); their results in order."""
     env = dict(os.environ)
     if cache is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
@@ -256,11 +270,13 @@ def _spawn(args: list[str], cache: str | None, threads: int | None, omp: dict | 
         env["OMP_NUM_THREADS"] = str(threads)
     if omp is not None:
         env = {k: v for k, v in env.items() if k not in OMP_VARS} | omp
-    proc = subprocess.run([sys.executable, "-m", "funcspec.bench.runtime", *args], env=env, capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench runtime child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, "-m", "funcspec.bench.runtime", *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in many]
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"bench runtime child failed ({p.returncode}):\n{err[-4000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 def models(names: list[str], cache_dir=None) -> list[tuple[str, str, str | None, str]]:
@@ -285,7 +301,7 @@ def run(args) -> Path:
     """``funcspec bench runtime``: cold and warm children per model; writes JSON and markdown."""
     from funcspec.bench.scale import machine_info
 
-    rows = []
+    rows: list[dict] = []
     for name, path, spec, dtype in models([m for m in args.models.split(",") if m], args.cache_dir):
         cache = tempfile.mkdtemp(prefix="funcspec-inductor-")
         child_args = ["--child", path, "--dtype", dtype, "--max-tokens", str(args.max_tokens),
@@ -296,6 +312,12 @@ def run(args) -> Path:
                      "cold": cold, "warm": warm})
         print(f"{name}: cold start {cold['startup_s']:.1f}s, warm {warm['startup_s']:.1f}s; workload first/second "
               f"{warm['first_over_second']:.2f}x", flush=True)
+        if args.replicas > 1:  # N processes start cold at once on one empty store
+            replicas = _spawn_all([child_args + ["--startup-only"]] * args.replicas,
+                                  tempfile.mkdtemp(prefix="funcspec-inductor-"), args.threads)
+            rows[-1]["replicas"] = replicas
+            ready = ", ".join(f"{r['startup_s']:.1f}" for r in replicas)
+            print(f"{name}: {args.replicas} cold starts at once: ready in {ready} s", flush=True)
     machine = machine_info()
     print(kernel_line(machine)[2:], flush=True)  # what ran, before any figure
     result = {"bench": "runtime", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine,
@@ -331,6 +353,17 @@ def markdown(result: dict) -> str:
                      f"({c['first_over_second']:.2f}x) | {c['compiles_after_startup']} | "
                      f"{h1['host_ms']:.3f} of {h1['step_ms']:.2f} ({h1['host_fraction']:.0%}) | "
                      f"{h8['host_ms']:.3f} of {h8['step_ms']:.2f} ({h8['host_fraction']:.0%}) |")
+    replicas = [r for r in result["rows"] if "replicas" in r]
+    if replicas:
+        lines += ["", f"{len(replicas[0]['replicas'])} processes started cold at the same moment on one empty "
+                      f"inductor cache (replicas, notebook kernels): each one's start-up, and how many of its graphs "
+                      f"it loaded from the store, filed by another process while it waited for that graph's lock.",
+                  "", "| model | one cold start s | each of the processes s (graphs loaded of graphs) |",
+                  "|---|---|---|"]
+        for r in replicas:
+            each = "; ".join(f"{c['startup_s']:.1f} ({c['loaded_graphs']} of {len(c['graphs'])})"
+                             for c in r["replicas"])
+            lines.append(f"| {r['model']} | {r['cold']['startup_s']:.1f} | {each} |")
     ar = [r for r in result["rows"] if "ar" in r["warm"]]
     if ar:
         lines += ["", "| model (AR, batch 1) | graph ms/step | bound ms (copy GB/s) | graph / bound | "
@@ -376,6 +409,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--rounds", type=int, default=3, help="contention processes per setting (settings alternated)")
     p.add_argument("--rate-tokens", type=int, default=128, help="tokens per prompt of a contention run")
     p.add_argument("--rate-pairs", type=int, default=3, help="quiet/busy pairs each contention process times")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="also start this many processes cold at once on one empty inductor cache (1: none)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 
@@ -392,7 +427,9 @@ if __name__ == "__main__":  # the child process of run()
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--startup-only", action="store_true")
     a = ap.parse_args()
     out = decode_rate(a.rate, a.pairs, a.busy) if a.rate is not None else child(a.child, a.spec, a.dtype,
-                                                                                a.max_tokens, a.threads)
+                                                                                a.max_tokens, a.threads,
+                                                                                a.startup_only)
     print(json.dumps(out))
