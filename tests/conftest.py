@@ -15,6 +15,8 @@ torch.set_num_threads(1)
 
 # NOTE: one inductor cache (and so one compiled-step store) for the whole run, shared by the xdist workers
 # (they inherit the environment) and removed at its end: the suite never reads or writes a user's own cache.
+# Torch's precompiled header is the exception: it goes to torch's default directory whatever
+# TORCHINDUCTOR_CACHE_DIR says (one per venv path and compiler flags), and later runs reuse it.
 _OWN_INDUCTOR_DIR = "FUNCSPEC_TEST_INDUCTOR_DIR" not in os.environ  # this process made it (not a worker)
 if _OWN_INDUCTOR_DIR:
     import tempfile
