@@ -30,25 +30,51 @@ using funcspec::from_float;
 using funcspec::to_float;
 
 // Row m of x [M, K] as int8 blocks of 32: xq [K], d [K/32], and the sums of each half block, sums [K/16].
+// In simd.h's vectors on every build, lane by lane the scalar math: amax = the largest |x| (NaN skipped, as
+// std::max(amax, |x|) skips it), d = amax / 127, xq = round-half-even(x * (127 / amax)) clamped to +-127.
 template <class T>
 void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
+  using namespace funcspec::simd;
+  constexpr int NV = AB / W;  // vectors per block
+  typedef int8_t vb __attribute__((vector_size(W)));
+  const vi magnitude = vi{} + 0x7fffffff;
   for (int64_t b = 0; b < K / AB; ++b) {
-    float v[AB], amax = 0.0f;
-    for (int64_t i = 0; i < AB; ++i) {
-      v[i] = to_float<T>(x[b * AB + i]);
-      amax = std::max(amax, fabsf(v[i]));
+    alignas(64) float v[AB];
+    for (int64_t i = 0; i < AB; ++i) v[i] = to_float<T>(x[b * AB + i]);
+    vf top = vf{};
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      const vf a = (vf)((vi)load(v + W * j) & magnitude);
+      const vi more = top < a;  // false for NaN lanes: they never enter
+      top = (vf)(((vi)a & more) | ((vi)top & ~more));
     }
-    const float scale = amax / 127.0f;
+    alignas(64) float lanes[W];
+    store(lanes, top);
+    float amax = 0.0f;
+    for (int i = 0; i < W; ++i) amax = std::max(amax, lanes[i]);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum[2] = {0, 0};
-    for (int64_t i = 0; i < AB; ++i) {
-      const int32_t q = (int32_t)nearbyintf(v[i] * inv);  // round half to even, as torch.round
-      xq[b * AB + i] = (int8_t)std::min(127, std::max(-127, q));
-      sum[i / 16] += xq[b * AB + i];
+    // Round half to even, as torch.round: vectorized where the ISA rounds (vroundps, vrndscaleps, frinti).
+    // NOTE: not the 1.5 * 2^23 add-and-subtract trick, which FMA contraction would round once instead of twice.
+    alignas(64) float t[AB];
+    for (int64_t i = 0; i < AB; ++i) t[i] = nearbyintf(v[i] * inv);
+    vi half[2] = {vi{}, vi{}};
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      vi q = __builtin_convertvector(load(t + W * j), vi);
+      const vi lo = q < -127, hi = q > 127;
+      q = (q & ~lo) | ((vi{} - 127) & lo);
+      q = (q & ~hi) | ((vi{} + 127) & hi);
+      const vb packed = __builtin_convertvector(q, vb);
+      memcpy(xq + b * AB + W * j, &packed, W);
+      half[j / (NV / 2)] += q;
     }
-    d[b] = scale;
-    sums[2 * b] = sum[0];
-    sums[2 * b + 1] = sum[1];
+    d[b] = amax / 127.0f;
+    for (int h = 0; h < 2; ++h) {
+      int32_t lane[W], sum = 0;
+      memcpy(lane, &half[h], sizeof lane);
+      for (int i = 0; i < W; ++i) sum += lane[i];
+      sums[2 * b + h] = sum;
+    }
   }
 }
 
@@ -78,9 +104,15 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
         o1 = load_half(ob + g * QB + 16);
       }
     }
+    // Each row's sums start, symmetric, at -zero * sum_k xq: they end as sum_k xq (q - zero), exactly.
+    int32_t usum[MB];  // each row's sum of xq over the unit
     __m512i ai[MB][2];
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) ai[m][0] = ai[m][1] = _mm512_setzero_si512();
+    for (int m = 0; m < MB; ++m) {
+      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
+      usum[m] = U == 16 ? half[0] : half[0] + half[1];
+      ai[m][0] = ai[m][1] = ASYM ? _mm512_setzero_si512() : _mm512_set1_epi32(-zero * usum[m]);
+    }
     if (BITS == 8) {
       const uint8_t* w = wb + u * (U / 4) * STEP;
 #pragma GCC unroll 8
@@ -116,21 +148,16 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const float dm = d[m * blocks + u * U / AB];
-      const int32_t* half = sums + m * 2 * blocks + u * U / 16;
-      const int32_t sum = U == 16 ? half[0] : half[0] + half[1];
       if (ASYM) {
-        const __m512 sx = _mm512_set1_ps((float)sum), dv = _mm512_set1_ps(dm);
+        const __m512 sx = _mm512_set1_ps((float)usum[m]), dv = _mm512_set1_ps(dm);
         const __m512 t0 = _mm512_fnmadd_ps(o0, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(ai[m][0]), s0));
         const __m512 t1 = _mm512_fnmadd_ps(o1, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(ai[m][1]), s1));
         af[m][0] = _mm512_fmadd_ps(t0, dv, af[m][0]);
         af[m][1] = _mm512_fmadd_ps(t1, dv, af[m][1]);
       } else {
-        const __m512i corr = _mm512_set1_epi32(zero * sum);
         const __m512 dv = _mm512_set1_ps(dm);
-        af[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[m][0], corr)), _mm512_mul_ps(s0, dv),
-                                   af[m][0]);
-        af[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[m][1], corr)), _mm512_mul_ps(s1, dv),
-                                   af[m][1]);
+        af[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m][0]), _mm512_mul_ps(s0, dv), af[m][0]);
+        af[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m][1]), _mm512_mul_ps(s1, dv), af[m][1]);
       }
     }
   }
