@@ -261,7 +261,13 @@ def _spawn(args: list[str], cache: str | None, threads: int | None, omp: dict | 
     return _spawn_all([args], cache, threads, omp)[0]
 
 
-def _spawn_all(many: list[list[str]], cache: str | None, threads: int | None, omp: dict | None = None) -> list[dict]:
+CHILD_TIMEOUT_S = 3600.0
+"""A child still running after this long is stopped, and the bench fails saying which: a hung start-up (a lock
+never released, a compile that never ends) must not hang the run."""
+
+
+def _spawn_all(many: list[list[str]], cache: str | None, threads: int | None, omp: dict | None = None,
+               timeout: float = CHILD_TIMEOUT_S) -> list[dict]:
     """Run one child per argument list of ``many``, all at once (as :func:`_spawn` each); their results in order."""
     env = dict(os.environ)
     if cache is not None:
@@ -272,7 +278,20 @@ def _spawn_all(many: list[list[str]], cache: str | None, threads: int | None, om
         env = {k: v for k, v in env.items() if k not in OMP_VARS} | omp
     procs = [subprocess.Popen([sys.executable, "-m", "funcspec.bench.runtime", *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in many]
-    outs = [p.communicate() for p in procs]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p, args in zip(procs, many):
+            try:
+                outs.append(p.communicate(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"bench runtime child {' '.join(args)} still running after {timeout:.0f} s; "
+                                   "stopped") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
             raise RuntimeError(f"bench runtime child failed ({p.returncode}):\n{err[-4000:]}")

@@ -408,20 +408,16 @@ def lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
-@contextlib.contextmanager
 def compiling(path: Optional[Path]):
     """Held while this process looks up, compiles and files the graph of ``path``: another process that wants
     the same graph meanwhile (two replicas or notebook kernels starting at once, two test workers) waits, then
-    loads what this one filed instead of compiling it again. Graphs of other keys are never held up. No-op for
-    ``None`` (no store)."""
+    loads what this one filed instead of compiling it again. Graphs of other keys are never held up. A no-op
+    context for ``None`` (no store)."""
     if path is None:
-        yield
-        return
+        return contextlib.nullcontext()
     from filelock import FileLock
 
-    lock = lock_path(path)
-    with FileLock(str(lock), mode=0o600):
-        yield
+    return FileLock(str(lock_path(path)), mode=0o600)
 
 
 def load(path: Path) -> Optional[Callable]:

@@ -178,3 +178,30 @@ def test_bench_runtime_contention_pairs_quiet_and_busy_runs():
     # (wall s, machine busy CPU s, ours): 2 s of wall, 3 CPU s busy of which 1 ours -> 2 CPU s of others
     assert runtime._others_share((10.0, 100.0, 5.0), (12.0, 103.0, 6.0)) == pytest.approx(2 / (2 * os.cpu_count()))
     assert runtime._others_share((0.0, 0.0, 0.0), (1.0, 1.0, 2.0)) == 0.0  # never below 0
+
+
+def test_bench_runtime_stops_children_that_outlive_their_time(tmp_path, monkeypatch):
+    """A child that never finishes (a start-up stuck on a lock) fails the bench within the time limit, naming its
+    arguments, and every child is stopped with it; a failing child's error names its exit status."""
+    import sys
+    import time
+
+    from funcspec.bench import runtime
+
+    started = tmp_path / "started"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho $$ >> {started}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"child --startup-only still running after 2 s; stopped"):
+        runtime._spawn_all([["--startup-only"], ["--startup-only"]], None, 1, timeout=2.0)
+    assert time.monotonic() - t0 < 30
+    pids = [int(p) for p in started.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:  # killed and reaped: no such process is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    fake.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
+    with pytest.raises(RuntimeError, match=r"child failed \(3\):\nboom"):
+        runtime._spawn_all([["--startup-only"]], None, 1)
