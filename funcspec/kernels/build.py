@@ -2,11 +2,12 @@
 
 Every build (:data:`BUILDS`) compiles the same sources with its own flags and
 ``-DFUNCSPEC_ISA_<NAME>``: ``avx512bf16`` (AVX-512 intrinsics, ``vdpbf16ps``
-and VNNI), ``avx512``, ``avx2`` and ``portable`` (the same kernels written with
-GCC/Clang vector extensions, which the compiler lowers to the ISA of its flags;
-``portable`` has none, so it is SSE2 on x86-64 and NEON on AArch64; the avx512
-and avx2 builds sum the quantized products' integer dots with AVX2's byte
-products, as llama.cpp's AVX2 kernels do). Each has
+and VNNI), ``avx512``, ``avxvnni``, ``avx2`` and ``portable`` (the same kernels
+written with GCC/Clang vector extensions, which the compiler lowers to the ISA
+of its flags; ``portable`` has none, so it is SSE2 on x86-64 and NEON on
+AArch64; the avxvnni build sums the quantized products' integer dots with
+AVX-VNNI, the avx512 and avx2 builds with AVX2's byte products, as llama.cpp's
+AVX2 kernels do). Each has
 the C ABI of :data:`_SIGNATURES`, and in each a row's result does not depend on
 the rows beside it. The build is picked at first use (:func:`selected`): the
 best this CPU runs (:data:`ORDER`), or the one :data:`SWITCH` names; the
@@ -69,12 +70,14 @@ BUILDS = {
                         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")),
     "avx512": Build(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
                     ("avx512f", "avx512bw", "avx512vl", "fma", "f16c")),
+    "avxvnni": Build(("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": Build(("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": Build((), (), x86=False),
 }
 """The builds, by name; ``avx512bf16`` is written with AVX-512 intrinsics, the others with simd.h's vectors (and
-AVX2's byte products for the quantized integer dots, quant.h's unit_dots)."""
-ORDER = ("avx512bf16", "avx512", "avx2", "portable")
+for the quantized integer dots, quant.h's unit_dots: AVX-VNNI's ``vpdpbusd`` on ``avxvnni``, the AVX2 CPUs of
+Intel since Alder Lake; AVX2's byte products on ``avx512`` and ``avx2``)."""
+ORDER = ("avx512bf16", "avx512", "avxvnni", "avx2", "portable")
 """The builds from best to last: the first one a CPU runs is its default."""
 SWITCH = "FUNCSPEC_CPU_KERNELS"
 """The environment variable that picks the kernels: ``0`` off; unset, empty or ``1``: the best build this CPU

@@ -12,8 +12,8 @@ gate/up gain a fused ``qkv_proj`` / ``gate_up_proj``); a linear without them
 takes the plain torch paths.
 
 NOTE on the choice of product per CPU. Wherever funcspec's kernels are built
-(:mod:`funcspec.kernels.build`: one build per ISA, avx512bf16, avx512, avx2 or
-portable, so every CPU with a C++ compiler), every packed bf16 and fp32 product
+(:mod:`funcspec.kernels.build`: one build per ISA, avx512bf16, avx512, avxvnni,
+avx2 or portable, so every CPU with a C++ compiler), every packed bf16 and fp32 product
 takes the weight-streaming kernel (:mod:`funcspec.kernels.stream`) at any row
 count: a row's result does not depend on the rows beside it, so AR and
 verification agree bit for bit, and no choice compares the row count (symbolic

@@ -3,9 +3,9 @@
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
 // one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
-// are VNNI intrinsics; the avx512 and avx2 builds' sum each block with AVX2's byte products (unit_dots), the
-// portable build's in fp32 lanes (lane_dots; exact: every partial sum is an integer below 2^24); then all
-// scale the sums the same way, with simd.h's vectors.
+// are VNNI intrinsics. The others sum each block's integer products (unit_dots) with AVX-VNNI (avxvnni) or
+// AVX2's byte products (avx512, avx2), or in fp32 lanes (portable: lane_dots; exact, every partial sum is an
+// integer below 2^24); then all scale the sums the same way, with simd.h's vectors.
 #pragma once
 
 #include <math.h>
@@ -179,14 +179,18 @@ constexpr int MAX_MB = 6;
 #else  // the portable builds: simd.h's vectors
 
 #if defined(__AVX2__)
-// dots [MB][32] = each row's integer sums with one column block over unit u (U k): sum_k xq q, exactly, with
-// AVX2's byte products (avx2 and avx512 builds). vpmaddubsw multiplies unsigned by signed bytes into pairs of
-// int16, which 255 * 127 * 2 would overflow, so 8-bit weights enter as q - 128 (|q - 128| times x signed as
-// q - 128), and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4.
+// dots [MB][32] = each row's integer sums with one column block over unit u (U k): sum_k xq q, exactly.
+// With AVX-VNNI (the avxvnni build) one vpdpbusd per 4 k, as the avx512bf16 tile on half its width. Else AVX2's
+// byte products (avx512 and avx2 builds): vpmaddubsw multiplies unsigned by signed bytes into pairs of int16,
+// which 255 * 127 * 2 would overflow, so 8-bit weights enter as q - 128 (|q - 128| times x signed as q - 128),
+// and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4. Every way gives the same
+// integers, so the same bits.
 template <int BITS, int U, int MB>
 inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usum, const uint8_t* wb,
                       int32_t* dots) {
+#if !defined(__AVXVNNI__)
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   for (int g = 0; g < 4; ++g) {  // outputs 8g .. 8g + 7: 32 bytes of each step
     __m256i ai[MB];
 #pragma GCC unroll 8
@@ -195,6 +199,15 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
       const uint8_t* w = wb + u * (U / 4) * STEP + 32 * g;
 #pragma GCC unroll 8
       for (int q = 0; q < U / 4; ++q) {  // 4 k a step: byte b of an output's 4 holds k = 4q + b
+#if defined(__AVXVNNI__)
+        const __m256i wq = _mm256_loadu_si256((const __m256i*)(w + q * STEP));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t v;
+          memcpy(&v, xq + m * K + u * U + 4 * q, 4);
+          ai[m] = _mm256_dpbusd_avx_epi32(ai[m], wq, _mm256_set1_epi32(v));
+        }
+#else
         const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + q * STEP)),
                                             _mm256_set1_epi8((char)0x80));
         const __m256i aw = _mm256_abs_epi8(ws);
@@ -205,9 +218,12 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(v), ws));
           ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
         }
+#endif
       }
+#if !defined(__AVXVNNI__)
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) ai[m] = _mm256_add_epi32(ai[m], _mm256_set1_epi32(128 * usum[m]));
+#endif
     } else {
       const uint8_t* w = wb + u * 4 * STEP + 32 * g;
       const __m256i low = _mm256_set1_epi8(0x0F);
@@ -220,9 +236,14 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
           int32_t va, vb;
           memcpy(&va, xq + m * K + u * U + 8 * o, 4);
           memcpy(&vb, xq + m * K + u * U + 8 * o + 4, 4);
+#if defined(__AVXVNNI__)
+          ai[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ai[m], lo, _mm256_set1_epi32(va)), hi,
+                                          _mm256_set1_epi32(vb));
+#else
           const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(va)),
                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vb)));
           ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
+#endif
         }
       }
     }
@@ -276,7 +297,7 @@ inline void lane_dots(const int8_t* xq, int64_t K, int64_t u, int h, const uint8
 
 // acc [MB][32] (fp32) = the rows' products with one column block, as the avx512bf16 tile computes them: per
 // unit of U k (32, or 16 for GGUF's Q6_K), one exact sum of integer products per row and output (unit_dots
-// with AVX2, else lane_dots), then scaled, unit after unit.
+// with AVX2 or AVX-VNNI, else lane_dots), then scaled, unit after unit.
 template <int BITS, bool ASYM, int U, int MB>
 void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
           const uint16_t* sb, const uint16_t* ob, float* acc) {

@@ -1,5 +1,5 @@
-"""Every kernel build this CPU runs (``build.builds()``: avx512bf16, avx512, avx2, portable), each kernel against
-a float64 reference at row counts 1..80, and a row's bits alone equal to its bits among others; the build picked
+"""Every kernel build this CPU runs (``build.builds()``: avx512bf16, avx512, avxvnni, avx2, portable), each kernel
+against a float64 reference at row counts 1..80, and a row's bits alone equal to its bits among others; the build picked
 per CPU and forced by ``FUNCSPEC_CPU_KERNELS``; greedy speculation equal to AR on each build.
 
 Nothing here asks which CPU this is: the tests run on the builds it supports (``portable`` runs everywhere), and
@@ -44,6 +44,7 @@ def test_portable_runs_everywhere_and_x86_runs_what_its_flags_allow():
     assert BUILDS[-1] == "portable" and BUILDS == [n for n in build.ORDER if n in BUILDS]
     if cpu.is_x86():
         assert "avx2" in BUILDS or not {"avx2", "fma", "f16c"} <= cpu.x86_flags()
+        assert "avxvnni" in BUILDS or not {"avx2", "fma", "f16c", "avx_vnni"} <= cpu.x86_flags()
 
 
 # ----------------------------------------------------------------------------- 1. picking the build
@@ -53,12 +54,14 @@ ALL_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_b
 
 
 @pytest.mark.parametrize("flags, runs", [
-    (ALL_FLAGS, ["avx512bf16", "avx512", "avx2", "portable"]),  # Zen 4, Sapphire Rapids, Cooper Lake
+    (ALL_FLAGS, ["avx512bf16", "avx512", "avx2", "portable"]),  # Zen 4, Cooper Lake
+    (ALL_FLAGS | {"avx_vnni"}, ["avx512bf16", "avx512", "avxvnni", "avx2", "portable"]),  # Sapphire Rapids, Zen 5
     (ALL_FLAGS - {"avx512_bf16", "avx512_vnni"}, ["avx512", "avx2", "portable"]),  # Skylake-SP
     (ALL_FLAGS - {"avx512_bf16"}, ["avx512", "avx2", "portable"]),  # Ice Lake: VNNI without BF16
+    ({"avx2", "fma", "f16c", "avx_vnni"}, ["avxvnni", "avx2", "portable"]),  # Alder Lake .. Arrow Lake laptops
     ({"avx2", "fma", "f16c"}, ["avx2", "portable"]),  # Haswell .. Zen 3
     ({"avx", "sse4_2"}, ["portable"]),
-], ids=["avx512bf16", "avx512", "avx512-vnni", "avx2", "sse"])
+], ids=["avx512bf16", "avx512bf16-avxvnni", "avx512", "avx512-vnni", "avxvnni", "avx2", "sse"])
 def test_the_best_build_a_cpu_runs_is_its_default(flags, runs, monkeypatch):
     monkeypatch.setattr(cpu, "is_x86", lambda: True)
     monkeypatch.setattr(cpu, "x86_flags", lambda: frozenset(flags))
@@ -138,8 +141,8 @@ def test_other_cpus_run_the_portable_build_and_a_bad_value_is_a_value_error(monk
         build.choice()
     for bad in ("avx3", "AVX2", "2", "off"):
         monkeypatch.setenv(build.SWITCH, bad)
-        with pytest.raises(ValueError, match=f"FUNCSPEC_CPU_KERNELS must be 0 .* one of avx512bf16, avx512, avx2, "
-                                             f"portable; got '{bad}'"):
+        with pytest.raises(ValueError, match=f"FUNCSPEC_CPU_KERNELS must be 0 .* one of avx512bf16, avx512, avxvnni, "
+                                             f"avx2, portable; got '{bad}'"):
             kernels.resolve("cpu")
     with pytest.raises(ValueError, match="no kernel build 'avx3'"):
         build.flags("avx3")
@@ -255,6 +258,25 @@ def test_quantized_products(kernel_build, fmt, dtype, two_threads):
         assert torch.equal(got, alone[s:s + r]), f"{r} rows"
 
 
+
+
+@pytest.mark.skipif("avxvnni" not in BUILDS, reason="this CPU has no AVX-VNNI, so no avxvnni build to compare")
+def test_avxvnni_and_avx2_builds_give_the_same_bits(monkeypatch, two_threads):
+    """The two ways of summing the integer products (AVX-VNNI's vpdpbusd; AVX2's byte products with the 8-bit
+    weights shifted by 128) give the same integers, so every format's outputs are bitwise the same."""
+    g = torch.Generator().manual_seed(7)
+    cases = [(quantized_linear(*fmt, 80, 256, g), torch.randn(13, 256, generator=g).to(dtype))
+             for fmt in QFORMATS for dtype in (torch.float32, torch.bfloat16)]
+    outs = {}
+    try:
+        for name in ("avx2", "avxvnni"):
+            monkeypatch.setenv(build.SWITCH, name)
+            build.reset()
+            outs[name] = [quant.qlinear(x, p) for p, x in cases]
+    finally:
+        build.reset()
+    for (p, _), a, b in zip(cases, outs["avx2"], outs["avxvnni"]):
+        assert torch.equal(a, b), p["format"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
