@@ -147,9 +147,7 @@ def run(o) -> dict:
     torch.set_num_threads(o.threads)
     raw, p, ops = layer(o)
     rows = [measure(o, t, raw, p, ops) for t in (int(x) for x in o.tokens.split(","))]
-    from funcspec.kernels import cpu
-
-    machine = {**machine_info(), "avx512_vnni": cpu.vnni()}  # the fastest build needs it beside AVX512-BF16
+    machine = machine_info()
     result = {"bench": "moe", "time": time.strftime("%Y%m%d-%H%M%S"), "machine": machine,
               "shape": {"hidden": o.hidden, "experts": o.experts, "top_k": o.top_k, "intermediate": o.intermediate,
                         "dtype": o.dtype, "quantization": getattr(o, "quantization", None),
@@ -190,8 +188,7 @@ def markdown(r: dict) -> str:
                      f"{x['of_bound']:.2f} | {x['reference_ms']:.1f} | {x['reference_over_kernel']:.1f}x | "
                      f"{x['others_cpu_share']:.0%} |")
     lines += ["", "## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} logical cores)",
-              "- ISA: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in
-                                    {**m["flags"], "avx512_vnni": m.get("avx512_vnni")}.items()),
+              "- ISA: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["flags"].items()),
               f"- torch {m['torch']}, CPU capability {m['cpu_capability']}",
               f"- load average at the end: {', '.join(f'{x:.2f}' for x in r['load_average'])}", ""]
     return "\n".join(lines)

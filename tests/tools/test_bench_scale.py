@@ -81,7 +81,7 @@ def test_context_batch_and_profile(result):
 def test_machine_info_and_llamacpp_note(result):
     res = result[0]
     m = res["machine"]
-    assert set(m["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert set(m["flags"]) == {"avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
     assert m["threads"] == torch.get_num_threads() and m["torch"] == torch.__version__ and m["cpu_capability"]
     assert m["llc_mib"] == scale.llc_mib() >= 0
     assert len(m["load_average"]) == len(m["load_average_end"]) == 3  # other work on the cores, start and end

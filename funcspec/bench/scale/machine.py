@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def machine_info() -> dict:
