@@ -258,11 +258,15 @@ def fresh_code_copy(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-INDUCTOR_OPTIONS = {"realize_opcount_threshold": 8}
+INDUCTOR_OPTIONS = {"realize_opcount_threshold": 8, "size_asserts": False}
 """Inductor config for bucket graphs. NOTE: inductor inlines funcspec.rng's hash
 chains (tens of int64 ops) into every consumer and re-traces them at codegen;
 materialising intermediates of more than 8 ops (default 30) cuts a bucket's
-cold compile several fold (graphs/results/notes/code-notes.md)."""
+cold compile several fold (graphs/results/notes/code-notes.md). Without size
+asserts the graph's Python wrapper no longer checks each input's and custom
+op output's sizes and strides at every call (about 200 checks a step of an
+8-layer model): the host loop passes a bucket the same buffers every step, as
+:class:`TrustedAfterChecks` relies on for its guards."""
 
 
 def _counting_inductor(stats: CaptureStats):
