@@ -30,6 +30,27 @@
 
 namespace {
 
+// [lo, hi): the positions from the first visible one to past the last in vis [TR] (lo == hi: none). The passes
+// over positions stay inside it, so a step's cost follows its context, not the cache's length (max_model_len).
+// Whole 8-byte words are tested first: a causal row's invisible tail is most of a long cache.
+inline void visible_span(const uint8_t* vis, int64_t TR, int64_t* lo, int64_t* hi) {
+  int64_t a = 0, b = TR;
+  uint64_t w;
+  while (a + 8 <= TR && (memcpy(&w, vis + a, 8), w == 0)) a += 8;
+  while (a < TR && !vis[a]) ++a;
+  while (b - 8 >= a && (memcpy(&w, vis + b - 8, 8), w == 0)) b -= 8;
+  while (b > a && !vis[b - 1]) --b;
+  *lo = a;
+  *hi = b;
+}
+
+// n floats of this thread's scratch, kept between calls (uninitialized: each pass writes what it reads).
+inline float* scratch_floats(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 // q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
 // vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time:
 // rows(q rows, R, K, V, visible row, out rows, scratch) with one scratch per thread, made by make().
@@ -167,8 +188,11 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
   // scaled scores of the visible positions
   const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t lo, hi;
+  visible_span(vis, TR, &lo, &hi);
+  const int64_t lo16 = lo / 16 * 16;  // the 16-key steps below keep their lanes: a key's lane is j % 16
   int64_t seen = 0;
-  for (int64_t j = 0; j < TR; ++j) {
+  for (int64_t j = lo; j < hi; ++j) {
     if (!vis[j]) continue;
     ++seen;
     const T* kj = k + j * ks;
@@ -190,7 +214,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
   }
   // each row's max, then p = exp(s - max) over visible positions (0 elsewhere) and each row's sum
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < TR; j += 16) {
+  for (int64_t j = lo16; j < hi; j += 16) {
     const __mmask16 keys = Dot<float>::mask(TR - j);
     const unsigned bits = _mm_mask_test_epi8_mask(keys, _mm_maskz_loadu_epi8(keys, vis + j), _mm_set1_epi8(1));
     for (int i = 0; i < 4; ++i)
@@ -200,7 +224,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
                          _mm_max_ps(_mm512_extractf32x4_ps(mx, 2), _mm512_extractf32x4_ps(mx, 3)));
   const __m512 mv = _mm512_broadcast_f32x4(m4);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < TR; j += 16) {
+  for (int64_t j = lo16; j < hi; j += 16) {  // p = 0 written up to the step past hi: the pairs below read it
     const __mmask16 keys = Dot<float>::mask(TR - j);
     const unsigned bits = _mm_mask_test_epi8_mask(keys, _mm_maskz_loadu_epi8(keys, vis + j), _mm_set1_epi8(1));
     for (int i = 0; i < 4; ++i) {
@@ -231,7 +255,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
       const __m512i lo_idx = _mm512_load_si512(LO), hi_idx = _mm512_load_si512(HI);
       const __mmask32 dm = Dot<uint16_t>::mask(D - 16 * c0);
       alignas(16) uint32_t pairs[4];
-      for (int64_t j = 0; j < TR; j += 2) {
+      for (int64_t j = lo16; j < hi; j += 2) {
         const bool see0 = vis[j], see1 = j + 1 < TR && vis[j + 1];
         if (!see0 && !see1) continue;
         // an unseen position's v is read as zeros (its p is 0): stale entries never reach the sum
@@ -253,7 +277,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
         }
       }
     } else {
-      for (int64_t j = 0; j < TR; ++j) {
+      for (int64_t j = lo; j < hi; ++j) {
         if (!vis[j]) continue;
         const T* vj = v + j * vs + 16 * c0;
         const float* p = s + 4 * j;
@@ -299,9 +323,10 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
   const RowsFn<T> rows = rows_for<T>((D + 15) / 16, std::make_integer_sequence<int, MAX_CHUNKS>{});
   for_head_groups<RG>(
       q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
-      [&] { return std::vector<float>(RG * (TR + 16)); },  // interleaved scores, padded to whole 16-key steps
-      [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os,
-          std::vector<float>& s) { rows(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, s.data()); });
+      [&] { return scratch_floats(RG * (TR + 16)); },  // interleaved scores, padded to whole 16-key steps
+      [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os, float* s) {
+        rows(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, s);
+      });
 }
 
 }  // namespace
@@ -323,8 +348,11 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
   const int64_t CH = (D + W - 1) / W, DP = CH * W, SP = TR + W;
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < D; ++c) qf[r * DP + c] = funcspec::to_float<T>(q[r][c]);
+  int64_t lo, hi;
+  visible_span(vis, TR, &lo, &hi);
+  const int64_t loW = lo / W * W;  // the W-key steps below keep their lanes: a key's lane is j % W
   int64_t seen = 0;
-  for (int64_t j = 0; j < TR; ++j) {
+  for (int64_t j = lo; j < hi; ++j) {
     if (!vis[j]) continue;
     ++seen;
     for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(k[j * ks + c]);
@@ -343,10 +371,10 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * SP;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < TR; ++j)
+    for (int64_t j = lo; j < hi; ++j)
       if (vis[j]) mx = std::max(mx, sr[j]);
     vf sum{};
-    for (int64_t j = 0; j < TR; j += W) {
+    for (int64_t j = loW; j < hi; j += W) {
       vf p = exp_neg(load(sr + j) - mx);  // past TR: scratch, dropped below
       for (int i = 0; i < W; ++i)
         if (j + i >= TR || !vis[j + i]) p[i] = 0.0f;
@@ -356,7 +384,7 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     inv[r] = 1.0f / hsum(sum);
   }
   for (int i = 0; i < R * DP; ++i) acc[i] = 0.0f;
-  for (int64_t j = 0; j < TR; ++j) {
+  for (int64_t j = lo; j < hi; ++j) {
     if (!vis[j]) continue;
     for (int64_t c = 0; c < D; ++c) row[c] = funcspec::to_float<T>(v[j * vs + c]);
     for (int r = 0; r < R; ++r) {
@@ -375,17 +403,18 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
             int threads) {
   const int64_t DP = (D + W - 1) / W * W;
   struct Scratch {
-    std::vector<float> qf, row, s, acc;
+    std::vector<float> qf, row, acc;
+    float* s;
   };
   for_head_groups<RG>(
       q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
       [&] {
         return Scratch{std::vector<float>(RG * DP, 0.0f), std::vector<float>(DP, 0.0f),
-                       std::vector<float>(RG * (TR + W)), std::vector<float>(RG * DP)};
+                       std::vector<float>(RG * DP), scratch_floats(RG * (TR + W))};
       },
       [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os, Scratch& sc) {
-        attend_rows<T>(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, sc.qf.data(), sc.row.data(),
-                       sc.s.data(), sc.acc.data());
+        attend_rows<T>(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, sc.qf.data(), sc.row.data(), sc.s,
+                       sc.acc.data());
       });
 }
 
