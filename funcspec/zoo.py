@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from funcspec import methods
+from funcspec import locks, methods
 from funcspec.train.data import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,14 +79,9 @@ def speculative_config(method: str, k: int = 4, model=None, **extra) -> dict:
 def build_default(out: Path | None = None, seed: int = 0) -> Path:
     """Build the random stand-in Llama (about 1M params) and its tokenizer (tests use it)."""
     out = out or RANDOM_DEFAULT
-    if (out / "model.safetensors").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
-
     # NOTE: one process builds it; a concurrent one (two test workers, two `make run`s) waits and reads it
-    with FileLock(str(out.parent / f".{out.name}.lock"), mode=0o600):
-        return out if (out / "model.safetensors").exists() else _build_default(out, seed)
+    locks.once(out / "model.safetensors", out.parent / f".{out.name}.lock", lambda: _build_default(out, seed))
+    return out
 
 
 def _build_default(out: Path, seed: int) -> Path:

@@ -68,6 +68,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from funcspec import locks
+
 _PACKAGE = Path(__file__).resolve().parents[1]
 MAGIC = b"funcspec-graph-1\n"
 """The first bytes of a stored function's file; the HMAC follows, then torch's serialized function."""
@@ -413,11 +415,7 @@ def compiling(path: Optional[Path]):
     the same graph meanwhile (two replicas or notebook kernels starting at once, two test workers) waits, then
     loads what this one filed instead of compiling it again. Graphs of other keys are never held up. A no-op
     context for ``None`` (no store)."""
-    if path is None:
-        return contextlib.nullcontext()
-    from filelock import FileLock
-
-    return FileLock(str(lock_path(path)), mode=0o600)
+    return contextlib.nullcontext() if path is None else locks.lock(lock_path(path))
 
 
 def load(path: Path) -> Optional[Callable]:
@@ -530,14 +528,14 @@ def prune(store: Path, older_than_s: Optional[float] = None, now: Optional[float
 def _prune_locks(store: Path) -> list[Path]:
     """Remove the lock files whose graph is not filed and that no process holds (each taken without waiting,
     then removed while held)."""
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     removed = []
     for path in store.glob(".*.bin.lock"):
         if (store / path.name[1:-len(".lock")]).exists():
             continue
         try:
-            with FileLock(str(path), timeout=0):
+            with locks.lock(path, timeout=0):
                 path.unlink()
         except (Timeout, FileNotFoundError):
             continue

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from funcspec import locks
 from funcspec.kernels import cpu
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp", "moe.cpp"))
@@ -276,16 +277,8 @@ def build(cache: Path | None = None, timeout: float | None = None, name: str = "
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, *cmd, *args]).encode()).hexdigest()[:16]
     lib = cache / f"funcspec-{name}-{key}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
 
-    # NOTE: one process builds it; another that wants it meanwhile (a test worker, a second notebook) waits
-    # and loads it. Built under a temporary name and renamed, so nothing ever loads a half-written library.
-    with FileLock(str(lib.with_suffix(".lock")), mode=0o600):
-        if lib.exists():
-            return lib
+    def make() -> None:  # NOTE: built under a temporary name and renamed: nothing loads a half-written library
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
@@ -294,6 +287,8 @@ def build(cache: Path | None = None, timeout: float | None = None, name: str = "
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    locks.once(lib, lib.with_suffix(".lock"), make)  # one process builds it, another waits and loads it
     return lib
 
 
