@@ -22,7 +22,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from funcspec import locks, methods
+from funcspec import methods
+from funcspec.kernels import locks
 from funcspec.train.data import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]

@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from funcspec import locks
+from funcspec.kernels import locks
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 MAGIC = b"funcspec-graph-1\n"

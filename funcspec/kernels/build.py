@@ -45,8 +45,7 @@ from pathlib import Path
 
 import torch
 
-from funcspec import locks
-from funcspec.kernels import cpu
+from funcspec.kernels import cpu, locks
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("stream.cpp", "attention.cpp", "quant.cpp", "moe.cpp"))
 """The CPU kernels, built into one library: the streaming products, the decode attention, the quantized products,

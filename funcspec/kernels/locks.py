@@ -1,4 +1,5 @@
-"""Lock files between processes (``filelock``, torch's own dependency), private to their user (mode 0600).
+"""Lock files between processes (``filelock``, torch's own dependency), private to their user (mode 0600): the
+kernel library's build takes them, and so do the compiled-step store and the default model's build.
 
 :func:`once` makes a file that several processes may ask for at the same moment (two test workers, two
 notebook kernels, two replicas): one makes it while the others wait, then find it made.
