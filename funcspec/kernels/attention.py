@@ -26,8 +26,9 @@ from funcspec.kernels.stream import DTYPES
 MAX_HEAD_DIM = 256
 """The avx512bf16 kernel keeps a query row in registers: 16 zmm of fp32."""
 
-SERIAL_MACS = 1 << 22
-"""Attentions of fewer multiply-adds run on one thread: waking the pool costs more."""
+SERIAL_MACS = 1 << 17
+"""Attentions of fewer multiply-adds (over the whole cache read, T_read) run on one thread: waking the pool costs
+more. Above it a second thread gains from about 100 visible positions on (graphs/results/notes/kernels.md)."""
 
 
 def supports(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:

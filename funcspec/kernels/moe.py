@@ -256,7 +256,7 @@ def _qexperts(x, ids, weights, gu_q, gu_s, gu_o, dn_q, dn_s, dn_o, gu_bits: int,
     (t, k), h, e, units = ids.shape, x.shape[1], gu_q.shape[0], gu_q.shape[1] * quant.QB // 2
     lib = build.loaded()
     fn = lib.funcspec_qexperts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qexperts_f32
-    threads = 1 if t * k * 3 * units * h < quant.SERIAL_MACS else torch.get_num_threads()
+    threads = 1 if t * k * 3 * units * h < quant.SERIAL_WEIGHTS else torch.get_num_threads()
 
     def ptr(a):
         return None if a is None else a.data_ptr()

@@ -41,8 +41,10 @@ QB = 32
 AB = 32
 """k per activation block: the granularity of the activations' int8 scales, and of G."""
 DTYPES = (torch.bfloat16, torch.float32)
-SERIAL_MACS = 1 << 18
-"""Products of fewer multiply-adds run on one thread."""
+SERIAL_WEIGHTS = 1 << 17
+"""Products of fewer weights, and of fewer than :data:`SERIAL_MACS` multiply-adds, run on one thread: waking the
+pool costs more than a second thread saves on less than 128 KiB of int8 weights (graphs/results/notes/kernels.md)."""
+SERIAL_MACS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,7 @@ def _qlinear(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group
     rows = x.numel() // k
     lib = build.loaded()
     fn = lib.funcspec_qlinear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qlinear_f32
-    threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
+    threads = 1 if n * k < SERIAL_WEIGHTS and rows * n * k < SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, group, bits, threads)
     return out

@@ -37,8 +37,9 @@ from funcspec.kernels.cpu import huge_empty
 DTYPES = (torch.bfloat16, torch.float32)
 BLOCK = 64
 """Outputs per column block of the packed layout (stream.cpp's ``BLOCK``)."""
-SERIAL_MACS = 1 << 18
-"""Products of fewer multiply-adds run on one thread: waking the pool costs more."""
+SERIAL_MACS = 1 << 15
+"""Products of fewer multiply-adds run on one thread: waking the pool costs more. From 128 KiB of fp32 weights
+(64 KiB of bf16) on, a second thread streams them faster (graphs/results/notes/kernels.md)."""
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

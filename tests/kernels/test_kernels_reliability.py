@@ -57,7 +57,9 @@ def test_every_row_count_streams_and_a_row_has_its_bits_alone(dtype, two_threads
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     x = torch.randn(208, k, generator=g).to(dtype)
     p = prepared(STREAM, w, b)
+    torch.set_num_threads(1)  # each row alone, on the serial path
     alone = torch.cat([STREAM.linear(x[i:i + 1], p) for i in range(len(x))])  # [208, n], one row a call
+    torch.set_num_threads(2)
     want = x.double() @ w.double().T + b.double()
     for r in ROW_COUNTS:
         s = r % 8  # other neighbours for each count
@@ -285,11 +287,11 @@ def test_a_linear_of_no_inputs_is_its_bias(ops, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threaded_decode_attention_has_the_serial_bits(dtype, two_threads):
     """B·T·H·T_read·D at or above attention.SERIAL_MACS runs on torch's threads (threads take (b, KV head)
-    pairs): the same bits as on one thread and as each token alone (below the threshold: serial), within
-    ATTEND_TOL of float64; the cache read as a view of the slots."""
+    pairs): the same bits as on one thread and as each token alone, within ATTEND_TOL of float64; the cache
+    read as a view of the slots."""
     g = torch.Generator().manual_seed(5)
     b, t, h, hkv, d, tr = 2, 5, 8, 2, 64, 1100
-    assert b * t * h * tr * d >= attention.SERIAL_MACS > b * 1 * h * tr * d  # threaded; one token: serial
+    assert b * 1 * h * tr * d >= attention.SERIAL_MACS  # threaded, a token alone too
     q = torch.randn(b, t, h, d, generator=g).to(dtype)
     cache = torch.randn(2, b + 1, hkv, tr + 20, d, generator=g).to(dtype)  # [2, S+1, H_kv, T_max, D]
     keys, vals = cache[0, :b, :, :tr], cache[1, :b, :, :tr]
