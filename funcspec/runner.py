@@ -70,23 +70,31 @@ class Bucket:
 
 
 def readback(tree):
-    """Copy every tensor of the pytree ``tree`` to the host in ONE transfer; returns ``tree`` with each tensor
-    a Python list of its values (``Tensor.tolist``, in its own dtype).
+    """Every tensor of the pytree ``tree`` read to the host; returns ``tree`` with each tensor a Python list of its
+    values (``Tensor.tolist``, in its own dtype).
 
-    NOTE: every tensor is packed into one float64 tensor (token ids are exact below 2^53, float32 logprobs
-    exactly), so a step, or a prefill, costs exactly one device-to-host sync. The step's ``StepOutput`` and
-    the prefill's first tokens and logprobs travel through it alike.
+    NOTE: off the CPU the tensors cross in ONE copy (:func:`host_copy`), so a step, or a prefill, costs exactly
+    one device-to-host sync. The step's ``StepOutput`` and the prefill's first tokens and logprobs travel through
+    it alike. Tensors already on the host (a CPU engine) are read as they lie: packing them costs more.
     """
     leaves, spec = pytree.tree_flatten(tree)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if not tensors:
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
         return tree
+    if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in leaves):
+        leaves = host_copy(leaves)
+    out = []
+    for x in leaves:  # NOTE: a loop, not a comprehension: every host read happens in this frame
+        out.append(x.tolist() if isinstance(x, torch.Tensor) else x)
+    return pytree.tree_unflatten(out, spec)
+
+
+def host_copy(leaves: list) -> list:
+    """``leaves`` with each tensor replaced by its host copy (same dtype and shape), all made by ONE transfer:
+    every tensor is packed into one float64 tensor (token ids are exact below 2^53, float32 logprobs exactly)."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     host = torch.cat([x.double().reshape(-1) for x in tensors]).cpu()  # SYNC: the one copy
     parts = iter(host.split([x.numel() for x in tensors]))
-    out = []
-    for x in leaves:  # NOTE: a loop, not a comprehension: every .tolist() reads the host copy, here
-        out.append(next(parts).view(x.shape).to(x.dtype).tolist() if isinstance(x, torch.Tensor) else x)
-    return pytree.tree_unflatten(out, spec)
+    return [next(parts).view(x.shape).to(x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
 def step_lists(out) -> tuple[list, list, list, Optional[list], Optional[list]]:

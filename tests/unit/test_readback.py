@@ -1,15 +1,28 @@
-"""One readback for the step and the prefill: any pytree of tensors to host lists in one copy, and the
-logprobs' host view (funcspec/logprobs.py) on top of it."""
+"""One readback for the step and the prefill: any pytree of tensors to host lists (off the CPU in one copy), and
+the logprobs' host view (funcspec/logprobs.py) on top of it."""
 
 import torch
 
 from funcspec import logprobs
 from funcspec.outputs import Logprob
-from funcspec.runner import readback
+from funcspec.runner import host_copy, readback
 from funcspec.step import StepOutput
 
 
-def test_readback_copies_a_pytree_once_and_keeps_each_dtype(monkeypatch):
+def test_host_copy_makes_one_copy_and_keeps_each_dtype_and_shape(monkeypatch):
+    """Off the CPU, readback's tensors cross in one transfer; each comes back bit for bit in its dtype."""
+    calls = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    lp = torch.tensor([[-1e-30, -3.4028235e38, -0.1]])  # float32 values a float64 pack keeps exactly
+    ids = torch.tensor([[2 ** 53, -1]])  # int64 ids exact below 2^53
+    got = host_copy([lp, None, ids, torch.tensor([7], dtype=torch.int32)])
+    assert len(calls) == 1  # one device-to-host copy for every tensor
+    assert got[1] is None and [x.dtype for x in (got[0], got[2], got[3])] == [torch.float32, torch.int64, torch.int32]
+    assert torch.equal(got[0], lp) and torch.equal(got[2], ids) and got[3].tolist() == [7]
+
+
+def test_readback_reads_a_pytree_and_keeps_each_dtype(monkeypatch):
     calls = []
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
@@ -18,7 +31,7 @@ def test_readback_copies_a_pytree_once_and_keeps_each_dtype(monkeypatch):
     lp = logprobs.token_logprobs(logits, tokens, num_top=2)
     out = StepOutput(tokens, torch.tensor([3, 1], dtype=torch.int32), torch.tensor([2, 2]), None, lp)
     host = readback((out, None, [torch.tensor([7]), None]))
-    assert len(calls) == 1  # one device-to-host copy for the whole tree
+    assert calls == []  # host tensors are read as they lie: nothing to copy
     step, none, (seven, also_none) = host
     assert step.tokens == tokens.tolist() and step.num_emitted == [3, 1] and step.confidence is None
     assert none is None and seven == [7] and also_none is None
