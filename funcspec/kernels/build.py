@@ -53,6 +53,11 @@ the routed experts."""
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "simd.h", "stream.h", "quant.h"))
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-Wno-psabi")
 """The flags of every build; each adds its own (:data:`BUILDS`)."""
+TORCH_OPS = Path(__file__).with_name("torch_ops.cpp")
+"""The kernel ops' CPU side (``funcspec::stream_linear``, ``::qlinear``, ``::decode_attention``): checks, output
+and the call into the kernels, in C++, so a call costs no Python. Built once per torch (it includes torch's
+headers and links its libraries), not per ISA, and pointed at the chosen builds' kernels by :func:`bind`."""
+TORCH_OPS_FLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC", "-Wno-psabi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +159,14 @@ def selected() -> str | None:
 
 def reset() -> None:
     """Forget the builds :func:`selected` and :func:`streaming` fixed, so the next use reads :data:`SWITCH`
-    again (tests)."""
+    again (tests, benchmarks). Ops already bound are pointed at the new choice now: a graph compiled before
+    calls them without asking (where the new choice has no kernels, they raise)."""
     selected.cache_clear()
     streaming.cache_clear()
+    ops = torch_ops() if _BOUND else None  # bound before: torch_ops() is loaded
+    _BOUND.clear()
+    if ops is not None and not bind():
+        ops.funcspec_ops_bind(*[None] * 6)
 
 
 STREAMING_OVERRIDE = {"x86 AMX": ("avx512bf16", "avx512")}
@@ -239,20 +249,20 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _compile(cmd: list[str], timeout: float) -> None:
-    """Run ``cmd`` in a process group of its own, stopped whole after ``timeout`` seconds."""
+def _compile(cmd: list[str], timeout: float, what: str) -> None:
+    """Run ``cmd`` (which builds ``what``) in a process group of its own, stopped whole after ``timeout`` seconds."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _stop(proc)
-        raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} did not finish in {timeout:g} s "
+        raise RuntimeError(f"building {what} did not finish in {timeout:g} s "
                            f"and was stopped (set {TIMEOUT} to allow more): {shlex.join(cmd[:1])}") from None
     except BaseException:  # NOTE: an interrupt must not leave the compiler running
         _stop(proc)
         raise
     if proc.returncode != 0:
-        raise RuntimeError(f"building {' and '.join(p.name for p in SOURCES)} failed:\n{err}")
+        raise RuntimeError(f"building {what} failed:\n{err}")
 
 
 def flags(name: str) -> list[str]:
@@ -266,22 +276,42 @@ def build(cache: Path | None = None, timeout: float | None = None, name: str = "
     """Compile :data:`SOURCES` with build ``name``'s flags into one library in ``cache`` (default
     :func:`cache_dir`), once per sources, flags and compiler command, within ``timeout`` seconds (default
     :func:`build_timeout`); return it."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return _cached(f"funcspec-{name}", SOURCES, HEADERS, [*flags(name), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"],
+                   [], cache, timeout)
+
+
+def build_torch_ops(cache: Path | None = None, timeout: float | None = None) -> Path:
+    """Compile :data:`TORCH_OPS` against this torch (its headers and libraries) into a library in ``cache``, as
+    :func:`build` does; return it."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    args = [*TORCH_OPS_FLAGS, f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-DFUNCSPEC_TORCH={torch.__version__}"]
+    libs = [f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-ltorch_cpu", "-lc10"]
+    return _cached("funcspec-torch-ops", (TORCH_OPS,), (), args, libs, cache, timeout)
+
+
+def _cached(stem: str, sources, headers, args: list[str], libs: list[str], cache: Path | None,
+            timeout: float | None) -> Path:
+    """The library ``cache``/``stem``-<key>.so compiled from ``sources`` with ``args`` (and ``libs`` after the
+    sources), keyed by the sources, ``headers``, arguments and compiler command: made by one process (another
+    waits and takes it) within ``timeout`` seconds."""
     cache = cache_dir() if cache is None else Path(cache)
     cmd = compiler()
     timeout = build_timeout() if timeout is None else timeout
     if not 0 < timeout < math.inf:
         raise ValueError(f"build: timeout must be a positive number of seconds, got {timeout!r}")
-    torch_lib = Path(torch.__file__).parent / "lib"
-    args = [*flags(name), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *cmd, *args]).encode()).hexdigest()[:16]
-    lib = cache / f"funcspec-{name}-{key}.so"
+    texts = [p.read_text() for p in (*sources, *headers)]
+    key = hashlib.sha256("\0".join([*texts, *cmd, *args, *libs]).encode()).hexdigest()[:16]
+    lib = cache / f"{stem}-{key}.so"
 
     def make() -> None:  # NOTE: built under a temporary name and renamed: nothing loads a half-written library
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            _compile([*cmd, *args, *map(str, SOURCES), "-o", tmp], timeout)
+            _compile([*cmd, *args, *map(str, sources), *libs, "-o", tmp], timeout,
+                     " and ".join(p.name for p in sources))
             os.replace(tmp, lib)
         finally:
             if os.path.exists(tmp):
@@ -298,14 +328,66 @@ def lib(name: str | None = None) -> ctypes.CDLL | None:
     return None if name is None else load(name)
 
 
+UNAVAILABLE = "funcspec: a CPU kernel was called where the kernels are unavailable or turned off"
+
+
 def loaded(streamed: bool = False) -> ctypes.CDLL:
     """:func:`lib` (``streamed``: :func:`streaming`'s build), for a kernel op: the ops run only where
     :func:`available` said yes, so a missing library is a caller's error, raised here rather than as an
     attribute error on ``None``."""
     handle = lib(streaming() if streamed else None)
     if handle is None:
-        raise RuntimeError("funcspec: a CPU kernel was called where the kernels are unavailable or turned off")
+        raise RuntimeError(UNAVAILABLE)
     return handle
+
+
+@functools.cache
+def torch_ops() -> ctypes.CDLL | None:
+    """:data:`TORCH_OPS`' library, built on first call and loaded into torch (its ops' CPU kernels registered),
+    or ``None`` where it cannot be built (warned once)."""
+    try:
+        path = build_torch_ops()
+        torch.ops.load_library(str(path))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"funcspec: the CPU kernels' ops are unavailable, products and attention fall back to "
+                      f"oneDNN/MKL/SDPA: {e}", RuntimeWarning, stacklevel=3)
+        return None
+    handle = ctypes.CDLL(str(path))
+    handle.funcspec_ops_bind.argtypes, handle.funcspec_ops_bind.restype = [ctypes.c_void_p] * 6, None
+    return handle
+
+
+_BOUND: list = []
+"""The (selected, streaming) builds the ops point at now, once :func:`bind` has pointed them."""
+
+
+# NOTE: asked at trace time too (the ops' wrappers call it); compiled code takes the answer as a constant.
+@torch.compiler.assume_constant_result
+def bind() -> bool:
+    """Point the kernel ops at the builds the kernels take now: :func:`streaming`'s streaming products,
+    :func:`selected`'s quantized products and attention (built first). False where they are off or cannot be
+    built, and then the ops raise when called."""
+    key = (selected(), streaming())
+    if _BOUND == [key]:
+        return True
+    ops, base, streams = torch_ops(), lib(key[0]), lib(key[1])
+    if ops is None or base is None or streams is None:
+        return False
+
+    def addr(handle, fn: str):
+        return ctypes.cast(getattr(handle, fn), ctypes.c_void_p).value
+
+    ops.funcspec_ops_bind(addr(streams, "funcspec_linear_bf16"), addr(streams, "funcspec_linear_f32"),
+                          addr(base, "funcspec_qlinear_bf16"), addr(base, "funcspec_qlinear_f32"),
+                          addr(base, "funcspec_attend_bf16"), addr(base, "funcspec_attend_f32"))
+    _BOUND[:] = [key]
+    return True
+
+
+def ready() -> None:
+    """:func:`bind`, for a kernel op's wrapper: ``RuntimeError`` where the kernels are unavailable or off."""
+    if not bind():
+        raise RuntimeError(UNAVAILABLE)
 
 
 @functools.cache
@@ -329,9 +411,9 @@ def load(name: str) -> ctypes.CDLL | None:
 # NOTE: asked at trace time; compiled code takes the answer as a constant instead of tracing into the build.
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the kernels run here and are not turned off (:func:`enabled`): built on first call; a failed
-    build warns once. Turned off, nothing is built."""
-    return enabled() and lib() is not None
+    """Whether the kernels run here and are not turned off (:func:`enabled`): built on first call, their ops
+    bound (:func:`bind`); a failed build warns once. Turned off, nothing is built."""
+    return enabled() and lib() is not None and bind()
 
 
 def cpu_kind() -> str:

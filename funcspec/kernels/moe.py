@@ -43,6 +43,10 @@ from funcspec.kernels import build, quant, stream
 
 DTYPES = stream.DTYPES
 HALF = stream.BLOCK // 2
+SERIAL_MACS = 1 << 15
+"""Routed experts of fewer multiply-adds run on one thread (the streaming products' threshold, torch_ops.cpp)."""
+SERIAL_QUANT_WEIGHTS = 1 << 17
+"""Quantized routed experts of fewer weights read run on one thread (the quantized products' threshold)."""
 """Intermediate units per packed gate_up block: its 64 outputs are 32 gate rows, then the 32 up rows of the
 same units (moe.cpp's ``HALF``)."""
 
@@ -119,7 +123,7 @@ def _experts(x, ids, weights, gate_up, down) -> torch.Tensor:
     (t, k), h, units = ids.shape, x.shape[1], gate_up.shape[1] * HALF
     lib = build.loaded(streamed=True)
     fn = lib.funcspec_experts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_experts_f32
-    threads = 1 if t * k * 3 * units * h < stream.SERIAL_MACS else torch.get_num_threads()
+    threads = 1 if t * k * 3 * units * h < SERIAL_MACS else torch.get_num_threads()
     fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), t, k, h,
        gate_up.shape[0], units, threads)
     return out
@@ -256,7 +260,7 @@ def _qexperts(x, ids, weights, gu_q, gu_s, gu_o, dn_q, dn_s, dn_o, gu_bits: int,
     (t, k), h, e, units = ids.shape, x.shape[1], gu_q.shape[0], gu_q.shape[1] * quant.QB // 2
     lib = build.loaded()
     fn = lib.funcspec_qexperts_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qexperts_f32
-    threads = 1 if t * k * 3 * units * h < quant.SERIAL_WEIGHTS else torch.get_num_threads()
+    threads = 1 if t * k * 3 * units * h < SERIAL_QUANT_WEIGHTS else torch.get_num_threads()
 
     def ptr(a):
         return None if a is None else a.data_ptr()

@@ -41,12 +41,6 @@ QB = 32
 AB = 32
 """k per activation block: the granularity of the activations' int8 scales, and of G."""
 DTYPES = (torch.bfloat16, torch.float32)
-SERIAL_WEIGHTS = 1 << 17
-"""Products of fewer weights, and of fewer than :data:`SERIAL_MACS` multiply-adds, run on one thread: waking the
-pool costs more than a second thread saves on less than 128 KiB of int8 weights (graphs/results/notes/kernels.md)."""
-SERIAL_MACS = 1 << 20
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """The static part of a quantized linear (its params: ``qweight``, ``scales``, ``offsets``?, ``bias``?).
@@ -135,51 +129,14 @@ def dequantize(qweight, scales, offsets, fmt: QuantFormat, dtype=torch.float32) 
     return w.to(dtype)
 
 
-def _check(x: torch.Tensor, qweight, scales, offsets, bias, fmt: QuantFormat) -> None:
-    """The kernel reads raw memory: a wrong dtype or shape must fail here, not read out of bounds."""
-    n, k = fmt.out_features, fmt.in_features
-    steps = k * fmt.bits // 32
-    blocks = -(-n // QB)
-    if x.dtype not in DTYPES or x.shape[-1] != k:
-        raise ValueError(f"qlinear: x must be bfloat16 or float32 [..., {k}], got {x.dtype} {list(x.shape)}")
-    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (blocks, steps, QB, 4):
-        raise ValueError(f"qlinear: qweight must be uint8 [{blocks}, {steps}, {QB}, 4] for {fmt}, got "
-                         f"{qweight.dtype} {list(qweight.shape)}")
-    for name, t in (("scales", scales), ("offsets", offsets)):
-        if (t is None) != (name == "offsets" and not fmt.asym):
-            raise ValueError(f"qlinear: {name} is {'missing' if t is None else 'unexpected'} for {fmt}")
-        if t is not None and (t.dtype != torch.float16 or tuple(t.shape) != (blocks, k // fmt.group, QB)):
-            raise ValueError(f"qlinear: {name} must be float16 [{blocks}, {k // fmt.group}, {QB}], got "
-                             f"{t.dtype} {list(t.shape)}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"qlinear: bias must be [{n}], got {list(bias.shape)}")
-
-
-def _qlinear(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group: int) -> torch.Tensor:
-    fmt = QuantFormat(bits, group, n, k, offsets is not None)
-    _check(x, qweight, scales, offsets, bias, fmt)
-    x = x.contiguous()
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    out = x.new_empty((*x.shape[:-1], n))
-    rows = x.numel() // k
-    lib = build.loaded()
-    fn = lib.funcspec_qlinear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_qlinear_f32
-    threads = 1 if n * k < SERIAL_WEIGHTS and rows * n * k < SERIAL_MACS else torch.get_num_threads()
-    fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, group, bits, threads)
-    return out
-
-
 def _qlinear_meta(x, qweight, scales, offsets, bias, n: int, k: int, bits: int, group: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
 
-# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, cheap to call.
+# NOTE: a raw Library op, as funcspec::stream_linear: opaque to torch.compile, its CPU kernel C++ (torch_ops.cpp).
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int bits, "
             "int group) -> Tensor")
-_LIB.impl("qlinear", _qlinear, "CPU")
 _LIB.impl("qlinear", _qlinear_meta, "Meta")
 
 
@@ -189,6 +146,7 @@ def qlinear(x: torch.Tensor, p: dict) -> torch.Tensor:
     f = p["format"]
     if f.asym != (p.get("offsets") is not None):
         raise ValueError(f"qlinear: offsets is {'missing' if f.asym else 'unexpected'} for {f}")
+    build.ready()
     return torch.ops.funcspec.qlinear(x, p["qweight"], p["scales"], p.get("offsets"), p.get("bias"),
                                       f.out_features, f.in_features, f.bits, f.group)
 

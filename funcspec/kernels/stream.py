@@ -26,8 +26,6 @@ speculation equals greedy AR. :func:`stream_op` is a custom op, opaque to
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -37,11 +35,6 @@ from funcspec.kernels.cpu import huge_empty
 DTYPES = (torch.bfloat16, torch.float32)
 BLOCK = 64
 """Outputs per column block of the packed layout (stream.cpp's ``BLOCK``)."""
-SERIAL_MACS = 1 << 15
-"""Products of fewer multiply-adds run on one thread: waking the pool costs more. From 128 KiB of fp32 weights
-(64 KiB of bf16) on, a second thread streams them faster (graphs/results/notes/kernels.md)."""
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] in the kernel's layout: column blocks of 64 outputs, each one contiguous stream.
 
@@ -78,51 +71,14 @@ def group_bias(sizes, biases, dtype) -> torch.Tensor | None:
     return torch.cat([F.pad(b, (0, w - b.shape[0])) for b, w in zip(parts, widths(sizes))])  # [sum of widths]
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> None:
-    """The kernel reads raw memory: a wrong dtype or shape must fail here, not read out of bounds."""
-    if x.dtype not in DTYPES or packed.dtype != x.dtype:
-        raise ValueError(f"stream_linear: x and the packed weight must both be bfloat16 or float32, "
-                         f"got x {x.dtype} and weight {packed.dtype}")
-    pair = 2 if x.dtype == torch.bfloat16 else 1
-    k = x.shape[-1] + x.shape[-1] % pair
-    if packed.dim() != 4 or packed.shape[1] * pair != k or packed.shape[2:] != (BLOCK, pair) \
-            or not 0 < n <= packed.shape[0] * BLOCK:
-        raise ValueError(f"stream_linear: the packed weight must be [N'/64, {k // pair}, 64, {pair}] for x "
-                         f"[..., {x.shape[-1]}] and {n} outputs (pack_weight), got {list(packed.shape)}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"stream_linear: bias must be [{n}], got {list(bias.shape)}")
-
-
-def _stream_linear(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch.Tensor:
-    # NOTE: a decode step makes 65 of these calls, so the body keeps to the few
-    # torch calls it needs (each costs microseconds from Python): x is passed as
-    # it lies when contiguous, and the output is allocated in its final shape.
-    _check(x, packed, bias, n)
-    if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
-        x = F.pad(x, (0, 1))  # [..., K + 1]: the kernel reads bf16 in k pairs
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    out = x.new_empty((*x.shape[:-1], n))  # [..., n]
-    k = x.shape[-1]
-    rows = math.prod(x.shape[:-1])  # not numel // k: a product over k = 0 (the empty sum) has rows too
-    lib = build.loaded(streamed=True)
-    fn = lib.funcspec_linear_bf16 if x.dtype == torch.bfloat16 else lib.funcspec_linear_f32
-    threads = 1 if rows * n * k < SERIAL_MACS else torch.get_num_threads()
-    fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, threads)
-    return out
-
-
 def _stream_linear_meta(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
 
-# NOTE: a raw Library op, as funcspec::packed_linear: torch.library.custom_op's
-# Python wrapper costs more per call than the kernel's own Python.
+# NOTE: a raw Library op: its CPU kernel is C++ (torch_ops.cpp, registered by build.torch_ops), so a call
+# costs no Python; here its schema and the shape function tracing uses.
 _LIB = torch.library.Library("funcspec", "FRAGMENT")
 _LIB.define("stream_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
-_LIB.impl("stream_linear", _stream_linear, "CPU")
 _LIB.impl("stream_linear", _stream_linear_meta, "Meta")
 
 
@@ -131,7 +87,9 @@ def stream_op(x: torch.Tensor, packed: torch.Tensor, bias, n: int) -> torch.Tens
     :func:`pack_weights`, whose ``n`` is the sum of :func:`widths`), of x's dtype (bf16 or fp32), on the CPU.
 
     Needs :func:`funcspec.kernels.build.available`; a row's result is bitwise the same whatever rows come with it.
+    A wrong dtype or shape is a ``ValueError`` naming it.
     """
+    build.ready()
     return torch.ops.funcspec.stream_linear(x, packed, bias, n)
 
 

@@ -253,15 +253,13 @@ def test_impossible_head_sizes_are_a_value_error_naming_them():
     h % H_kv) or a kernel reading out of bounds; attends() declines it; a model's head_dim must be >= 1."""
     vis = torch.ones(1, 2, 10, dtype=torch.bool)
     q0, k0 = torch.randn(1, 2, 4, 0), torch.randn(1, 2, 10, 0)
-    with pytest.raises(ValueError, match="head size D in 1..256, got \\[1, 2, 4, 0\\]"):
-        attention._check(q0, k0, k0, vis)
-    if build.supported():
-        with pytest.raises(ValueError, match="head size D"):
-            attention.decode_attention(q0, k0, k0, vis)
     assert not attention.supports(q0, k0, k0)
-    k_none = torch.randn(1, 0, 10, 8)
-    with pytest.raises(ValueError, match="keys and vals must be \\[1, H_kv, T_read, 8\\] with H_kv dividing 4"):
-        attention._check(torch.randn(1, 2, 4, 8), k_none, k_none, vis)
+    if build.available():
+        with pytest.raises(ValueError, match="head size D in 1..256, got \\[1, 2, 4, 0\\]"):
+            attention.decode_attention(q0, k0, k0, vis)
+        k_none = torch.randn(1, 0, 10, 8)
+        with pytest.raises(ValueError, match="keys and vals must be \\[1, H_kv, T_read, 8\\] with H_kv dividing 4"):
+            attention.decode_attention(torch.randn(1, 2, 4, 8), k_none, k_none, vis)
     for head_dim in (0, -64, 64.0):
         with pytest.raises(ValueError, match="head_dim must be a positive int"):
             Ops(decode_attention=True).reads_live_only(torch.float32, head_dim, "cpu")
@@ -286,12 +284,10 @@ def test_a_linear_of_no_inputs_is_its_bias(ops, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threaded_decode_attention_has_the_serial_bits(dtype, two_threads):
-    """B·T·H·T_read·D at or above attention.SERIAL_MACS runs on torch's threads (threads take (b, KV head)
-    pairs): the same bits as on one thread and as each token alone, within ATTEND_TOL of float64; the cache
-    read as a view of the slots."""
+    """An attention this large runs on torch's threads (threads take (b, KV head) pairs): the same bits as on
+    one thread and as each token alone, within ATTEND_TOL of float64; the cache read as a view of the slots."""
     g = torch.Generator().manual_seed(5)
     b, t, h, hkv, d, tr = 2, 5, 8, 2, 64, 1100
-    assert b * 1 * h * tr * d >= attention.SERIAL_MACS  # threaded, a token alone too
     q = torch.randn(b, t, h, d, generator=g).to(dtype)
     cache = torch.randn(2, b + 1, hkv, tr + 20, d, generator=g).to(dtype)  # [2, S+1, H_kv, T_max, D]
     keys, vals = cache[0, :b, :, :tr], cache[1, :b, :, :tr]
