@@ -163,7 +163,7 @@ def reset() -> None:
     calls them without asking (where the new choice has no kernels, they raise)."""
     selected.cache_clear()
     streaming.cache_clear()
-    ops = torch_ops() if _BOUND else None  # bound before: torch_ops() is loaded
+    ops = torch_ops() if torch_ops.cache_info().currsize else None  # the ops' library, if ever loaded
     _BOUND.clear()
     if ops is not None and not bind():
         ops.funcspec_ops_bind(*[None] * 6)

@@ -151,6 +151,54 @@ def test_cpu_kernels_turn_off_by_environment_and_by_engine_option(tiny_llama, mo
         kernels.resolve("cpu")
 
 
+@needs_kernels
+def test_the_ops_follow_the_build_choice_at_once_and_refuse_once_it_is_off(monkeypatch):
+    """A compiled graph calls torch.ops.funcspec.* without asking which build runs: after build.reset() the ops
+    run the new choice's kernels at once, and with the kernels turned off they raise instead of running the
+    build chosen before."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g)
+    packed = stream.pack_weight(w)
+    stream.stream_op(x, packed, None, 40)  # bound to this CPU's choice
+    try:
+        monkeypatch.setenv(build.SWITCH, "0")
+        build.reset()
+        with pytest.raises(RuntimeError, match="unavailable or turned off"):
+            torch.ops.funcspec.stream_linear(x, packed, None, 40)
+        monkeypatch.setenv(build.SWITCH, "portable")
+        build.reset()
+        got = torch.ops.funcspec.stream_linear(x, packed, None, 40)  # no wrapper between: reset pointed it
+        want = torch.empty(3, 40)
+        build.load("portable").funcspec_linear_f32(x.data_ptr(), packed.data_ptr(), None, want.data_ptr(), 3, 40, 64,
+                                                   1)
+        assert torch.equal(got, want)
+    finally:
+        monkeypatch.undo()
+        build.reset()
+    assert build.available()
+
+
+@needs_kernels
+def test_the_kernels_are_unavailable_where_their_ops_do_not_build(monkeypatch):
+    """The ops' C++ side (torch_ops.cpp) is part of the kernels: where it does not build, available() is false
+    (warned once, naming the error), so resolve picks the other paths."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("building torch_ops.cpp failed: no torch headers")
+
+    monkeypatch.setattr(build, "build_torch_ops", fail)
+    build.torch_ops.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="ops are unavailable.*no torch headers"):
+            build.reset()
+            assert not build.available()
+        assert not kernels.resolve("cpu").stream
+    finally:
+        monkeypatch.undo()
+        build.torch_ops.cache_clear()
+        build.reset()
+    assert build.available()
+
+
 # ----------------------------------------------------------------------------- 3-5. the build
 
 
