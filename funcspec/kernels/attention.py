@@ -26,6 +26,7 @@ from funcspec.kernels.stream import DTYPES
 MAX_HEAD_DIM = 256
 """The avx512bf16 kernel keeps a query row in registers: 16 zmm of fp32."""
 
+
 def supports(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` takes these operands (static: device, dtypes, head size, autograd)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, vals))

@@ -43,12 +43,12 @@ from funcspec.kernels import build, quant, stream
 
 DTYPES = stream.DTYPES
 HALF = stream.BLOCK // 2
+"""Intermediate units per packed gate_up block: its 64 outputs are 32 gate rows, then the 32 up rows of the
+same units (moe.cpp's ``HALF``)."""
 SERIAL_MACS = 1 << 15
 """Routed experts of fewer multiply-adds run on one thread (the streaming products' threshold, torch_ops.cpp)."""
 SERIAL_QUANT_WEIGHTS = 1 << 17
 """Quantized routed experts of fewer weights read run on one thread (the quantized products' threshold)."""
-"""Intermediate units per packed gate_up block: its 64 outputs are 32 gate rows, then the 32 up rows of the
-same units (moe.cpp's ``HALF``)."""
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

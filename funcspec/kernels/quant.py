@@ -41,6 +41,8 @@ QB = 32
 AB = 32
 """k per activation block: the granularity of the activations' int8 scales, and of G."""
 DTYPES = (torch.bfloat16, torch.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """The static part of a quantized linear (its params: ``qweight``, ``scales``, ``offsets``?, ``bias``?).

@@ -35,6 +35,8 @@ from funcspec.kernels.cpu import huge_empty
 DTYPES = (torch.bfloat16, torch.float32)
 BLOCK = 64
 """Outputs per column block of the packed layout (stream.cpp's ``BLOCK``)."""
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] in the kernel's layout: column blocks of 64 outputs, each one contiguous stream.
 
