@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from funcspec import rng
+from funcspec.kernels.argmax import first_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ def target_probs(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, filters:
     greedy = t <= 0
     scaled = logits / torch.where(greedy, 1.0, t)
     probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p) if filters else scaled, dim=-1)
-    onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    onehot = torch.nn.functional.one_hot(first_max(logits), logits.shape[-1]).float()
     return torch.where(greedy, onehot, probs)
 
 
@@ -133,6 +134,6 @@ def draw(key: torch.Tensor, logits: torch.Tensor, temperature, top_k=0, top_p=1.
     greedy draft is deterministic, so verifiers treat q as one-hot.
     """
     if mode.greedy:
-        return logits.argmax(-1), None
+        return first_max(logits), None
     q = target_probs(logits, temperature, top_k, top_p, mode.filters)
     return rng.categorical(key, q), q

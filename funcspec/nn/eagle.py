@@ -50,6 +50,7 @@ import dataclasses
 
 import torch
 
+from funcspec.kernels import first_max
 from funcspec.nn.llama import (FULL_READ, KVRead, ModelConfig, TreeMask, decoder_layer, rms_norm,
                                rope_tables)
 
@@ -135,7 +136,7 @@ def draft_logits(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
 
 def draft_tokens(cfg: EagleConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 (target vocabulary ids) from head outputs g [B, H]."""
-    d = torch.argmax(draft_logits(cfg, params, g), dim=-1)  # [B] draft-vocab ids
+    d = first_max(draft_logits(cfg, params, g))  # [B] draft-vocab ids
     return d if cfg.version == 1 else d + params["d2t"][d]
 
 

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from funcspec.kernels import REFERENCE, Ops
+from funcspec.kernels import REFERENCE, Ops, first_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,5 +60,5 @@ def head_logits(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Ten
 
 def draft_tokens(cfg: MedusaConfig, params, h: torch.Tensor, k: int) -> torch.Tensor:
     """Head ``k``'s greedy draft [B] int64 (target ids) for hidden states h [B, H]."""
-    d = torch.argmax(head_logits(cfg, params, h, k), dim=-1)  # [B] head-vocabulary ids
+    d = first_max(head_logits(cfg, params, h, k))  # [B] head-vocabulary ids
     return params["token_map"][d] if cfg.token_map else d

@@ -37,6 +37,7 @@ import dataclasses
 
 import torch
 
+from funcspec.kernels import first_max
 from funcspec.nn import decoder_layer
 from funcspec.nn.llama import FULL_READ, KVRead, ModelConfig, TreeMask, rms_norm, rope_tables
 
@@ -92,7 +93,7 @@ def draft_logits(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
 
 def draft_tokens(cfg: MTPConfig, params, g: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [B] int64 from module outputs g [B, H]."""
-    return torch.argmax(draft_logits(cfg, params, g), dim=-1)
+    return first_max(draft_logits(cfg, params, g))
 
 
 def draft_top(cfg: MTPConfig, params, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from funcspec.checkpoints import dflash as ckpt
+from funcspec.kernels.argmax import first_max
 from funcspec.nn import dflash
 from funcspec.nn.llama import window_start
 from funcspec.pytree import pytree_dataclass, replace, slot_field
@@ -137,4 +138,4 @@ def propose(cfg: DFlashProposerConfig, params, state: DFlashState, ctx, k: int):
     if k == 0:
         return empty_proposal(ctx, cfg.net.model.vocab_size, False), state
     x = dflash.logits(cfg.net, params, h[:, 1:])  # [B, K, V]: the mask rows
-    return Proposal.chain(dflash.target_ids(cfg.net, params, x.argmax(-1)), None, dflash.max_prob(x)), state
+    return Proposal.chain(dflash.target_ids(cfg.net, params, first_max(x)), None, dflash.max_prob(x)), state

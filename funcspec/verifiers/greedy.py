@@ -7,6 +7,7 @@ is treated as greedy, whatever its sampling settings. Draws no randomness.
 
 from __future__ import annotations
 
+from funcspec.kernels.argmax import first_max
 from funcspec.verifiers import common
 
 
@@ -16,4 +17,4 @@ def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     # NOTE: argmax takes the first index on ties, the same rule as target_probs'
     # one-hot at temperature 0 and greedy autoregressive decoding. O(K·V): no
     # probabilities.
-    return common.match(vin.proposal.tokens, vin.logits.argmax(dim=-1))  # [B, K+1]
+    return common.match(vin.proposal.tokens, first_max(vin.logits))  # [B, K+1]

@@ -5,6 +5,7 @@ import torch
 from scipy import stats
 
 from funcspec import rng, sampling
+from funcspec.kernels.argmax import first_max
 
 
 def _probs_reference(logits, t, k, p):
@@ -55,3 +56,24 @@ def test_first_token_distribution_chi_square_and_masking():
     assert np.all(counts[target.numpy() == 0] == 0), "masked tokens must never appear"
     live = target.numpy() > 0
     assert stats.chisquare(counts[live], target.numpy()[live] * n).pvalue > 1e-4
+
+
+def test_first_max_is_torchs_argmax_eager_and_compiled():
+    """The greedy argmax every greedy draw, draft and verification takes is torch's index, ties (the first), NaN
+    (the first NaN), -inf rows, signed zeros, in bf16 and fp32, whether eager or compiled (two passes there)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 4099, generator=g)  # [rows, V]: odd V, a partial last vector
+    x[0, [7, 4000]] = 9.0  # a tie: the first
+    x[1, [3, 2000]] = float("nan")  # NaN wins, the first one
+    x[2] = float("-inf")  # nothing finite: index 0
+    x[3] = 0.0
+    x[3, 5] = -0.0  # zeros of both signs tie
+    x[4, 4098] = 50.0  # the last index
+    x[5, :] = 1.0  # all equal
+    x[6, 10] = float("inf")
+    compiled = torch.compile(lambda a, b: (first_max(a), first_max(b)), backend="inductor", fullgraph=True)
+    for got in (first_max(x), first_max(x.bfloat16()), *compiled(x, x.bfloat16())):
+        assert got.dtype == torch.int64 and got.shape == (9,)
+    for want, got in zip((x.argmax(-1), x.bfloat16().argmax(-1)), compiled(x, x.bfloat16())):
+        assert torch.equal(got, want), (got, want)
+    assert x.argmax(-1)[:7].tolist() == [7, 3, 0, 0, 4098, 0, 10]
