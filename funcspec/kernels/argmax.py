@@ -1,8 +1,9 @@
 """Greedy argmax over a vocabulary: the index every greedy draw, draft and verification takes.
 
-Compiled by inductor on the CPU, ``argmax`` over bf16 logits runs 10-20x slower than reading them (its fused
+Compiled by inductor on the CPU, ``argmax`` over bf16 logits runs far slower than reading them (its fused
 index-value reduction); the same index from two passes inductor vectorizes (the maximum, then the first index
-holding it) is 1.8-4x faster at the vocabulary sizes models have (graphs/results/cpu/argmax-20261205-161200.md).
+holding it) is several times faster at the vocabulary sizes models have
+(graphs/results/cpu/argmax-20261205-161200.md).
 """
 
 from __future__ import annotations
