@@ -8,7 +8,9 @@ accepted with the conditional rate ``c_i = r_i / r_{i-1}`` (``r_{-1} = 1``,
 
 Accept draft ``i`` iff ``u_i < c_i`` and it is not ``PLACEHOLDER``. The first
 rejection emits the recovered token (on greedy rows: the target argmax); if all
-K are accepted the bonus token is emitted.
+K are accepted the bonus token is emitted. When every row is greedy
+(``cfg.greedy``) that final token is the argmax at its position, so no
+probabilities are built.
 
 The pure-Python helpers :func:`check_rates`, :func:`rates_from_length` and
 :func:`validate_synthetic` are the one validation of synthetic rates: config,
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from funcspec.kernels.argmax import first_max
 from funcspec.verifiers import common
 
 
@@ -103,14 +106,26 @@ def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
     engine passes its current rates, so one graph serves any rates); else ``cfg.synthetic_rates``.
     """
     key, cond = vin.key, vin.rates
-    inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
-    k = inp.drafts.shape[1]
+    k = vin.proposal.tokens.shape[1]
     if cond is None:
         if cfg.synthetic_rates is None:
             raise ValueError("synthetic_rates must be set for method 'synthetic'")
-        cond = conditional_tensor(check_rates(cfg.synthetic_rates, k, "synthetic_rates"), inp.p.device)
+        cond = conditional_tensor(check_rates(cfg.synthetic_rates, k, "synthetic_rates"), vin.logits.device)
+    if cfg.greedy:
+        common.check_inputs(key, vin.logits, vin.proposal.tokens, vin.proposal.probs)
+        return _greedy(vin.proposal.tokens.long(), first_max(vin.logits), common.acceptance_uniforms(key, k) < cond)
+    inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, k)  # [B, K]
     return common.first_rejection(key, inp, inp.valid & (u < cond))
+
+
+def _greedy(drafts: torch.Tensor, choices: torch.Tensor, passed: torch.Tensor) -> common.Verdict:
+    """Every row greedy: accept drafts [B, K] while their draws ``passed`` [B, K] (and not ``PLACEHOLDER``), then
+    emit the target's argmax ``choices`` [B, K+1] there. That is the general rule's token: its one-hot ``p``
+    leaves a residual at the argmax, or none (then ``p`` itself)."""
+    num_accepted = common.num_leading(passed & (drafts != common.PLACEHOLDER))  # [B]
+    final = torch.gather(choices, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
+    return common.along_chain(*common.emit(drafts, num_accepted, final))
 
 
 def conditional_tensor(rates: tuple[float, ...], device=None) -> torch.Tensor:

@@ -175,6 +175,24 @@ def test_synthetic_greedy_rows_emit_target_argmax_on_rejection():
         assert (tokens[num == n] == torch.tensor(row)).all()
 
 
+def test_synthetic_on_an_all_greedy_bucket_skips_probabilities_but_not_one_token():
+    """``cfg.greedy`` (every row greedy, as an engine's greedy bucket) gives the general rule's verdict exactly:
+    drafts equal to the argmax or not, ``PLACEHOLDER`` drafts, tied logits, rates 1 and 0."""
+    torch.manual_seed(8)
+    b, k, v = 3000, 4, 6
+    logits = torch.randint(0, 3, (b, k + 1, v)).float()  # many ties: the first index must win
+    drafts = torch.where(torch.rand(b, k) < 0.5, logits[:, :k].argmax(-1), torch.randint(0, v, (b, k)))
+    drafts = torch.where(torch.rand(b, k) < 0.1, P, drafts)
+    key = rng.split(rng.key(5), b)
+    proposal, sampling = Proposal.chain(drafts, None), Sampling.full(b, temperature=0.0)
+    for rates in [(0.9, 0.7, 0.4, 0.2), (1.0, 1.0, 1.0, 1.0), (1.0, 0.0, 0.0, 0.0)]:
+        vin = common.VerifyInput(key, logits, proposal, sampling)
+        general = verifiers.verify(verifiers.VerifyConfig("synthetic", synthetic_rates=rates), vin)
+        greedy = verifiers.verify(verifiers.VerifyConfig("synthetic", synthetic_rates=rates, greedy=True), vin)
+        assert all(torch.equal(x, y) for x, y in zip(general, greedy))
+    assert len(set(general[1].tolist())) == 2 and len(set(greedy[1].tolist())) == 2  # rates 1, 0: 1 or 2 tokens
+
+
 def test_seeded_runs_are_deterministic():
     torch.manual_seed(6)
     b, k, v = 256, 4, 12
