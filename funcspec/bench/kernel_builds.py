@@ -1,5 +1,5 @@
 """GB/s of each CPU kernel build this machine runs (funcspec/kernels/build.py's BUILDS): bf16 and fp32
-streaming products and 8- and 4-bit quantized products, at 1, 5 and 16 rows, on weights beyond the caches.
+streaming products and 8-, 6- and 4-bit quantized products, at 1, 5 and 16 rows, on weights beyond the caches.
 
     python -m funcspec.bench.kernel_builds [--out graphs/results/cpu] [--reps 15]
 
@@ -49,11 +49,12 @@ def cases(g: torch.Generator) -> dict:
         del w
         out[name] = (packed.numel() * packed.element_size(), partial(stream.stream_op, packed=packed, bias=None, n=n),
                      torch.randn(16, k, generator=g).to(dtype))
-    for name, bits, n, k in (("q8_0", 8, 8192, 8192), ("q4_0", 4, 16384, 8192)):
+    for name, bits, group, n, k in (("q8_0", 8, 32, 8192, 8192), ("q6_k", 6, 16, 8192, 8192),
+                                    ("q4_0", 4, 32, 16384, 8192)):
         q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
-        qw, s, _ = quant.pack(q, (torch.rand(n, k // 32, generator=g) * 0.01).half(), None, bits)
+        qw, s, _ = quant.pack(q, (torch.rand(n, k // group, generator=g) * 0.01).half(), None, bits)
         del q
-        fmt = QuantFormat(bits, 32, n, k, False, name)
+        fmt = QuantFormat(bits, group, n, k, False, name)
         p = {"qweight": qw, "scales": s, "format": fmt}
         out[name] = (fmt.bytes, partial(quant.qlinear, p=p), torch.randn(16, k, generator=g).to(torch.bfloat16))
     return out
@@ -107,8 +108,8 @@ def main(argv=None) -> dict:
               f"{', '.join(f'{a:.2f}' for a in m['load_average'])}."), "",
              f"/proc/cpuinfo flags: `{m['cpuinfo_flags']}`", "",
              (f"Median of {args.reps} calls per cell, the builds interleaved call by call. Weights: bf16 and fp32 "
-              "8192x8192 (packed for the streaming products), q8_0 8192x8192 and q4_0 16384x8192 in groups of 32 "
-              "(values and fp16 scales), bf16 activations for the quantized ones."), "",
+              "8192x8192 (packed for the streaming products), q8_0 8192x8192 and q4_0 16384x8192 in groups of 32, "
+              "q6_k 8192x8192 in groups of 16 (values and fp16 scales), bf16 activations for the quantized ones."), "",
              "| build | " + " | ".join(f"{c} {r} row{'s' if r > 1 else ''}" for c in work for r in ROWS) + " |",
              "|---|" + "---:|" * (len(work) * len(ROWS))]
     for b in builds:

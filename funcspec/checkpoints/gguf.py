@@ -15,7 +15,7 @@ Q4_K     256 values: fp16 d, dmin, 12 bytes of 6-bit scales and mins for 8      
          sub-blocks of 32, nibbles (64 a step: the low 32, then the high 32);        asymmetric
          w = d sc_j q - dmin m_j                                                     (s = d sc_j,
                                                                                      o = dmin m_j)
-Q6_K     256 values: 4 low bits (128 bytes), 2 high bits (64), 16 int8 sub-block     8-bit, G 16
+Q6_K     256 values: 4 low bits (128 bytes), 2 high bits (64), 16 int8 sub-block     6-bit, G 16
          scales, fp16 d; w = d sc_j (q - 32)                                         (s = d sc_j)
 =======  ==========================================================================  ================
 
@@ -83,7 +83,7 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
           "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 """llama.cpp's per-layer tensor names -> HF's."""
 
-QUANTIZED = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q6_K": 8}
+QUANTIZED = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q6_K": 6}
 """GGUF block types that become funcspec's quantized linears, and their bits in funcspec's format."""
 
 
@@ -233,9 +233,8 @@ def blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.
         d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/256]
         low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [N, B, 2, 2, 64]
         high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [N, B, 2, 4, 32]
-        q6 = low.reshape(n, -1, 2, 4, 32) | (high << 4)  # [N, B, half, quarter, 32]: 6-bit values
-        q = (q6.astype(np.int16) + 96).astype(np.uint8)  # q - 32 + 128: funcspec's 8-bit zero
-        return q.reshape(n, k), (d[..., None] * sc).reshape(n, k // 16), None
+        q6 = low.reshape(n, -1, 2, 4, 32) | (high << 4)  # [N, B, half, quarter, 32]: 6-bit values, zero 32
+        return q6.astype(np.uint8).reshape(n, k), (d[..., None] * sc).reshape(n, k // 16), None
     raise ValueError(f"GGUF block type {kind} has no funcspec kernel")
 
 

@@ -4,7 +4,7 @@
 compiled on first use and loaded through ``ctypes``), ``stream`` (the
 weight-streaming products and their packed layout), ``onednn`` (oneDNN's
 pre-packed bf16 products), ``attention`` (the decode attention kernel), ``quant``
-(the 8- and 4-bit products and :class:`QuantFormat`, a quantized linear's static
+(the 8-, 6- and 4-bit products and :class:`QuantFormat`, a quantized linear's static
 part), ``moe`` (a MoE layer's routed experts: the CPU kernel that streams the
 selected experts once per step, CUDA's grouped GEMMs, torch_npu's MoE ops, the
 reference), ``indexer`` (DeepSeek-V3.2's lightning indexer: its scores and

@@ -73,7 +73,7 @@ class Ops:
         half_gemm: the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
         blas_skinny: MKL streams skinny fp32 products fastest (AMX Xeons).
         decode_attention: the CPU decode attention kernel (:mod:`funcspec.kernels.attention`).
-        quantized: the CPU kernel of 8- and 4-bit weights (:mod:`funcspec.kernels.quant`); without it they
+        quantized: the CPU kernel of 8-, 6- and 4-bit weights (:mod:`funcspec.kernels.quant`); without it they
             take the same math in torch.
         routed_experts: the path of a MoE layer's routed experts, one of :data:`ROUTED` (:meth:`experts`).
     """

@@ -1,11 +1,11 @@
 // Quantized linear layers for decode, on every build of the kernels (build.py): VNNI on avx512bf16.
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x [M, K] (bf16 or fp32) and a
-// quantized weight w [N, K]: 8- or 4-bit unsigned values q, with one scale s (and, asymmetric, one
+// quantized weight w [N, K]: 8-, 6- or 4-bit unsigned values q, with one scale s (and, asymmetric, one
 // offset o) per output and group of G consecutive k (G a multiple of 32, G = K for per-channel; or
-// 16 for 8-bit weights, GGUF's Q6_K sub-blocks):
+// 16 for 8- and 6-bit weights, GGUF's Q6_K sub-blocks; 6-bit weights are symmetric):
 //
-//   w[n, k] = s[n, g] * (q[n, k] - zero)   symmetric: zero = 128 (8-bit) or 8 (4-bit)
+//   w[n, k] = s[n, g] * (q[n, k] - zero)   symmetric: zero = 128 (8-bit), 32 (6-bit) or 8 (4-bit)
 //   w[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric (GGUF Q4_K's mins, GPTQ/AWQ zero points)
 //
 // The activations are quantized per row and block of 32 k, as llama.cpp's Q8 activations are:
@@ -23,6 +23,9 @@
 //   8-bit: q [N/32][K/4][32][4]   a step of 4 k: 32 outputs x 4 bytes (2 zmm)
 //   4-bit: q [N/32][K/8][32][4]   a step of 8 k: byte j of an output holds k = 8s + j in its low
 //                                 nibble and k = 8s + 4 + j in its high one (2 zmm, split in registers)
+//   6-bit: q [N/32][3K/16][32][4] a unit of 16 k in 3 steps: the low 4 bits of its k as two 4-bit steps,
+//                                 then byte j of an output holds the high 2 bits of k = 4i + j at bits 2i
+//                                 (put back together in registers); llama.cpp's Q6_K streams as few bits
 //   s, o  [N/32][K/G][32] fp16
 //
 // Plain C ABI, called through ctypes; OpenMP binds to torch's own libgomp.
@@ -82,6 +85,10 @@ void qlinear(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o,
 template <class T>
 void dispatch(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o, const T* bias, T* out, int64_t M,
               int64_t N, int64_t K, int64_t G, int bits, int threads) {
+  if (bits == 6) {
+    qlinear<T, 6, false, 16>(x, q, s, o, bias, out, M, N, K, G, threads);
+    return;
+  }
   if (bits == 8 && G == 16) {
     if (o) qlinear<T, 8, true, 16>(x, q, s, o, bias, out, M, N, K, G, threads);
     else qlinear<T, 8, false, 16>(x, q, s, o, bias, out, M, N, K, G, threads);
@@ -98,7 +105,7 @@ void dispatch(const T* x, const uint8_t* q, const uint16_t* s, const uint16_t* o
 extern "C" {
 
 // x [M, K], q / s / o packed as above (o null: symmetric), bias [N] or null, out [M, N]; K a multiple of 32, G
-// a multiple of 32 dividing K, or 16 for 8-bit weights.
+// a multiple of 32 dividing K, or 16 for 8- and 6-bit weights.
 void funcspec_qlinear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* s, const uint16_t* o,
                            const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t G, int bits,
                            int threads) {

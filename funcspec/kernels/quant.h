@@ -2,7 +2,8 @@
 //
 // Rows of x are quantized to int8 per block of 32 k (quantize_row); a column block of 32 outputs of a
 // weight packed by funcspec/kernels/quant.py is multiplied by up to 6 of them (tile_any), each output
-// one fp32 accumulator over the blocks in order: quant.cpp's header says why. The avx512bf16 build's tiles
+// one fp32 accumulator over the blocks in order: quant.cpp's header says why. 6-bit values are put back
+// together in registers from their low nibbles and their 2 high bits (quant.cpp's layout). The avx512bf16 build's tiles
 // are VNNI intrinsics. The others sum each block's integer products (unit_dots) with AVX-VNNI (avxvnni) or
 // AVX2's byte products (avx512, avx2), or in fp32 lanes (portable: lane_dots; exact, every partial sum is an
 // integer below 2^24); then all scale the sums the same way, with simd.h's vectors.
@@ -25,6 +26,12 @@ namespace funcspec::quantized {
 constexpr int64_t QB = 32;    // outputs per column block: 2 zmm of fp32 accumulators
 constexpr int64_t AB = 32;    // k per activation block (one scale and one sum per row)
 constexpr int64_t STEP = 128;  // weight bytes per step (QB outputs x 4 bytes)
+
+// The symmetric formats' zero point: w = s (q - zero).
+template <int BITS>
+constexpr int32_t zero_point() {
+  return BITS == 8 ? 128 : BITS == 6 ? 32 : 8;
+}
 
 using funcspec::from_float;
 using funcspec::to_float;
@@ -83,13 +90,13 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
 // acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
-// for 8-bit weights in groups of 16: GGUF's Q6_K), each one integer sum per row and output.
+// for 8-bit weights in groups of 16 and for 6-bit weights: GGUF's Q6_K), each one integer sum per row and output.
 template <int BITS, bool ASYM, int U, int MB>
 void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int64_t G, const uint8_t* wb,
           const uint16_t* sb, const uint16_t* ob, float* acc) {
   const int64_t units = K / U, per_group = G / U, blocks = K / AB;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  constexpr int32_t zero = BITS == 8 ? 128 : 8;
+  constexpr int32_t zero = zero_point<BITS>();
   __m512 af[MB][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
@@ -125,6 +132,36 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
           const __m512i xv = _mm512_set1_epi32(v);
           ai[m][0] = _mm512_dpbusd_epi32(ai[m][0], w0, xv);
           ai[m][1] = _mm512_dpbusd_epi32(ai[m][1], w1, xv);
+        }
+      }
+    } else if (BITS == 6) {  // units of 16 k: two nibble steps, then the step of high bits
+      const uint8_t* w = wb + u * 3 * STEP;
+      const __m512i h0 = _mm512_loadu_si512(w + 2 * STEP), h1 = _mm512_loadu_si512(w + 2 * STEP + 64);
+      const __m512i top = _mm512_set1_epi8(0x30);
+      // Quad j's (k = 4j .. 4j + 3) high bits, at bits 2j of each byte, moved to bits 4-5 (16-bit shifts: what
+      // crosses into the next byte lands outside bits 4-5).
+      const __m512i hs[4][2] = {{_mm512_slli_epi16(h0, 4), _mm512_slli_epi16(h1, 4)},
+                                {_mm512_slli_epi16(h0, 2), _mm512_slli_epi16(h1, 2)},
+                                {h0, h1},
+                                {_mm512_srli_epi16(h0, 2), _mm512_srli_epi16(h1, 2)}};
+#pragma GCC unroll 2
+      for (int o = 0; o < 2; ++o) {
+        const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
+        // (high & 0x30) | nibble: vpternlogd's 0xEA is (a & b) | c.
+        const __m512i a0 = _mm512_ternarylogic_epi32(hs[2 * o][0], top, _mm512_and_si512(v0, low), 0xEA);
+        const __m512i a1 = _mm512_ternarylogic_epi32(hs[2 * o][1], top, _mm512_and_si512(v1, low), 0xEA);
+        const __m512i b0 = _mm512_ternarylogic_epi32(hs[2 * o + 1][0], top,
+                                                     _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), 0xEA);
+        const __m512i b1 = _mm512_ternarylogic_epi32(hs[2 * o + 1][1], top,
+                                                     _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), 0xEA);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t va, vb;
+          memcpy(&va, xq + m * K + u * U + o * 8, 4);
+          memcpy(&vb, xq + m * K + u * U + o * 8 + 4, 4);
+          const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
+          ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], a0, xa), b0, xb);
+          ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], a1, xa), b1, xb);
         }
       }
     } else {
@@ -183,8 +220,8 @@ constexpr int MAX_MB = 6;
 // With AVX-VNNI (the avxvnni build) one vpdpbusd per 4 k, as the avx512bf16 tile on half its width. Else AVX2's
 // byte products (avx512 and avx2 builds): vpmaddubsw multiplies unsigned by signed bytes into pairs of int16,
 // which 255 * 127 * 2 would overflow, so 8-bit weights enter as q - 128 (|q - 128| times x signed as q - 128),
-// and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4. Every way gives the same
-// integers, so the same bits.
+// and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4, 6-bit ones below 63 * 127 * 4.
+// Every way gives the same integers, so the same bits.
 template <int BITS, int U, int MB>
 inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usum, const uint8_t* wb,
                       int32_t* dots) {
@@ -224,6 +261,32 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) ai[m] = _mm256_add_epi32(ai[m], _mm256_set1_epi32(128 * usum[m]));
 #endif
+    } else if (BITS == 6) {  // units of 16 k: two nibble steps, then the step of high bits
+      const uint8_t* w = wb + u * 3 * STEP + 32 * g;
+      const __m256i h = _mm256_loadu_si256((const __m256i*)(w + 2 * STEP));
+      const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+      const __m256i hs[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
+#pragma GCC unroll 2
+      for (int o = 0; o < 2; ++o) {  // quads 2o and 2o + 1: the low and the high nibbles of step o
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + o * STEP));
+        const __m256i a = _mm256_or_si256(_mm256_and_si256(hs[2 * o], top), _mm256_and_si256(v, low));
+        const __m256i b = _mm256_or_si256(_mm256_and_si256(hs[2 * o + 1], top),
+                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          int32_t va, vb;
+          memcpy(&va, xq + m * K + u * U + 8 * o, 4);
+          memcpy(&vb, xq + m * K + u * U + 8 * o + 4, 4);
+#if defined(__AVXVNNI__)
+          ai[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ai[m], a, _mm256_set1_epi32(va)), b,
+                                          _mm256_set1_epi32(vb));
+#else
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, _mm256_set1_epi32(va)),
+                                             _mm256_maddubs_epi16(b, _mm256_set1_epi32(vb)));
+          ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
+#endif
+        }
+      }
     } else {
       const uint8_t* w = wb + u * 4 * STEP + 32 * g;
       const __m256i low = _mm256_set1_epi8(0x0F);
@@ -277,6 +340,22 @@ inline void lane_dots(const int8_t* xq, int64_t K, int64_t u, int h, const uint8
         }
       }
     }
+  } else if (BITS == 6) {
+    const uint8_t* w = wb + u * 3 * STEP + 64 * h;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const vu high = load_u32(w + 2 * STEP + 4 * W * j);  // byte b: quad i's high bits at bits 2i
+      for (int o = 0; o < 2; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
+        const vu v = load_u32(w + o * STEP + 4 * W * j);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) {
+          const int quad = 2 * o + b / 4, byte = b % 4;
+          const vf wk = cvt(((v >> (8 * byte + 4 * (b / 4))) & 0xfu) | (((high >> (8 * byte + 2 * quad)) & 3u) << 4));
+#pragma GCC unroll 8
+          for (int m = 0; m < MB; ++m) ai[m][j] = ai[m][j] + (float)xq[m * K + u * U + 8 * o + b] * wk;
+        }
+      }
+    }
   } else {
     const uint8_t* w = wb + u * 4 * STEP + 64 * h;
     for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
@@ -304,7 +383,7 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
   using namespace funcspec::simd;
   constexpr int NV = 16 / W;  // registers per 16 outputs
   const int64_t units = K / U, per_group = G / U, blocks = K / AB;
-  constexpr float zero = BITS == 8 ? 128.0f : 8.0f;
+  constexpr float zero = zero_point<BITS>();
   alignas(64) float sf[QB], of[QB];
   for (int i = 0; i < MB * QB; ++i) acc[i] = 0.0f;
   for (int64_t u = 0; u < units; ++u) {
@@ -375,13 +454,17 @@ inline void tile_rows(int64_t mb, const int8_t* xq, const float* d, const int32_
 }
 
 // Rows per pass of a weight of `bits` (asym: with offsets), at run time.
-inline int rows_per_pass(int bits, bool asym) { return bits == 4 && asym ? max_rows<4, true>() : max_rows<8, false>(); }
+inline int rows_per_pass(int bits, bool asym) {
+  return bits == 4 && asym ? max_rows<4, true>() : bits == 6 ? max_rows<6, false>() : max_rows<8, false>();
+}
 
-// tile_rows for a weight's format known at run time: `bits` 8 or 4, offsets `ob` (null: symmetric), group G
-// (16: GGUF's Q6_K units of 16 k); mb <= rows_per_pass(bits, ob != null).
+// tile_rows for a weight's format known at run time: `bits` 8, 6 (symmetric, units of 16 k) or 4, offsets `ob`
+// (null: symmetric), group G (16: GGUF's Q6_K); mb <= rows_per_pass(bits, ob != null).
 inline void tile_any(int bits, int64_t mb, const int8_t* xq, const float* d, const int32_t* sums, int64_t K,
                      int64_t G, const uint8_t* wb, const uint16_t* sb, const uint16_t* ob, float* acc) {
-  if (bits == 8 && G == 16) {
+  if (bits == 6) {
+    tile_rows<6, false, 16>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
+  } else if (bits == 8 && G == 16) {
     if (ob) tile_rows<8, true, 16>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
     else tile_rows<8, false, 16>(mb, xq, d, sums, K, G, wb, sb, ob, acc);
   } else if (bits == 8) {

@@ -1,17 +1,17 @@
-"""Quantized linear layers: 8- and 4-bit weights in groups, the CPU kernel (every build; VNNI on avx512bf16) and its
-reference.
+"""Quantized linear layers: 8-, 6- and 4-bit weights in groups, the CPU kernel (every build; VNNI on avx512bf16) and
+its reference.
 
-A quantized weight W [N, K] is stored as unsigned values q (8 or 4 bits) with
+A quantized weight W [N, K] is stored as unsigned values q (8, 6 or 4 bits) with
 one fp16 scale s per output and group of G consecutive k (G a multiple of 32,
 G = K for per-channel), and for asymmetric formats one fp16 offset o::
 
-    W[n, k] = s[n, g] * (q[n, k] - zero)   symmetric (zero = 128 for 8 bits, 8 for 4)
-    W[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric
+    W[n, k] = s[n, g] * (q[n, k] - zero)   symmetric (zero = 128 for 8 bits, 32 for 6, 8 for 4)
+    W[n, k] = s[n, g] * q[n, k] - o[n, g]  asymmetric (8 and 4 bits)
 
 That one family holds GGUF's Q8_0 (8-bit, G = 32), Q4_0 (4-bit, G = 32), Q4_K
 (4-bit, G = 32, asymmetric: its 6-bit sub-block scales and mins times the
-super-block's d and dmin) and Q6_K (8-bit, G = 16: its 6-bit values, int8
-sub-block scales times d), and funcspec's own round-to-nearest int8 (per
+super-block's d and dmin) and Q6_K (6-bit, G = 16: its int8 sub-block scales
+times d), and funcspec's own round-to-nearest int8 (per
 channel) and int4 (G = 32 or 128); GPTQ / AWQ zero points are its offsets.
 
 The product quantizes each row's activations per block of 32 k to int8 (as
@@ -38,6 +38,8 @@ from funcspec.kernels.cpu import huge_empty
 
 QB = 32
 """Outputs per column block of the packed layout (quant.cpp's ``QB``)."""
+ZEROS = {8: 128, 6: 32, 4: 8}
+"""Bits -> the symmetric zero point: ``W = s (q - zero)``."""
 AB = 32
 """k per activation block: the granularity of the activations' int8 scales, and of G."""
 DTYPES = (torch.bfloat16, torch.float32)
@@ -66,7 +68,7 @@ class QuantFormat:
     @property
     def zero(self) -> int:
         """The symmetric formats' zero point."""
-        return 128 if self.bits == 8 else 8
+        return ZEROS[self.bits]
 
     @property
     def bytes(self) -> int:
@@ -75,30 +77,39 @@ class QuantFormat:
         return n * self.in_features * self.bits // 8 + n * (self.in_features // self.group) * 2 * (1 + self.asym)
 
 
-def check_shape(n: int, k: int, bits: int, group: int) -> None:
+def check_shape(n: int, k: int, bits: int, group: int, asym: bool = False) -> None:
     """``ValueError`` for a weight the kernel cannot hold: K a multiple of 32; G a multiple of 32 dividing K, or
-    16 at 8 bits (GGUF's Q6_K sub-blocks)."""
-    if bits not in (4, 8):
-        raise ValueError(f"quantized weights are 8 or 4 bits, got {bits}")
-    if k % AB or k % group or (group % AB and not (bits == 8 and group == 16)):
+    16 at 8 and 6 bits (GGUF's Q6_K sub-blocks); 6-bit weights symmetric."""
+    if bits not in ZEROS:
+        raise ValueError(f"quantized weights are 8, 6 or 4 bits, got {bits}")
+    if k % AB or k % group or (group % AB and not (bits != 4 and group == 16)):
         raise ValueError(f"quantized weight [{n}, {k}]: in_features must be a multiple of {AB} and the group size "
-                         f"a multiple of {AB} dividing it (or 16 at 8 bits); got group {group}")
+                         f"a multiple of {AB} dividing it (or 16 at 8 and 6 bits); got group {group}")
+    if bits == 6 and asym:
+        raise ValueError(f"quantized weight [{n}, {k}]: 6-bit weights are symmetric (no offsets)")
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, offsets, bits: int) -> tuple:
     """q [N, K] (uint8 values), scales and offsets [N, K/G] in the kernel's layout: ``(qweight, scales, offsets)``.
 
-    qweight: 8-bit [N'/32, K/4, 32, 4], 4-bit [N'/32, K/8, 32, 4] (a byte holds k = 8s + j low and 8s + 4 + j
-    high); scales / offsets fp16 [N'/32, K/G, 32]; N' = N rounded up to 32 (zero padding).
+    qweight: 8-bit [N'/32, K/4, 32, 4]; 4-bit [N'/32, K/8, 32, 4] (a byte holds k = 8s + j low and 8s + 4 + j
+    high); 6-bit [N'/32, 3K/16, 32, 4], units of 16 k: their low 4 bits as two 4-bit steps, then a step whose
+    byte j holds the high 2 bits of k = 4i + j at bits 2i. Scales / offsets fp16 [N'/32, K/G, 32]; N' = N
+    rounded up to 32 (zero padding).
     """
     n, k = q.shape
     pad = -n % QB
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))  # [N', K]
     if bits == 8:
         v = q.view(-1, QB, k // 4, 4).permute(0, 2, 1, 3)  # [N'/32, K/4, 32, 4]
+    elif bits == 4:
+        v = _nibbles(q).flatten(1, 2)  # [N'/32, K/8, 32, 4]
     else:
-        octets = q.view(-1, QB, k // 8, 2, 4)  # [N'/32, 32, K/8, (low, high), 4]
-        v = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N'/32, K/8, 32, 4]
+        units = q.view(-1, QB, k // 16, 4, 4)  # [N'/32, 32, K/16, quad i, j]
+        high = (units >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q.device).view(4, 1)  # at 2i
+        high = high[..., 0, :] | high[..., 1, :] | high[..., 2, :] | high[..., 3, :]  # [N'/32, 32, K/16, 4]
+        steps = torch.cat([_nibbles(q & 0x0F), high.permute(0, 2, 1, 3).unsqueeze(2)], 2)  # [N'/32, K/16, 3, 32, 4]
+        v = steps.flatten(1, 2)  # [N'/32, 3K/16, 32, 4]
     packed = huge_empty(v.shape, torch.uint8, v.device).copy_(v)
 
     def groups(t):
@@ -108,14 +119,32 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets, bits: int) -> tuple:
     return packed, groups(scales), None if offsets is None else groups(offsets)
 
 
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [N', K] as steps of 8 k: [N'/32, K/16, 2, 32, 4] (K/8 steps in pairs), byte j of an output
+    holding k = 8s + j in its low nibble and 8s + 4 + j in its high one."""
+    octets = q.view(-1, QB, q.shape[1] // 16, 2, 2, 4)  # [N'/32, 32, K/16, step, (low, high), j]
+    return (octets[..., 0, :] | (octets[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+
+
+def _unnibble(steps: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_nibbles`: [N'/32, S, 32, 4] steps of 8 k -> values [N', 8S]."""
+    lo, hi = steps & 0x0F, steps >> 4  # [N'/32, S, 32, 4] each
+    return torch.stack([lo, hi], 3).permute(0, 2, 1, 3, 4).reshape(-1, steps.shape[1] * 8)  # [N', 8S]
+
+
 def unpack(qweight: torch.Tensor, scales: torch.Tensor, offsets, fmt: QuantFormat) -> tuple:
     """The inverse of :func:`pack`: q [N, K] uint8, scales and offsets [N, K/G] fp16."""
     n, k = fmt.out_features, fmt.in_features
     if fmt.bits == 8:
         q = qweight.permute(0, 2, 1, 3).reshape(-1, k)  # [N', K]
+    elif fmt.bits == 4:
+        q = _unnibble(qweight)  # [N', K]
     else:
-        lo, hi = qweight & 0x0F, qweight >> 4  # [N'/32, K/8, 32, 4] each
-        q = torch.stack([lo, hi], 3).permute(0, 2, 1, 3, 4).reshape(-1, k)  # [N', K]
+        units = qweight.view(qweight.shape[0], k // 16, 3, QB, 4)  # [N'/32, K/16, (step, step, high), 32, 4]
+        low = _unnibble(units[:, :, :2].flatten(1, 2))  # [N', K]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qweight.device).view(4, 1)
+        high = (units[:, :, 2].unsqueeze(-2) >> shifts) & 3  # [N'/32, K/16, 32, quad i, j]
+        q = low | (high.permute(0, 2, 1, 3, 4).reshape(-1, k) << 4)  # [N', K]
 
     def groups(t):
         return None if t is None else t.transpose(1, 2).reshape(-1, t.shape[1])[:n]

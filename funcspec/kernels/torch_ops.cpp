@@ -126,11 +126,12 @@ at::Tensor stream_linear(const at::Tensor& x_, const at::Tensor& packed, const s
 at::Tensor qlinear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales,
                    const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_, int64_t n,
                    int64_t k, int64_t bits, int64_t group) {
-  TORCH_CHECK_VALUE((bits == 4 || bits == 8) && n > 0 && k > 0 && group > 0 && k % AB == 0 && k % group == 0 &&
-                        (group % AB == 0 || (bits == 8 && group == 16)),
+  TORCH_CHECK_VALUE((bits == 4 || bits == 6 || bits == 8) && n > 0 && k > 0 && group > 0 && k % AB == 0 &&
+                        k % group == 0 && (group % AB == 0 || (bits != 4 && group == 16)),
                     "qlinear: a ", bits, "-bit weight [", n, ", ", k, "] in groups of ", group,
-                    " is not one the kernel holds (8 or 4 bits; in_features a multiple of 32, the group size a "
-                    "multiple of 32 dividing it, or 16 at 8 bits)");
+                    " is not one the kernel holds (8, 6 or 4 bits; in_features a multiple of 32, the group size a "
+                    "multiple of 32 dividing it, or 16 at 8 and 6 bits)");
+  TORCH_CHECK_VALUE(bits != 6 || !offsets.has_value(), "qlinear: 6-bit weights are symmetric, got offsets");
   const int64_t steps = k * bits / 32, blocks = (n + QB - 1) / QB;
   const std::string fmt = c10::str(bits, "-bit [", n, ", ", k, "] in groups of ", group);
   TORCH_CHECK_VALUE(streamable(x_) && x_.dim() >= 1 && x_.size(-1) == k, "qlinear: x must be bfloat16 or float32 [..., ",

@@ -87,7 +87,7 @@ def quantize(p: dict, name: str) -> dict:
         lo, hi = -8, 7
     s = scale.float().unsqueeze(-1)
     inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-    zero = 128 if bits == 8 else 8
+    zero = qk.ZEROS[bits]
     q = (torch.round(g * inv).clamp(lo, hi) + zero).to(torch.uint8).view(n, k)
     qweight, scales, _ = qk.pack(q, scale, None, bits)
     out = {"qweight": qweight, "scales": scales, "format": fmt}
@@ -102,16 +102,17 @@ def linear(q: torch.Tensor, scales: torch.Tensor, bits: int, name: str, zeros=No
 
     q [N, K] unsigned values (below 2^bits); scales [N, K/G] (G = K / its columns). Either ``zeros`` [N, K/G],
     integer zero points (W = s (q - z)), or ``offsets`` [N, K/G] (W = s q - o, GGUF's K-quants), or neither: the
-    format's own zero (128 / 8). Zeros that all equal it are symmetric; others become offsets s z, rounded to fp16
-    as every scale is (a relative 2^-11 of s z, far below a step s). ``perm`` [K]: the input order the values
-    are stored in (GPTQ's act-order, :func:`act_order`): the columns are taken in that order, and the product
-    gathers x the same way.
+    format's own zero (:data:`funcspec.kernels.quant.ZEROS`). Zeros that all equal it are symmetric; others become
+    offsets s z, rounded to fp16 as every scale is (a relative 2^-11 of s z, far below a step s). ``perm`` [K]:
+    the input order the values are stored in (GPTQ's act-order, :func:`act_order`): the columns are taken in that
+    order, and the product gathers x the same way.
     """
     n, k = q.shape
     group = k // scales.shape[1]
     qk.check_shape(n, k, bits, group)
-    if zeros is not None and not bool((zeros == (128 if bits == 8 else 8)).all()):
+    if zeros is not None and not bool((zeros == qk.ZEROS[bits]).all()):
         offsets = scales.float() * zeros.float()
+    qk.check_shape(n, k, bits, group, offsets is not None)
     if perm is not None:
         q = q[:, perm]
     qweight, s, o = qk.pack(q.to(torch.uint8), scales, offsets, bits)

@@ -88,15 +88,16 @@ def test_q4_k_blocks_decode_as_gguf_dequantizes_them_within_fp16_scales():
 
 
 def test_q6_k_blocks_decode_as_gguf_dequantizes_them_within_fp16_scales():
-    """Q6_K (Q4_K_M files' other type) as 8-bit weights in groups of 16: its 6-bit values, bit planes and int8
-    sub-block scales as llama.cpp lays them out, d·sc rounded to fp16."""
+    """Q6_K (Q4_K_M files' other type) as 6-bit weights in groups of 16, streamed in 7 bits a weight: its values,
+    bit planes and int8 sub-block scales as llama.cpp lays them out, d·sc rounded to fp16."""
     g = np.random.default_rng(1)
     blocks = g.integers(0, 256, (6, 2, 210), dtype=np.uint8)
     blocks[..., 208:210] = np.float16(0.003).reshape(1).view(np.uint8)
     raw = blocks.reshape(6, -1)
     q, s, o = ggufmod.blocks(raw, "Q6_K", 6, 512)
-    p = ggufmod.quantized_linear(q, s, o, 8, "gguf-q6_k")
-    assert (p["format"].bits, p["format"].group, p["format"].asym) == (8, 16, False)
+    p = ggufmod.quantized_linear(q, s, o, ggufmod.QUANTIZED["Q6_K"], "gguf-q6_k")
+    assert (p["format"].bits, p["format"].group, p["format"].asym) == (6, 16, False)
+    assert p["format"].bytes == 32 * 512 * 7 // 8 and p["qweight"].numel() == 32 * 512 * 6 // 8  # N padded to 32
     mine = quant.dequantize(p["qweight"], p["scales"], None, p["format"])
     want = torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K))
     torch.testing.assert_close(mine, want, atol=want.abs().max().item() * 2 ** -10, rtol=0)

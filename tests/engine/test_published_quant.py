@@ -346,5 +346,5 @@ def test_msmodelslim_file_names_are_found(written, tmp_path):
 def test_a_group_size_the_kernel_does_not_run_is_named(sources, tmp_path):
     path = qw.write_gptq(sources / "llama", tmp_path / "g16", group=16)
     with pytest.raises(ValueError, match=rf"{Q}: quantized weight \[128, 128\]: .*group size a multiple of 32 "
-                                         r"dividing it \(or 16 at 8 bits\); got group 16"):
+                                         r"dividing it \(or 16 at 8 and 6 bits\); got group 16"):
         load_model(path)

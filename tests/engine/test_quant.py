@@ -14,12 +14,13 @@ from funcspec.quant import formats, prepare_params
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason="no build of the CPU kernels runs on this CPU")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-FORMATS = [(8, 64, False), (8, 32, False), (8, 32, True), (8, 16, False), (4, 32, False), (4, 128, True), (4, 64, False)]
+FORMATS = [(8, 64, False), (8, 32, False), (8, 32, True), (8, 16, False), (6, 16, False), (6, 64, False),
+           (4, 32, False), (4, 128, True), (4, 64, False)]
 
 
 def random_format(n, k, bits, group, asym, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 256 if bits == 8 else 16, (n, k), dtype=torch.uint8, generator=g)
+    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
     s = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
     o = torch.rand(n, k // group, generator=g) * 0.1 if asym else None
     qweight, scales, offsets = quant.pack(q, s, o, bits)
@@ -38,7 +39,7 @@ def test_pack_round_trips_and_dequantizes_to_the_formula(bits, group, asym):
     w = quant.dequantize(p["qweight"], p["scales"], p.get("offsets"), p["format"])
     sf = s.half().float().repeat_interleave(group, 1)
     want = sf * q.float() - o.half().float().repeat_interleave(group, 1) if asym else \
-        sf * (q.float() - (128 if bits == 8 else 8))
+        sf * (q.float() - {8: 128, 6: 32, 4: 8}[bits])
     torch.testing.assert_close(w, want, atol=0, rtol=0)
 
 
@@ -92,8 +93,16 @@ def test_kernel_rejects_what_it_cannot_read():
         quant.qlinear(torch.randn(2, 64), {**p, "format": quant.QuantFormat(4, 32, 64, 64, True)})
     with pytest.raises(ValueError, match="in_features must be a multiple of 32"):
         quant.check_shape(64, 48, 4, 32)
-    with pytest.raises(ValueError, match="or 16 at 8 bits"):
+    with pytest.raises(ValueError, match="or 16 at 8 and 6 bits"):
         quant.check_shape(64, 64, 4, 16)
+    with pytest.raises(ValueError, match="8, 6 or 4 bits, got 5"):
+        quant.check_shape(64, 64, 5, 32)
+    with pytest.raises(ValueError, match="6-bit weights are symmetric"):
+        quant.check_shape(64, 64, 6, 16, asym=True)
+    _, _, _, six = random_format(64, 64, 6, 16, False)
+    with pytest.raises(ValueError, match="6-bit weights are symmetric, got offsets"):
+        torch.ops.funcspec.qlinear(torch.randn(2, 64), six["qweight"], six["scales"], six["scales"], None, 64, 64, 6,
+                                   16)
 
 
 @pytest.mark.parametrize("name", ["int8", "int8-g32", "int4", "int4-g128"])

@@ -205,8 +205,9 @@ def test_streaming_products(kernel_build, dtype, k, two_threads):
 
 
 # Every weight the quantized kernel holds: 8 and 4 bits, symmetric and asymmetric, groups of 32, 128 and K (per
-# channel), and 16 at 8 bits (GGUF's Q6_K).
+# channel), 16 at 8 bits, and 6 bits (symmetric) in groups of 16 (GGUF's Q6_K), 32 and K.
 QFORMATS = [(8, 32, False), (8, 32, True), (8, 128, False), (8, 256, False), (8, 16, False), (8, 16, True),
+            (6, 16, False), (6, 32, False), (6, 256, False),
             (4, 32, False), (4, 32, True), (4, 128, True), (4, 256, False)]
 
 
