@@ -16,6 +16,7 @@ of their sparse layers with :func:`funcspec.nn.moe.sparse_block` (``moe``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -199,8 +200,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # NOTE: rotate_half(x) = cat(-x2, x1) as a roll and a sign: the same values, but pointwise, so inductor fuses
+    # it into the product's epilogue instead of writing the halves to a buffer of their own.
+    rolled = torch.roll(x, r // 2, dims=-1)  # [..., D]: x2, x1
+    first = torch.arange(r, device=x.device) < r // 2  # [D]
+    return x * cos + torch.where(first, -rolled, rolled) * sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -435,11 +439,13 @@ def attention_qkv(cfg: ModelConfig, p: dict, x, cos, sin):
 
 
 def attention_out(cfg: ModelConfig, p: dict, k_cache, v_cache, q, slots, pos, window=None,
-                  read: KVRead = FULL_READ, tree: Optional[TreeMask] = None):
-    """o_proj(attention of q [B, T, H, D] over one layer's caches [S+1, H_kv, T_max, D], already written); [B, T, H]."""
+                  read: KVRead = FULL_READ, tree: Optional[TreeMask] = None, visible: Optional[torch.Tensor] = None):
+    """o_proj(attention of q [B, T, H, D] over one layer's caches [S+1, H_kv, T_max, D], already written); [B, T, H].
+    ``visible`` [B, T, T_read]: the mask :func:`visible_keys` gives, when the caller has it already."""
     kv = KVCache(k_cache.unsqueeze(0), v_cache.unsqueeze(0), None)  # type: ignore[arg-type]  # lens unread; the layer's [1, S+1, H_kv, T_max, D]
     keys, vals = read_cache(kv.k, 0, slots, read), read_cache(kv.v, 0, slots, read)  # [B, H_kv, T_read, D]
-    visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
+    if visible is None:
+        visible = visible_keys(pos, keys.shape[2], window, tree)  # [B, T, T_read]
     return row_parallel(cfg, attend(cfg.ops, q, keys, vals, visible), p["o_proj"])
 
 
@@ -472,8 +478,9 @@ def decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
 
 
 def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read: KVRead = FULL_READ,
-                  tree: Optional[TreeMask] = None):
+                  tree: Optional[TreeMask] = None, visible: Optional[torch.Tensor] = None):
     """:func:`decoder_layer` ``layer`` of a stack whose layers share one shape; compiled once per stack.
+    ``visible``: the attention mask (:func:`shared_visible`), else built from pos, window and tree.
 
     NOTE: under ``torch.compile`` a layer is two calls of ``nested_compile_region``
     functions, :func:`_qkv_region` (norm, q/k/v, RoPE) and :func:`_out_region`
@@ -490,12 +497,22 @@ def stacked_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window=None, read:
     if not torch.compiler.is_compiling():
         return decoder_layer(cfg, p, kv, layer, x, slots, pos, cos, sin, window, read, tree=tree)
     statics = (_constants(cfg), _constants(read))
-    masks = None if tree is None else (tree.positions, tree.base, tree.ancestors)
+    if visible is None:
+        visible = shared_visible(kv, pos, window, read, tree)
     p = _formats_as_constants(p)
     q, k, v = _qkv_region(statics, p, x, cos, sin).split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=2)
     write_kv(kv.k, layer, slots, pos, k.to(kv.k.dtype))
     write_kv(kv.v, layer, slots, pos, v.to(kv.v.dtype))
-    return _out_region(statics, p, kv.k[layer], kv.v[layer], q, x, slots, pos, window, masks)
+    return _out_region(statics, p, kv.k[layer], kv.v[layer], q, x, slots, visible)
+
+
+def shared_visible(kv: KVCache, pos: torch.Tensor, window, read: KVRead, tree: Optional[TreeMask]):
+    """The mask [B, T, T_read] every layer's attention reads (:func:`visible_keys`), built once a step when compiled
+    (a region that builds it is one more kernel and buffer per layer); ``None`` eager, where each layer builds its
+    own."""
+    if not torch.compiler.is_compiling():
+        return None
+    return visible_keys(pos, kv.k.shape[3] if read.length is None else read.length, window, tree)
 
 
 def _formats_as_constants(p):
@@ -547,9 +564,8 @@ def _qkv_region(statics: tuple, p, x, cos, sin):
     NOTE: the static config comes in as tuples of Python constants: Dynamo
     reuses a region only when it can fingerprint every argument, and a
     dataclass argument made it trace a fresh copy per call site (then inline it,
-    its cache writes becoming copies of the whole stack's cache); so the tree's mask comes in as its tensors
-    (``masks``), and
-    quantized linears' formats as tuples, too.
+    its cache writes becoming copies of the whole stack's cache); so the attention's mask comes in as a tensor
+    (``visible``), and quantized linears' formats as tuples, too.
     """
     cfg, p = _from_constants(ModelConfig, statics[0]), _formats_back(p)
     h = rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
@@ -560,12 +576,12 @@ def _qkv_region(statics: tuple, p, x, cos, sin):
 
 
 @torch.compiler.nested_compile_region
-def _out_region(statics: tuple, p, k_cache, v_cache, q, x, slots, pos, window, masks):
-    """The rest of a layer once its caches [S+1, H_kv, T_max, D] hold this step's k, v: x + attention, + MLP."""
+def _out_region(statics: tuple, p, k_cache, v_cache, q, x, slots, visible):
+    """The rest of a layer once its caches [S+1, H_kv, T_max, D] hold this step's k, v: x + attention over
+    ``visible`` [B, T, T_read], + MLP."""
     cfg, read = _from_constants(ModelConfig, statics[0]), _from_constants(KVRead, statics[1])
     p = _formats_back(p)
-    tree = None if masks is None else TreeMask(*masks)
-    h = x + attention_out(cfg, p["self_attn"], k_cache, v_cache, q, slots, pos, window, read, tree)
+    h = x + attention_out(cfg, p["self_attn"], k_cache, v_cache, q, slots, None, read=read, visible=visible)
     return h + feed_forward(cfg, p["mlp"], rms_norm(h, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps))
 
 
@@ -642,10 +658,11 @@ def forward(cfg: ModelConfig, params: dict, kv: KVCache, tokens: torch.Tensor, s
     x = m["embed_tokens"]["weight"][tokens]  # [B, T, H]
     cos, sin = rope_tables(cfg, pos if tree is None else tree.positions, x.dtype)
     hiddens = {}
+    layer = layer or functools.partial(stacked_layer, visible=shared_visible(kv, pos, window, read, tree))
     for i, p in enumerate(m["layers"]):
         if i in hidden_layers:
             hiddens[i] = x
-        x = (layer or stacked_layer)(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
+        x = layer(cfg, p, kv, i, x, slots, pos, cos, sin, window, read, tree=tree)
     hiddens[cfg.num_layers + 1] = x
     x = rms_norm(x, m["norm"]["weight"], cfg.rms_norm_eps)
     hiddens[cfg.num_layers] = x
