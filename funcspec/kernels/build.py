@@ -105,6 +105,7 @@ _SIGNATURES = {
     "funcspec_experts_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
     "funcspec_qexperts_bf16": [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9 + [ctypes.c_int],
     "funcspec_qexperts_f32": [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9 + [ctypes.c_int],
+    "funcspec_set_quant_prefetch": [ctypes.c_int64],
 }
 
 
@@ -175,6 +176,14 @@ STREAMING_OVERRIDE = {"x86 AMX": ("avx512bf16", "avx512")}
 is the other way round), while VNNI keeps the quantized products best on avx512bf16:
 graphs/results/cpu/kernel-builds-20261205-005240.md. AMX tiles did not beat VNNI's quantized products at 1-16
 rows (graphs/results/cpu/kernel-builds-20261205-064844.md), so no build uses them."""
+
+
+QUANT_PREFETCH = {"x86 AMX": 3072}
+"""CPU kind -> how many bytes ahead the quantized products (the avx512bf16 build's tile) prefetch their weights;
+other kinds leave it to the hardware prefetcher. On the Intel AMX Xeon the prefetch made every quantized product
+of a llama-600m shape faster, at 1 and 5 rows (graphs/results/cpu/quant-prefetch-20261205-183800.md); on Zen 4,
+software prefetches slowed the streaming products at a few rows (graphs/results/notes/kernels.md), and the
+quantized ones were not measured there. Prefetches change no bits."""
 
 
 def _streaming_choice(base: str | None) -> tuple[str | None, str]:
@@ -405,6 +414,7 @@ def load(name: str) -> ctypes.CDLL | None:
     for fn_name, args in _SIGNATURES.items():
         fn = getattr(handle, fn_name)
         fn.argtypes, fn.restype = args, None
+    handle.funcspec_set_quant_prefetch(QUANT_PREFETCH.get(cpu_kind(), 0))
     return handle
 
 

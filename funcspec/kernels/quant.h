@@ -27,6 +27,13 @@ constexpr int64_t QB = 32;    // outputs per column block: 2 zmm of fp32 accumul
 constexpr int64_t AB = 32;    // k per activation block (one scale and one sum per row)
 constexpr int64_t STEP = 128;  // weight bytes per step (QB outputs x 4 bytes)
 
+// How far ahead of the unit it reads (bytes) the avx512bf16 tile prefetches the weights into L1; 0: the hardware
+// prefetcher alone. Set per CPU kind when the library loads (funcspec_set_quant_prefetch, build.py).
+inline int64_t& prefetch_ahead() {
+  static int64_t bytes = 0;
+  return bytes;
+}
+
 // The symmetric formats' zero point: w = s (q - zero).
 template <int BITS>
 constexpr int32_t zero_point() {
@@ -101,7 +108,14 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm512_setzero_ps();
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+  constexpr int64_t unit_bytes = U * BITS * QB / 8;
+  const int64_t ahead = prefetch_ahead();
   for (int64_t u = 0; u < units; ++u) {
+    if (ahead) {
+#pragma GCC unroll 16
+      for (int l = 0; l < unit_bytes / 64; ++l)
+        _mm_prefetch((const char*)wb + u * unit_bytes + ahead + 64 * l, _MM_HINT_T0);
+    }
     if (u % per_group == 0) {
       const int64_t g = u / per_group;
       s0 = load_half(sb + g * QB);

@@ -263,6 +263,24 @@ def test_quantized_products(kernel_build, fmt, dtype, two_threads):
 
 
 @pytest.mark.skipif("avxvnni" not in BUILDS, reason="this CPU has no AVX-VNNI, so no avxvnni build to compare")
+@pytest.mark.parametrize("fmt", [(4, 32, False), (6, 16, False), (8, 32, True)], ids=["q4_0", "q6_k", "8bit-asym"])
+def test_prefetching_quantized_weights_changes_no_bits(kernel_build, fmt, two_threads):
+    """The distance the quantized tiles prefetch at (set per CPU kind on load, build.QUANT_PREFETCH; the portable
+    tiles ignore it) changes no output bit, at 1 and 5 rows."""
+    g = torch.Generator().manual_seed(11)
+    p = quantized_linear(*fmt, 96, 512, g)
+    x = torch.randn(5, 512, generator=g).to(torch.bfloat16)
+    set_ahead = build.lib().funcspec_set_quant_prefetch
+    try:
+        outs = []
+        for ahead in (0, 64, 3072, 1 << 16):
+            set_ahead(ahead)
+            outs.append((quant.qlinear(x[:1], p), quant.qlinear(x, p)))
+    finally:
+        set_ahead(build.QUANT_PREFETCH.get(build.cpu_kind(), 0))
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs)
+
+
 def test_avxvnni_and_avx2_builds_give_the_same_bits(monkeypatch, two_threads):
     """The two ways of summing the integer products (AVX-VNNI's vpdpbusd; AVX2's byte products with the 8-bit
     weights shifted by 128) give the same integers, so every format's outputs are bitwise the same."""
