@@ -96,6 +96,22 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* d, int32_t* sums) {
 
 inline __m512 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
+// ai [MB][2] += each row's two quads of k at xk + m K (8 bytes) times 32 outputs' unpacked weights: the first
+// quad's a0 (outputs 0-15) and a1 (16-31), the second's b0 and b1.
+template <int MB>
+inline void quad_pairs(__m512i (*ai)[2], const int8_t* xk, int64_t K, __m512i a0, __m512i a1, __m512i b0,
+                       __m512i b1) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    int32_t va, vb;
+    memcpy(&va, xk + m * K, 4);
+    memcpy(&vb, xk + m * K + 4, 4);
+    const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
+    ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], a0, xa), b0, xb);
+    ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], a1, xa), b1, xb);
+  }
+}
+
 // acc [MB][32] (fp32) += the rows' products with one column block, over every k, in units of U k (32, or 16
 // for 8-bit weights in groups of 16 and for 6-bit weights: GGUF's Q6_K), each one integer sum per row and output.
 template <int BITS, bool ASYM, int U, int MB>
@@ -168,15 +184,7 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
                                                      _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), 0xEA);
         const __m512i b1 = _mm512_ternarylogic_epi32(hs[2 * o + 1][1], top,
                                                      _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), 0xEA);
-#pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          int32_t va, vb;
-          memcpy(&va, xq + m * K + u * U + o * 8, 4);
-          memcpy(&vb, xq + m * K + u * U + o * 8 + 4, 4);
-          const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
-          ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], a0, xa), b0, xb);
-          ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], a1, xa), b1, xb);
-        }
+        quad_pairs<MB>(ai, xq + u * U + o * 8, K, a0, a1, b0, b1);
       }
     } else {
       const uint8_t* w = wb + u * 4 * STEP;
@@ -185,15 +193,7 @@ void tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t K, int6
         const __m512i v0 = _mm512_loadu_si512(w + o * STEP), v1 = _mm512_loadu_si512(w + o * STEP + 64);
         const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
         const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-#pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          int32_t va, vb;
-          memcpy(&va, xq + m * K + u * U + o * 8, 4);
-          memcpy(&vb, xq + m * K + u * U + o * 8 + 4, 4);
-          const __m512i xa = _mm512_set1_epi32(va), xb = _mm512_set1_epi32(vb);
-          ai[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][0], lo0, xa), hi0, xb);
-          ai[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[m][1], lo1, xa), hi1, xb);
-        }
+        quad_pairs<MB>(ai, xq + u * U + o * 8, K, lo0, lo1, hi0, hi1);
       }
     }
 #pragma GCC unroll 8
@@ -236,6 +236,30 @@ constexpr int MAX_MB = 6;
 // which 255 * 127 * 2 would overflow, so 8-bit weights enter as q - 128 (|q - 128| times x signed as q - 128),
 // and the rows' 128 * sum_k xq is added back; 4-bit pairs stay below 15 * 127 * 4, 6-bit ones below 63 * 127 * 4.
 // Every way gives the same integers, so the same bits.
+//
+// ai [MB] += each row's two quads of k at xk + m K (8 bytes) times 8 outputs' unpacked weights of 4 or 6 bits,
+// a (the first quad) and b (the second).
+template <int MB>
+inline void quad_pairs(__m256i* ai, const int8_t* xk, int64_t K, __m256i a, __m256i b) {
+#if !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    int32_t va, vb;
+    memcpy(&va, xk + m * K, 4);
+    memcpy(&vb, xk + m * K + 4, 4);
+#if defined(__AVXVNNI__)
+    ai[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ai[m], a, _mm256_set1_epi32(va)), b,
+                                    _mm256_set1_epi32(vb));
+#else
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, _mm256_set1_epi32(va)),
+                                       _mm256_maddubs_epi16(b, _mm256_set1_epi32(vb)));
+    ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
+#endif
+  }
+}
+
 template <int BITS, int U, int MB>
 inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usum, const uint8_t* wb,
                       int32_t* dots) {
@@ -286,20 +310,7 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
         const __m256i a = _mm256_or_si256(_mm256_and_si256(hs[2 * o], top), _mm256_and_si256(v, low));
         const __m256i b = _mm256_or_si256(_mm256_and_si256(hs[2 * o + 1], top),
                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-#pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          int32_t va, vb;
-          memcpy(&va, xq + m * K + u * U + 8 * o, 4);
-          memcpy(&vb, xq + m * K + u * U + 8 * o + 4, 4);
-#if defined(__AVXVNNI__)
-          ai[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ai[m], a, _mm256_set1_epi32(va)), b,
-                                          _mm256_set1_epi32(vb));
-#else
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, _mm256_set1_epi32(va)),
-                                             _mm256_maddubs_epi16(b, _mm256_set1_epi32(vb)));
-          ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
-#endif
-        }
+        quad_pairs<MB>(ai, xq + u * U + 8 * o, K, a, b);
       }
     } else {
       const uint8_t* w = wb + u * 4 * STEP + 32 * g;
@@ -308,20 +319,7 @@ inline void unit_dots(const int8_t* xq, int64_t K, int64_t u, const int32_t* usu
       for (int o = 0; o < 4; ++o) {  // 8 k a step: byte b holds k = 8o + b (low nibble) and 8o + 4 + b (high)
         const __m256i v = _mm256_loadu_si256((const __m256i*)(w + o * STEP));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          int32_t va, vb;
-          memcpy(&va, xq + m * K + u * U + 8 * o, 4);
-          memcpy(&vb, xq + m * K + u * U + 8 * o + 4, 4);
-#if defined(__AVXVNNI__)
-          ai[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ai[m], lo, _mm256_set1_epi32(va)), hi,
-                                          _mm256_set1_epi32(vb));
-#else
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(va)),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vb)));
-          ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, ones));
-#endif
-        }
+        quad_pairs<MB>(ai, xq + u * U + 8 * o, K, lo, hi);
       }
     }
 #pragma GCC unroll 8
