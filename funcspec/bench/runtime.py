@@ -139,7 +139,7 @@ def child(model: str, spec: str | None, dtype: str, max_tokens: int, threads: in
 
 
 AR_REPS = 5
-"""Runs of funcspec's and HF's AR decode behind each median: one run of 64 tokens moved by 30 % on a shared VM."""
+"""Runs of funcspec's and HF's AR decode behind each median: one short run follows a shared VM's moment."""
 
 
 def ar_vs_bounds(eng, model: str, dtype: str, ids: list[int], batch1: dict, n: int = 64) -> dict:

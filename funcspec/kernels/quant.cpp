@@ -112,10 +112,11 @@ void funcspec_qlinear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* 
   dispatch<uint16_t>(x, q, s, o, bias, out, M, N, K, G, bits, threads);
 }
 
-void funcspec_set_quant_prefetch(int64_t bytes) { funcspec::quantized::prefetch_ahead() = bytes; }
-
 void funcspec_qlinear_f32(const float* x, const uint8_t* q, const uint16_t* s, const uint16_t* o, const float* bias,
                           float* out, int64_t M, int64_t N, int64_t K, int64_t G, int bits, int threads) {
   dispatch<float>(x, q, s, o, bias, out, M, N, K, G, bits, threads);
 }
+
+// How far ahead the quantized tiles prefetch their weights (quant.h's prefetch_ahead), for the whole library.
+void funcspec_set_quant_prefetch(int64_t bytes) { funcspec::quantized::prefetch_ahead() = bytes; }
 }

@@ -112,20 +112,15 @@ def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
             raise ValueError("synthetic_rates must be set for method 'synthetic'")
         cond = conditional_tensor(check_rates(cfg.synthetic_rates, k, "synthetic_rates"), vin.logits.device)
     if cfg.greedy:
+        # NOTE: every row greedy: the general rule's final token is the argmax there (its one-hot p leaves a
+        # residual at the argmax, or none, and then p itself).
         common.check_inputs(key, vin.logits, vin.proposal.tokens, vin.proposal.probs)
-        return _greedy(vin.proposal.tokens.long(), first_max(vin.logits), common.acceptance_uniforms(key, k) < cond)
+        drafts = vin.proposal.tokens.long()  # [B, K]
+        passed = common.acceptance_uniforms(key, k) < cond  # [B, K]
+        return common.accept_then_choose(drafts, passed & (drafts != common.PLACEHOLDER), first_max(vin.logits))
     inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, k)  # [B, K]
     return common.first_rejection(key, inp, inp.valid & (u < cond))
-
-
-def _greedy(drafts: torch.Tensor, choices: torch.Tensor, passed: torch.Tensor) -> common.Verdict:
-    """Every row greedy: accept drafts [B, K] while their draws ``passed`` [B, K] (and not ``PLACEHOLDER``), then
-    emit the target's argmax ``choices`` [B, K+1] there. That is the general rule's token: its one-hot ``p``
-    leaves a residual at the argmax, or none (then ``p`` itself)."""
-    num_accepted = common.num_leading(passed & (drafts != common.PLACEHOLDER))  # [B]
-    final = torch.gather(choices, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return common.along_chain(*common.emit(drafts, num_accepted, final))
 
 
 def conditional_tensor(rates: tuple[float, ...], device=None) -> torch.Tensor:
