@@ -249,13 +249,7 @@ def match(drafts: torch.Tensor, choices: torch.Tensor) -> Verdict:
     """Accept drafts [B, K] while they equal the target's own choices [B, K+1] (its argmax, or its keyed
     draws); emit the choice at the first mismatch, or the bonus choice K. ``PLACEHOLDER`` never matches."""
     drafts = drafts.long()
-    return accept_then_choose(drafts, drafts == choices[:, :-1], choices)
-
-
-def accept_then_choose(drafts: torch.Tensor, accept: torch.Tensor, choices: torch.Tensor) -> Verdict:
-    """Accept drafts [B, K] up to the first False in ``accept`` [B, K]; emit ``choices`` [B, K+1] at that
-    position (the target's token there: its argmax, or its keyed draw)."""
-    num_accepted = num_leading(accept)  # [B]
+    num_accepted = num_leading(drafts == choices[:, :-1])  # [B]
     final = torch.gather(choices, 1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
     return along_chain(*emit(drafts, num_accepted, final))
 

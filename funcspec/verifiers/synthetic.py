@@ -113,11 +113,14 @@ def verify(cfg, vin: common.VerifyInput) -> common.Verdict:
         cond = conditional_tensor(check_rates(cfg.synthetic_rates, k, "synthetic_rates"), vin.logits.device)
     if cfg.greedy:
         # NOTE: every row greedy: the general rule's final token is the argmax there (its one-hot p leaves a
-        # residual at the argmax, or none, and then p itself).
+        # residual at the argmax, or none, and then p itself); only that row's argmax is taken.
         common.check_inputs(key, vin.logits, vin.proposal.tokens, vin.proposal.probs)
         drafts = vin.proposal.tokens.long()  # [B, K]
         passed = common.acceptance_uniforms(key, k) < cond  # [B, K]
-        return common.accept_then_choose(drafts, passed & (drafts != common.PLACEHOLDER), first_max(vin.logits))
+        num_accepted = common.num_leading(passed & (drafts != common.PLACEHOLDER))  # [B]
+        rows = torch.arange(drafts.shape[0], device=drafts.device)  # [B]
+        final = first_max(vin.logits[rows, num_accepted])  # [B]
+        return common.along_chain(*common.emit(drafts, num_accepted, final))
     inp = common.prepare(vin.logits, vin.proposal, vin.sampling, key, cfg.filters)
     u = common.acceptance_uniforms(key, k)  # [B, K]
     return common.first_rejection(key, inp, inp.valid & (u < cond))
