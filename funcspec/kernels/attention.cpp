@@ -5,8 +5,8 @@
 //
 // A decode or verify step has 1-65 query tokens and reads 128-4096+ cached
 // positions, so it should cost what streaming K and V once costs; SDPA's CPU
-// flash kernel spends several times that at these shapes. This reads K and V in place
-// (any slot / head / token strides, each row of D contiguous), skips positions
+// flash kernel spends several times that at these shapes. This reads q, K and V in place
+// (any batch / head / token strides, each row of D contiguous), skips positions
 // a query cannot see, and runs the query heads of one KV head together (RG at
 // a time), so each K and V row is loaded once for them. Scores, softmax and the
 // sums are fp32; on the avx512bf16 build, bf16 multiplies raw pairs with vdpbf16ps (q . k exactly per
@@ -51,13 +51,13 @@ inline float* scratch_floats(size_t n) {
   return buf.data();
 }
 
-// q, out [B, T, H, D] contiguous; k, v [B, H_kv, TR, D] at strides (sb, sh, st) with D contiguous;
-// vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time:
+// q [B, T, H, D] at strides qst (b, t, h) and k, v [B, H_kv, TR, D] at strides kst, vst (b, KV head, token),
+// each with D contiguous; out [B, T, H, D] contiguous, vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time:
 // rows(q rows, R, K, V, visible row, out rows, scratch) with one scratch per thread, made by make().
 template <int RG, class T, class Make, class Rows>
 void for_head_groups(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq,
-                     int64_t H, int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3],
-                     int threads, Make make, Rows rows) {
+                     int64_t H, int64_t HKV, int64_t D, int64_t TR, const int64_t qst[3], const int64_t kst[3],
+                     const int64_t vst[3], int threads, Make make, Rows rows) {
   const int64_t G = H / HKV;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -73,9 +73,9 @@ void for_head_groups(const T* q, const T* k, const T* v, const uint8_t* vis, T* 
           const T* qs[RG];
           T* os[RG];
           for (int r = 0; r < R; ++r) {
-            const int64_t i = (b * Tq + t) * H + hk * G + g0 + r;
-            qs[r] = q + i * D;
-            os[r] = out + i * D;
+            const int64_t h = hk * G + g0 + r;
+            qs[r] = q + b * qst[0] + t * qst[1] + h * qst[2];
+            os[r] = out + ((b * Tq + t) * H + h) * D;
           }
           rows(qs, R, kb, vb, vis + (b * Tq + t) * TR, os, scratch);
         }
@@ -318,11 +318,11 @@ RowsFn<T> rows_for(int64_t chunks, std::integer_sequence<int, CH...>) {
 // The kernel for D's chunk count, over for_head_groups.
 template <class T>
 void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
-            int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
-            int threads) {
+            int64_t HKV, int64_t D, int64_t TR, const int64_t qst[3], const int64_t kst[3], const int64_t vst[3],
+            float scale, int threads) {
   const RowsFn<T> rows = rows_for<T>((D + 15) / 16, std::make_integer_sequence<int, MAX_CHUNKS>{});
   for_head_groups<RG>(
-      q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
+      q, k, v, vis, out, B, Tq, H, HKV, D, TR, qst, kst, vst, threads,
       [&] { return scratch_floats(RG * (TR + 16)); },  // interleaved scores, padded to whole 16-key steps
       [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os, float* s) {
         rows(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, s);
@@ -399,15 +399,15 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
 // attend_rows over for_head_groups, each thread with its fp32 buffers.
 template <class T>
 void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq, int64_t H,
-            int64_t HKV, int64_t D, int64_t TR, const int64_t kst[3], const int64_t vst[3], float scale,
-            int threads) {
+            int64_t HKV, int64_t D, int64_t TR, const int64_t qst[3], const int64_t kst[3], const int64_t vst[3],
+            float scale, int threads) {
   const int64_t DP = (D + W - 1) / W * W;
   struct Scratch {
     std::vector<float> qf, row, acc;
     float* s;
   };
   for_head_groups<RG>(
-      q, k, v, vis, out, B, Tq, H, HKV, D, TR, kst, vst, threads,
+      q, k, v, vis, out, B, Tq, H, HKV, D, TR, qst, kst, vst, threads,
       [&] {
         return Scratch{std::vector<float>(RG * DP, 0.0f), std::vector<float>(DP, 0.0f),
                        std::vector<float>(RG * DP), scratch_floats(RG * (TR + W))};
@@ -424,18 +424,20 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
 
 extern "C" {
 
-// k (and v) at element strides ksb, ksh, kst (batch, KV head, token).
+// k (and v) at element strides ksb, ksh, kst (batch, KV head, token); q at qsb, qst, qsh (batch, token, head).
 void funcspec_attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* vis, uint16_t* out,
                           int64_t B, int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t TR, int64_t ksb,
-                          int64_t ksh, int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, float scale, int threads) {
-  const int64_t ks[3] = {ksb, ksh, kst}, vs[3] = {vsb, vsh, vst};
-  attend<uint16_t>(q, k, v, vis, out, B, T, H, HKV, D, TR, ks, vs, scale, threads);
+                          int64_t ksh, int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t qsb, int64_t qst,
+                          int64_t qsh, float scale, int threads) {
+  const int64_t qs[3] = {qsb, qst, qsh}, ks[3] = {ksb, ksh, kst}, vs[3] = {vsb, vsh, vst};
+  attend<uint16_t>(q, k, v, vis, out, B, T, H, HKV, D, TR, qs, ks, vs, scale, threads);
 }
 
 void funcspec_attend_f32(const float* q, const float* k, const float* v, const uint8_t* vis, float* out, int64_t B,
                          int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t TR, int64_t ksb, int64_t ksh,
-                         int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, float scale, int threads) {
-  const int64_t ks[3] = {ksb, ksh, kst}, vs[3] = {vsb, vsh, vst};
-  attend<float>(q, k, v, vis, out, B, T, H, HKV, D, TR, ks, vs, scale, threads);
+                         int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t qsb, int64_t qst, int64_t qsh,
+                         float scale, int threads) {
+  const int64_t qs[3] = {qsb, qst, qsh}, ks[3] = {ksb, ksh, kst}, vs[3] = {vsb, vsh, vst};
+  attend<float>(q, k, v, vis, out, B, T, H, HKV, D, TR, qs, ks, vs, scale, threads);
 }
 }

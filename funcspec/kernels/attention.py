@@ -5,7 +5,7 @@ A decode or verify step has 1-65 query tokens and reads the live cache once per
 layer, so it should cost about what streaming K and V costs; SDPA's CPU flash
 kernel spends several times that at these shapes (graphs/results/notes/kernels.md).
 
-:file:`attention.cpp` reads K and V in place (the cache views' strides),
+:file:`attention.cpp` reads q, K and V in place (q a view of the fused q/k/v product, K and V the cache),
 skips the positions a query cannot see, and runs the G query heads of a KV head
 together, so each K and V row is loaded once for all of them. Scores, softmax
 and sums are fp32; on the avx512bf16 build bf16 multiplies raw bf16 pairs

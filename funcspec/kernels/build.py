@@ -97,8 +97,8 @@ a hung compiler must not hang the engine that asked for them."""
 _SIGNATURES = {
     "funcspec_linear_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
     "funcspec_linear_f32": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
-    "funcspec_attend_bf16": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int],
-    "funcspec_attend_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int],
+    "funcspec_attend_bf16": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 15 + [ctypes.c_float, ctypes.c_int],
+    "funcspec_attend_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 15 + [ctypes.c_float, ctypes.c_int],
     "funcspec_qlinear_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
     "funcspec_qlinear_f32": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2,
     "funcspec_experts_bf16": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],

@@ -26,8 +26,8 @@ using LinearFn = void (*)(const void*, const void*, const void*, void*, int64_t,
 using QlinearFn = void (*)(const void*, const void*, const void*, const void*, const void*, void*, int64_t,
                            int64_t, int64_t, int64_t, int, int);
 using AttendFn = void (*)(const void*, const void*, const void*, const void*, void*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                          int);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, int);
 
 struct Kernels {
   LinearFn linear[2] = {nullptr, nullptr};
@@ -179,15 +179,17 @@ at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& keys_, const
   TORCH_CHECK_VALUE(visible_.scalar_type() == at::kBool && visible_.sizes() == at::IntArrayRef({b, t, tr}),
                     "decode_attention: visible must be bool [", b, ", ", t, ", ", tr, "], got ",
                     dtype_name(visible_.scalar_type()), " ", visible_.sizes());
-  const at::Tensor q = q_.contiguous(), visible = visible_.contiguous();
-  // K and V are read in place at their (slot, head, token) strides; only a row of D must be contiguous
+  const at::Tensor visible = visible_.contiguous();
+  // q, K and V are read in place at their strides (q: a view of the fused q/k/v product; K, V: the cache's slot,
+  // head and token); only a row of D must be contiguous
+  const at::Tensor q = q_.stride(3) == 1 ? q_ : q_.contiguous();
   const at::Tensor keys = keys_.stride(3) == 1 ? keys_ : keys_.contiguous();
   const at::Tensor vals = vals_.stride(3) == 1 ? vals_ : vals_.contiguous();
   at::Tensor out = at::empty({b, t, h * d}, q.options());  // [B, T, H·D]
   const float scale = (float)std::pow((double)d, -0.5);
   kernel(bound.attend[which(q)])(q.data_ptr(), keys.data_ptr(), vals.data_ptr(), visible.data_ptr(), out.data_ptr(),
                                  b, t, h, hkv, d, tr, keys.stride(0), keys.stride(1), keys.stride(2), vals.stride(0),
-                                 vals.stride(1), vals.stride(2), scale,
+                                 vals.stride(1), vals.stride(2), q.stride(0), q.stride(1), q.stride(2), scale,
                                  threads(b * t * h * tr * d < SERIAL_ATTEND_MACS));
   return out;
 }

@@ -302,7 +302,8 @@ def test_avxvnni_and_avx2_builds_give_the_same_bits(monkeypatch, two_threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention(kernel_build, dtype, two_threads):
     """Head sizes 1..256 (6 query heads over 2 KV heads: groups of 3), 1..80 query tokens over a cache read as
-    a view of its slots: within ATTEND_TOL of float64, each token with the bits it has alone."""
+    a view of its slots: within ATTEND_TOL of float64, each token with the bits it has alone, and q read in place
+    as a view of a fused q/k/v product."""
     g = torch.Generator().manual_seed(5)
     t, tr = 85, 120
     pos = 30 + torch.arange(t)  # causal over a verify block: token i sees 31 + i positions
@@ -320,6 +321,11 @@ def test_decode_attention(kernel_build, dtype, two_threads):
                                    msg=lambda m, d=d: f"head size {d}: {m}")
         for r, s, got in counts:
             assert torch.equal(got.transpose(0, 1), alone[:, s:s + r]), f"head size {d}, {r} tokens"
+        # q as the fused q/k/v product's view, read in place: the bits of its contiguous copy
+        fused = torch.cat([q, torch.randn(1, t, 4, d, generator=g).to(dtype)], dim=2)  # [1, T, 6 + 2 + 2, D]
+        view = fused[:, :, :6]
+        assert not view.is_contiguous()
+        assert torch.equal(attention.decode_attention(view, keys, vals, visible), alone), f"head size {d}"
 
 
 def expert_layer(e: int, h: int, i: int, dtype, g) -> dict:
