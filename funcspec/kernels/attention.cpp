@@ -176,6 +176,7 @@ inline __mmask16 lanes4(unsigned bits) {
 template <class T, int CH>
 void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t* vis, T* const* out, int64_t D,
                  int64_t TR, int64_t ks, int64_t vs, float scale, float* s) {
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(s + RG * (TR + 16));  // [TR/2 + 8][RG] bf16 pairs of p
   using D_ = Dot<T>;
   constexpr int QC = (CH * 16 + D_::W - 1) / D_::W;
   typename D_::M qm[QC];
@@ -224,6 +225,8 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
                          _mm_max_ps(_mm512_extractf32x4_ps(mx, 2), _mm512_extractf32x4_ps(mx, 3)));
   const __m512 mv = _mm512_broadcast_f32x4(m4);
   __m512 sum = _mm512_setzero_ps();
+  const __m256i PAIR_ORDER = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                              0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   for (int64_t j = lo16; j < hi; j += 16) {  // p = 0 written up to the step past hi: the pairs below read it
     const __mmask16 keys = Dot<float>::mask(TR - j);
     const unsigned bits = _mm_mask_test_epi8_mask(keys, _mm_maskz_loadu_epi8(keys, vis + j), _mm_set1_epi8(1));
@@ -233,6 +236,11 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
       const __m512 p = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sj), mv)));
       _mm512_storeu_ps(sj, p);
       sum = _mm512_add_ps(sum, p);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        // p in bf16, as the pairs the weighted sum of V multiplies: keys (j', j' + 1) of each row in turn
+        const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(p);  // keys j'..j'+3, rows 0-3 interleaved
+        _mm256_storeu_si256((__m256i*)(pairs + 2 * (j + 4 * i)), _mm256_shuffle_epi8(p16, PAIR_ORDER));
+      }
     }
   }
   alignas(16) float inv[4];
@@ -247,14 +255,10 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
     const bool two = c0 + 1 < CH;
     if constexpr (std::is_same_v<T, uint16_t>) {
       // NOTE: bf16 takes the keys in pairs through vdpbf16ps: (v_j[d], v_j+1[d]) . (p_j, p_j+1) with
-      // p rounded to bf16 (as SDPA's bf16 kernels do), half the instructions of converting v to fp32.
-      alignas(64) static const uint16_t LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-      alignas(64) static const uint16_t HI[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-      const __m512i lo_idx = _mm512_load_si512(LO), hi_idx = _mm512_load_si512(HI);
+      // p rounded to bf16 (as SDPA's bf16 kernels do), half the instructions of converting v to fp32. The
+      // pairs come from unpacklo/hi, which pair within 128-bit lanes: a and b each hold half of both chunks'
+      // d (put in order below), so both run whether or not a second chunk exists.
       const __mmask32 dm = Dot<uint16_t>::mask(D - 16 * c0);
-      alignas(16) uint32_t pairs[4];
       for (int64_t j = lo16; j < hi; j += 2) {
         const bool see0 = vis[j], see1 = j + 1 < TR && vis[j + 1];
         if (!see0 && !see1) continue;
@@ -262,19 +266,14 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
         const uint16_t* vj = v + j * vs + 16 * c0;
         const __m512i x0 = _mm512_maskz_loadu_epi16(see0 ? dm : 0, vj);
         const __m512i x1 = _mm512_maskz_loadu_epi16(see1 ? dm : 0, vj + vs);
-        const __m512i lo = _mm512_permutex2var_epi16(x0, lo_idx, x1), hi = _mm512_permutex2var_epi16(x0, hi_idx, x1);
-        // s[4j .. 4j+8): rows 0-3 at j, then at j+1 -> the bf16 pairs (p_r,j, p_r,j+1) of each row
-        const __m128i p8 = (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(s + 4 * j));
-        _mm_store_si128((__m128i*)pairs, _mm_shuffle_epi8(p8, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
-                                                                          6, 7, 14, 15)));
-        const __m512bh q0 = (__m512bh)_mm512_set1_epi32(pairs[0]), q1 = (__m512bh)_mm512_set1_epi32(pairs[1]);
-        const __m512bh q2 = (__m512bh)_mm512_set1_epi32(pairs[2]), q3 = (__m512bh)_mm512_set1_epi32(pairs[3]);
+        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+        const uint32_t* pj = pairs + 2 * j;  // (p_r,j, p_r,j+1) in bf16, rows 0-3
+        const __m512bh q0 = (__m512bh)_mm512_set1_epi32(pj[0]), q1 = (__m512bh)_mm512_set1_epi32(pj[1]);
+        const __m512bh q2 = (__m512bh)_mm512_set1_epi32(pj[2]), q3 = (__m512bh)_mm512_set1_epi32(pj[3]);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)lo, q0), a1 = _mm512_dpbf16_ps(a1, (__m512bh)lo, q1);
         a2 = _mm512_dpbf16_ps(a2, (__m512bh)lo, q2), a3 = _mm512_dpbf16_ps(a3, (__m512bh)lo, q3);
-        if (two) {
-          b0 = _mm512_dpbf16_ps(b0, (__m512bh)hi, q0), b1 = _mm512_dpbf16_ps(b1, (__m512bh)hi, q1);
-          b2 = _mm512_dpbf16_ps(b2, (__m512bh)hi, q2), b3 = _mm512_dpbf16_ps(b3, (__m512bh)hi, q3);
-        }
+        b0 = _mm512_dpbf16_ps(b0, (__m512bh)hi, q0), b1 = _mm512_dpbf16_ps(b1, (__m512bh)hi, q1);
+        b2 = _mm512_dpbf16_ps(b2, (__m512bh)hi, q2), b3 = _mm512_dpbf16_ps(b3, (__m512bh)hi, q3);
       }
     } else {
       for (int64_t j = lo; j < hi; ++j) {
@@ -292,6 +291,16 @@ void attend_rows(const T* const* q, int R, const T* k, const T* v, const uint8_t
           b2 = _mm512_fmadd_ps(p2, y, b2), b3 = _mm512_fmadd_ps(p3, y, b3);
         }
       }
+    }
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      // unpacklo/hi paired d in 128-bit lanes: a holds d 0-3, 8-11, 16-19, 24-27 and b the rest -> in order
+      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      __m512 t;
+      t = a0, a0 = _mm512_permutex2var_ps(t, first, b0), b0 = _mm512_permutex2var_ps(t, second, b0);
+      t = a1, a1 = _mm512_permutex2var_ps(t, first, b1), b1 = _mm512_permutex2var_ps(t, second, b1);
+      t = a2, a2 = _mm512_permutex2var_ps(t, first, b2), b2 = _mm512_permutex2var_ps(t, second, b2);
+      t = a3, a3 = _mm512_permutex2var_ps(t, first, b3), b3 = _mm512_permutex2var_ps(t, second, b3);
     }
     res[0][c0] = _mm512_mul_ps(a0, _mm512_set1_ps(inv[0])), res[1][c0] = _mm512_mul_ps(a1, _mm512_set1_ps(inv[1]));
     res[2][c0] = _mm512_mul_ps(a2, _mm512_set1_ps(inv[2])), res[3][c0] = _mm512_mul_ps(a3, _mm512_set1_ps(inv[3]));
@@ -323,7 +332,8 @@ void attend(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int6
   const RowsFn<T> rows = rows_for<T>((D + 15) / 16, std::make_integer_sequence<int, MAX_CHUNKS>{});
   for_head_groups<RG>(
       q, k, v, vis, out, B, Tq, H, HKV, D, TR, qst, kst, vst, threads,
-      [&] { return scratch_floats(RG * (TR + 16)); },  // interleaved scores, padded to whole 16-key steps
+      // interleaved scores, padded to whole 16-key steps (bf16: and p's bf16 pairs after them)
+      [&] { return scratch_floats((std::is_same_v<T, uint16_t> ? RG + 2 : RG) * (TR + 16)); },
       [&](const T* const* qs, int R, const T* kb, const T* vb, const uint8_t* vr, T* const* os, float* s) {
         rows(qs, R, kb, vb, vr, os, D, TR, kst[2], vst[2], scale, s);
       });
