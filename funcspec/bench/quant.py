@@ -12,7 +12,8 @@ checkpoints written in published layouts (``gptq-int4``, ``gptq-int8``, ``awq-in
   ratios): on a GGUF format the same file, on a published format llama.cpp's file of its bits (Q4_0, Q8_0);
 - speculation with synthetic acceptance alpha^(i+1) at K: the free ``echo`` drafter, and random EAGLE-3 and
   DFlash heads of the target's own shape (bf16, and the EAGLE-3 head quantized like the target:
-  :func:`head_scheme`), so the drafter's cost is real; each against funcspec AR and llama.cpp's AR;
+  :func:`head_scheme`), so the drafter's cost is real; each against funcspec AR, and against llama.cpp's AR
+  paired as funcspec AR is;
 - batch ``B`` over batch 1 tokens/s, paired.
 
 Quality (:func:`quality`): held-out cross-entropy (nats/token, teacher-forced) and greedy agreement with the
@@ -178,9 +179,8 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
         "ms_per_token": ar["ms_per_token"], "step_ms": timing.step_ms(ar, 1, 0), "recompiles": ar["recompiles"],
         "bound_ms": nbytes / (bound_gbps * 1e9) * 1e3 if bound_gbps else None}
     row["pct_of_bound"] = 100 * row["bound_ms"] / row["ms_per_token"] if row["bound_ms"] else None
-    lc = None
-    if gguf_path is not None and _has_llamacpp():
-        lc = timing.llamacpp_session(gguf_path, ctx["prompt"], n, torch.get_num_threads(), f32_kv=False)
+    lc = _llamacpp(gguf_path, ctx)
+    if lc is not None:
         theirs = timing.llamacpp_greedy(lc, reps)
         row["llamacpp_ms_per_token"], row["llamacpp_repacked"] = theirs["ms_per_token"], lc.repacked
         row["paired"] = timing.paired_ratios(timing.decode_ms(ar_eng, [ctx["prompt"]], n), lambda: lc()[2],
@@ -203,12 +203,15 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
         eng = _engine(model, q, backend, 1, ctx["max_len"], spec)
         r = timing.timed_generate(eng, [ctx["prompt"]], n, reps)
         step = timing.step_ms(r, 1, k)
+        # NOTE: llama.cpp's AR time moved by half from run to run here; a figure taken minutes apart is not a ratio
+        vs_lc = timing.paired_ratios(timing.decode_ms(eng, [ctx["prompt"]], n), lambda: lc()[2],
+                                     max(reps, 3)) if lc else None
         row["speculation"][name] = {
             "alpha": alpha, "k": k, "head_quantization": spec.get("quantization"), "tau": r["tau"],
             "ms_per_token": r["ms_per_token_pooled"],
             "speedup_vs_ar": ar["ms_per_token"] / r["ms_per_token_pooled"], "step_ms": step,
             "step_cost_vs_ar": step / row["step_ms"] if step and row["step_ms"] else None,
-            "vs_llamacpp_ar": theirs["ms_per_token"] / r["ms_per_token_pooled"] if lc else None,
+            "vs_llamacpp_ar": 1 / vs_lc["ratio"] if vs_lc else None, "llamacpp_paired": vs_lc,
             "recompiles": r["recompiles"]}
         del eng
     if "batch" in o["quant_parts"]:
@@ -221,6 +224,16 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
                                 max(reps, 3))
         row["batch"] = {"batch": top, "tokens_per_s_ratio": top * p["ratio"], **p}
     return row
+
+
+def _llamacpp(gguf_path: Path | None, ctx: dict):
+    """llama.cpp's greedy session (``timing.llamacpp_session``) on a format's file, or ``None`` where the format
+    has none or llama.cpp is not installed."""
+    from funcspec.bench import timing
+
+    if gguf_path is None or not _has_llamacpp():
+        return None
+    return timing.llamacpp_session(gguf_path, ctx["prompt"], ctx["n"], torch.get_num_threads(), f32_kv=False)
 
 
 def _has_llamacpp() -> bool:

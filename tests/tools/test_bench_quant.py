@@ -54,6 +54,32 @@ def test_quant_phase_rows_per_format(result):
     assert "## Quantized formats (eager, batch 1)" in md and "| q4_0 |" in md and "EAGLE-3 (quantized) K=2" in md
 
 
+def test_speculation_pairs_with_llamacpps_ar_in_alternating_runs(tmp_path, monkeypatch):
+    """Each speculation's ratio to llama.cpp's AR is the median of alternating pairs, as funcspec AR's is: a
+    llama.cpp session (here a stand-in of 5 ms/token) runs between funcspec's decodes."""
+    calls = []
+
+    def session(gguf_path, ctx):
+        def gen():
+            calls.append(gguf_path.name)
+            return list(range(ctx["n"])), 0.01, 5.0
+        gen.repacked = False
+        return gen
+
+    monkeypatch.setattr(quant, "_has_llamacpp", lambda: False)  # GGUF files from gguf, not llama.cpp's quantizer
+    monkeypatch.setattr(quant, "_llamacpp", lambda path, ctx: None if path is None else session(path, ctx))
+    res = scale.run(cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "out"),
+                    **{**TINY, "phases": "quant", "quantization": "q8_0", "quant_parts": "heads"})
+    (row,) = res["quant"]["rows"]
+    assert row["llamacpp_ms_per_token"] == 5.0 and row["paired"]["theirs_ms"] == [5.0] * 3
+    for name, s in row["speculation"].items():
+        pairs = s["llamacpp_paired"]
+        assert pairs["rounds"] == 3 and pairs["theirs_ms"] == [5.0] * 3 and len(pairs["ours_ms"]) == 3, name
+        assert s["vs_llamacpp_ar"] == pytest.approx(5.0 / sorted(pairs["ours_ms"])[1]), name
+    # a warm-up and 2 timed runs for the AR column, its 3 pairs, then 3 pairs per head
+    assert calls == ["model-q8_0.gguf"] * (3 + 3 + 3 * len(row["speculation"]))
+
+
 def test_gguf_formats_without_llamacpp(tmp_path, monkeypatch):
     monkeypatch.setattr(quant, "_has_llamacpp", lambda: False)
     with pytest.raises(ValueError, match="'q4_k_m' is made by llama.cpp's quantizer"):
