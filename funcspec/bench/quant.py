@@ -203,7 +203,7 @@ def format_row(ctx: dict, fmt: str, o: dict, bound_gbps) -> dict:
         eng = _engine(model, q, backend, 1, ctx["max_len"], spec)
         r = timing.timed_generate(eng, [ctx["prompt"]], n, reps)
         step = timing.step_ms(r, 1, k)
-        # NOTE: llama.cpp's AR time moved by half from run to run here; a figure taken minutes apart is not a ratio
+        # NOTE: llama.cpp's AR time drifts from run to run on a shared VM: a figure taken minutes apart is no ratio
         vs_lc = timing.paired_ratios(timing.decode_ms(eng, [ctx["prompt"]], n), lambda: lc()[2],
                                      max(reps, 3)) if lc else None
         row["speculation"][name] = {

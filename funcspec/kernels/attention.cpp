@@ -52,8 +52,9 @@ inline float* scratch_floats(size_t n) {
 }
 
 // q [B, T, H, D] at strides qst (b, t, h) and k, v [B, H_kv, TR, D] at strides kst, vst (b, KV head, token),
-// each with D contiguous; out [B, T, H, D] contiguous, vis [B, T, TR]. Threads take (b, KV head) pairs; each runs its G query heads at each token, RG at a time:
-// rows(q rows, R, K, V, visible row, out rows, scratch) with one scratch per thread, made by make().
+// each with D contiguous; out [B, T, H, D] contiguous, vis [B, T, TR]. Threads take (b, KV head) pairs; each
+// runs its G query heads at each token, RG at a time: rows(q rows, R, K, V, visible row, out rows, scratch)
+// with one scratch per thread, made by make().
 template <int RG, class T, class Make, class Rows>
 void for_head_groups(const T* q, const T* k, const T* v, const uint8_t* vis, T* out, int64_t B, int64_t Tq,
                      int64_t H, int64_t HKV, int64_t D, int64_t TR, const int64_t qst[3], const int64_t kst[3],
